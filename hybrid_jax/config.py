@@ -1,0 +1,463 @@
+"""Model configuration: one frozen, self-validating dataclass for the whole hybrid family.
+
+Dimension letters used across the project (shape comments and einsum strings):
+B batch, T query time, S key time, D model, F ffn, N query heads, K key dim (or kv heads), H head dim,
+V value dim, E experts, C chunk, L latent (kv_lora_rank), R rope dims, P pages, G page size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+LAYER_TYPES = ("linear", "full", "sparse")
+MLP_TYPES = ("dense", "moe")
+SCORING_FUNCS = ("sigmoid", "softmax")
+
+
+def _fail(field: str, value: Any, why: str) -> None:
+    raise ValueError(f"HybridConfig.{field}={value!r}: {why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (DeepSeek-V3 style), ARCH_SPEC §3.2."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def __post_init__(self):
+        if not self.factor >= 1.0:
+            raise ValueError(f"YarnScaling.factor={self.factor!r}: must be >= 1")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                f"YarnScaling.original_max_position_embeddings={self.original_max_position_embeddings!r}: "
+                "must be positive"
+            )
+        if not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(
+                f"YarnScaling beta_fast={self.beta_fast!r}, beta_slow={self.beta_slow!r}: "
+                "need beta_fast > beta_slow > 0"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+    """Architecture of a hybrid KDA / (sparse) MLA / AttnRes / MoE decoder.
+
+    `layer_types[i]` is `linear` (KDA), `full` (dense MLA) or `sparse` (MLA over the lightning indexer's
+    Top-K); `mlp_types[i]` is `dense` (SwiGLU) or `moe`. Layer lists are 0-based (HF config files are
+    1-based; the checkpoint loader converts).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    mlp_types: tuple[str, ...]
+    # KDA / Gated DeltaNet (ARCH_SPEC §1)
+    kda_num_heads: int = 0
+    kda_head_dim: int = 0
+    kda_conv_size: int = 4
+    kda_decay_rank: int | None = None  # rank of the low-rank forget gate (f_a/f_b); None = full rank f_proj
+    kda_output_gate_rank: int | None = None  # rank of g_a/g_b; None = full rank g_proj
+    kda_scalar_decay: bool = False  # True = Gated DeltaNet: one decay per head instead of per channel
+    kda_gate_lower_bound: float | None = None  # "safe gate" g = lb * sigmoid(exp(A_log) * (f + dt_bias))
+    kda_chunk_size: int = 64
+    # MLA (ARCH_SPEC §3)
+    num_heads: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_use_rope: bool = True  # False = NoPE (Kimi-Linear): the shared 64-d key part is not rotated
+    mla_rope_interleave: bool = True  # DeepSeek rotates adjacent pairs (2i, 2i+1)
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None
+    mla_output_gate: bool = False  # o = o * sigmoid(W_og x) before o_proj (Kimi K3 gated MLA)
+    mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm use the module default, not rms_norm_eps
+    # Lightning indexer (ARCH_SPEC §4)
+    index_num_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_dim: int = 0  # rotary dims at the *front* of each indexer head (half-split pairing)
+    index_topk: int = 0
+    index_norm_eps: float = 1e-6
+    # MoE (ARCH_SPEC §6)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "sigmoid"
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    moe_intermediate_size: int = 0
+    intermediate_size: int = 0  # dense SwiGLU layers
+    # Block Attention Residuals (ARCH_SPEC §5.3): decoder layers per block; None = plain residuals
+    attn_res_block_size: int | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    page_size: int = 64  # tokens per page of the paged MLA / indexer caches
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        for name in ("layer_types", "mlp_types"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, Sequence):
+                _fail(name, value, "must be a sequence of strings")
+            object.__setattr__(self, name, tuple(value))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", YarnScaling(**self.rope_scaling))
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "page_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                _fail(name, getattr(self, name), "must be positive")
+        if len(self.layer_types) != self.num_layers:
+            _fail("layer_types", self.layer_types, f"has {len(self.layer_types)} entries, num_layers={self.num_layers}")
+        if len(self.mlp_types) != self.num_layers:
+            _fail("mlp_types", self.mlp_types, f"has {len(self.mlp_types)} entries, num_layers={self.num_layers}")
+        for i, t in enumerate(self.layer_types):
+            if t not in LAYER_TYPES:
+                _fail(f"layer_types[{i}]", t, f"must be one of {LAYER_TYPES}")
+        for i, t in enumerate(self.mlp_types):
+            if t not in MLP_TYPES:
+                _fail(f"mlp_types[{i}]", t, f"must be one of {MLP_TYPES}")
+
+        if "linear" in self.layer_types:
+            for name in ("kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_chunk_size"):
+                if getattr(self, name) <= 0:
+                    _fail(name, getattr(self, name), "must be positive when the model has linear (KDA) layers")
+            for name in ("kda_decay_rank", "kda_output_gate_rank"):
+                rank = getattr(self, name)
+                if rank is not None and rank <= 0:
+                    _fail(name, rank, "must be positive or None (full rank)")
+            if self.kda_scalar_decay and self.kda_decay_rank is not None:
+                _fail(
+                    "kda_decay_rank",
+                    self.kda_decay_rank,
+                    "the scalar-decay (Gated DeltaNet) gate is full rank; use None",
+                )
+            lb = self.kda_gate_lower_bound
+            if lb is not None and not (-5.0 <= lb < 0.0):
+                _fail("kda_gate_lower_bound", lb, "must lie in [-5, 0)")
+
+        if any(t in ("full", "sparse") for t in self.layer_types):
+            for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    _fail(name, getattr(self, name), "must be positive when the model has MLA layers")
+            if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
+                _fail("qk_rope_head_dim", self.qk_rope_head_dim, "must be a non-negative even number")
+            if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+                _fail("q_lora_rank", self.q_lora_rank, "must be positive or None (no query LoRA)")
+            if self.rope_scaling is not None and not self.mla_use_rope:
+                _fail("rope_scaling", self.rope_scaling, "is set but mla_use_rope=False (NoPE)")
+
+        if "sparse" in self.layer_types:
+            for name in ("index_num_heads", "index_head_dim", "index_topk"):
+                if getattr(self, name) <= 0:
+                    _fail(name, getattr(self, name), "must be positive when the model has sparse layers")
+            if self.index_rope_dim < 0 or self.index_rope_dim % 2 or self.index_rope_dim > self.index_head_dim:
+                _fail(
+                    "index_rope_dim",
+                    self.index_rope_dim,
+                    f"must be even and in [0, index_head_dim={self.index_head_dim}]",
+                )
+
+        if "moe" in self.mlp_types:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                if getattr(self, name) <= 0:
+                    _fail(name, getattr(self, name), "must be positive when the model has MoE layers")
+            if self.num_experts_per_tok > self.num_experts:
+                _fail("num_experts_per_tok", self.num_experts_per_tok, f"exceeds num_experts={self.num_experts}")
+            if self.num_shared_experts < 0:
+                _fail("num_shared_experts", self.num_shared_experts, "must be >= 0")
+            if self.n_group <= 0 or self.num_experts % self.n_group:
+                _fail("n_group", self.n_group, f"must divide num_experts={self.num_experts}")
+            if not 0 < self.topk_group <= self.n_group:
+                _fail("topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
+            per_group = self.num_experts // self.n_group
+            if self.n_group > 1 and per_group < 2:
+                _fail(
+                    "n_group",
+                    self.n_group,
+                    "grouped routing scores each group by its top-2 experts; need >= 2 per group",
+                )
+            if self.topk_group * per_group < self.num_experts_per_tok:
+                _fail(
+                    "num_experts_per_tok",
+                    self.num_experts_per_tok,
+                    f"more than the {self.topk_group * per_group} experts in the kept groups",
+                )
+            if self.scoring_func not in SCORING_FUNCS:
+                _fail("scoring_func", self.scoring_func, f"must be one of {SCORING_FUNCS}")
+        if "dense" in self.mlp_types and self.intermediate_size <= 0:
+            _fail("intermediate_size", self.intermediate_size, "must be positive when the model has dense MLP layers")
+
+        if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
+            _fail("attn_res_block_size", self.attn_res_block_size, "must be positive or None (AttnRes off)")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            tok = getattr(self, name)
+            if tok is not None and not 0 <= tok < self.vocab_size:
+                _fail(name, tok, f"outside the vocabulary [0, {self.vocab_size})")
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kda_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached MLA token: compressed latent + shared rope key (576 for DeepSeek)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA logit scale: qk_head_dim^-1/2, times YaRN mscale^2 when scaling is on (ARCH_SPEC §3.2)."""
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_mscale(rs.factor, rs.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    @property
+    def layer_pattern(self) -> str:
+        """One letter per layer: L linear, F full, S sparse (upper case = MoE FFN)."""
+        letters = {"linear": "l", "full": "f", "sparse": "s"}
+        return "".join(
+            letters[t].upper() if m == "moe" else letters[t]
+            for t, m in zip(self.layer_types, self.mlp_types, strict=True)
+        )
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["mlp_types"] = list(self.mlp_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"HybridConfig: unknown field(s) {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> HybridConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def replace(self, **changes: Any) -> HybridConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def tiny(cls) -> HybridConfig:
+        """Every feature present, small enough to run on a CPU in seconds.
+
+        Layers: KDA, KDA, sparse MLA, full MLA, KDA, sparse MLA; layer 0 dense MLP, the rest MoE with grouped
+        routing; q-LoRA, YaRN RoPE, MLA output gate, indexer RoPE and Block AttnRes (2 layers per block).
+        Vocabulary: 256 bytes + BOS/EOS/PAD of the byte tokenizer, padded to 288.
+        """
+        return cls(
+            vocab_size=288,
+            hidden_size=64,
+            num_layers=6,
+            layer_types=("linear", "linear", "sparse", "full", "linear", "sparse"),
+            mlp_types=("dense", "moe", "moe", "moe", "moe", "moe"),
+            kda_num_heads=2,
+            kda_head_dim=16,
+            kda_conv_size=4,
+            kda_decay_rank=16,
+            kda_output_gate_rank=16,
+            kda_chunk_size=8,
+            num_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            mla_use_rope=True,
+            rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0),
+            mla_output_gate=True,
+            index_num_heads=4,
+            index_head_dim=16,
+            index_rope_dim=8,
+            index_topk=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            moe_intermediate_size=32,
+            intermediate_size=128,
+            attn_res_block_size=2,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=1024,
+            page_size=8,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+
+    @classmethod
+    def hybrid_small(cls) -> HybridConfig:
+        """About 1.6B parameters (~0.6B active): 3 KDA : 1 sparse MLA, MoE, Block AttnRes; for GPU benchmarks."""
+        n = 16
+        return cls(
+            vocab_size=65536,
+            hidden_size=1536,
+            num_layers=n,
+            layer_types=tuple("sparse" if i % 4 == 3 else "linear" for i in range(n)),
+            mlp_types=("dense",) + ("moe",) * (n - 1),
+            kda_num_heads=12,
+            kda_head_dim=128,
+            kda_conv_size=4,
+            kda_decay_rank=128,
+            kda_output_gate_rank=128,
+            num_heads=16,
+            q_lora_rank=768,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            mla_use_rope=True,
+            rope_theta=10000.0,
+            index_num_heads=32,
+            index_head_dim=128,
+            index_rope_dim=64,
+            index_topk=2048,
+            num_experts=32,
+            num_experts_per_tok=4,
+            num_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            moe_intermediate_size=512,
+            intermediate_size=4096,
+            attn_res_block_size=4,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072 + 4096,
+            page_size=64,
+        )
+
+    @classmethod
+    def kimi_linear_48b(cls) -> HybridConfig:
+        """moonshotai/Kimi-Linear-48B-A3B (ARCH_SPEC §7.1): MLA at 3, 7, ..., 23, 26; KDA elsewhere."""
+        full = {3, 7, 11, 15, 19, 23, 26}
+        return cls(
+            vocab_size=163840,
+            hidden_size=2304,
+            num_layers=27,
+            layer_types=tuple("full" if i in full else "linear" for i in range(27)),
+            mlp_types=("dense",) + ("moe",) * 26,
+            kda_num_heads=32,
+            kda_head_dim=128,
+            kda_conv_size=4,
+            kda_decay_rank=128,
+            kda_output_gate_rank=128,
+            num_heads=32,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            mla_use_rope=False,
+            num_experts=256,
+            num_experts_per_tok=8,
+            num_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.446,
+            norm_topk_prob=True,
+            moe_intermediate_size=1024,
+            intermediate_size=9216,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            max_position_embeddings=1048576,
+            page_size=64,
+            bos_token_id=163584,
+            eos_token_id=163586,
+            pad_token_id=163839,
+        )
+
+    @classmethod
+    def deepseek_v32(cls) -> HybridConfig:
+        """deepseek-ai/DeepSeek-V3.2 (ARCH_SPEC §7.2), without the MTP layer: 61 sparse MLA layers."""
+        return cls(
+            vocab_size=129280,
+            hidden_size=7168,
+            num_layers=61,
+            layer_types=("sparse",) * 61,
+            mlp_types=("dense",) * 3 + ("moe",) * 58,
+            num_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            mla_use_rope=True,
+            rope_theta=10000.0,
+            rope_scaling=YarnScaling(
+                factor=40.0,
+                original_max_position_embeddings=4096,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            index_num_heads=64,
+            index_head_dim=128,
+            index_rope_dim=64,
+            index_topk=2048,
+            num_experts=256,
+            num_experts_per_tok=8,
+            num_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            moe_intermediate_size=2048,
+            intermediate_size=18432,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=163840,
+            page_size=64,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+
+
+PRESETS = {
+    "tiny": HybridConfig.tiny,
+    "hybrid_small": HybridConfig.hybrid_small,
+    "kimi_linear_48b": HybridConfig.kimi_linear_48b,
+    "deepseek_v32": HybridConfig.deepseek_v32,
+}
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    """DeepSeek's yarn_get_mscale: 0.1 * mscale * ln(scale) + 1 for scale > 1."""
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0

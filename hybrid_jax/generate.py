@@ -1,0 +1,148 @@
+"""Prefill + `lax.while_loop` decode with greedy or sampled decoding; usable under `jax.jit`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybrid_jax.cache import is_concrete
+from hybrid_jax.model import HybridLM
+
+
+class GenerateOutput(NamedTuple):
+    tokens: jax.Array  # [B, max_new_tokens] int32; after a sequence stops, filled with pad_id
+    lengths: jax.Array  # [B] int32 generated tokens per sequence, the EOS included
+
+
+def sample_logits(
+    logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k: int | None = None, top_p=None
+) -> jax.Array:
+    """Next token ids [B] from float32 logits [B, V].
+
+    temperature == 0 is greedy (argmax). Otherwise softmax(logits / temperature) restricted to the top_k
+    most likely tokens and to the smallest set whose probability reaches top_p. `temperature` and `top_p`
+    may be traced scalars; `top_k` must be a Python int.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if isinstance(temperature, (int, float)) and temperature == 0:
+        return greedy
+    t = jnp.asarray(temperature, jnp.float32)
+    scaled = logits / jnp.where(t > 0, t, 1.0)
+    if top_k is not None:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    if top_p is not None:
+        sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # The smallest logit still inside the nucleus; the best token is always kept.
+        cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return jnp.where(t > 0, sampled, greedy)
+
+
+def _validate(model: HybridLM, input_ids, prompt_lengths, max_new_tokens, top_k, top_p, temperature, eos_id):
+    cfg = model.config
+    shape = np.shape(input_ids)
+    if len(shape) != 2:
+        raise ValueError(f"input_ids must be [batch, time], got shape {shape}")
+    if shape[1] == 0:
+        raise ValueError("empty prompt: input_ids has time dimension 0")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int (static under jit)")
+    total = shape[1] + int(max_new_tokens)
+    if total > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt length {shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds the "
+            f"cache limit max_position_embeddings={cfg.max_position_embeddings}"
+        )
+    if top_k is not None and not (isinstance(top_k, (int, np.integer)) and 1 <= top_k <= cfg.vocab_size):
+        raise ValueError(f"top_k={top_k!r} must be an int in [1, vocab_size={cfg.vocab_size}]")
+    if isinstance(top_p, (int, float)) and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r} must lie in (0, 1]")
+    if isinstance(temperature, (int, float)) and temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be >= 0")
+    if eos_id is not None and isinstance(eos_id, (int, np.integer)) and not 0 <= eos_id < cfg.vocab_size:
+        raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    if is_concrete(input_ids):
+        ids = np.asarray(input_ids)
+        if prompt_lengths is not None and is_concrete(prompt_lengths):
+            lens = np.asarray(prompt_lengths)
+            if lens.shape != (shape[0],):
+                raise ValueError(f"prompt_lengths shape {lens.shape} != ({shape[0]},)")
+            if (lens < 1).any() or (lens > shape[1]).any():
+                raise ValueError(
+                    f"prompt_lengths {lens.tolist()} must lie in [1, {shape[1]}] (an empty prompt "
+                    "has nothing to condition on)"
+                )
+            ids = np.where(np.arange(shape[1])[None, :] < lens[:, None], ids, 0)  # padding is never read
+        bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def generate(
+    model: HybridLM,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    prompt_lengths=None,
+    temperature=0.0,
+    top_k: int | None = None,
+    top_p=None,
+    eos_id=None,
+    rng=None,
+    pad_id: int = 0,
+) -> GenerateOutput:
+    """Generate up to `max_new_tokens` tokens after each prompt.
+
+    input_ids [B, T] int32, right-padded; prompt_lengths [B] real prompt tokens per row (default T).
+    One compiled prefill, then a `lax.while_loop` of decode steps that ends when every sequence has emitted
+    `eos_id` or `max_new_tokens` tokens. Greedy when temperature == 0, else sampling with `rng` (a PRNG key;
+    required). Returns GenerateOutput(tokens [B, max_new_tokens], lengths [B]).
+
+    Under `jax.jit`, mark `max_new_tokens` and `top_k` static:
+    `jax.jit(generate, static_argnames=("max_new_tokens", "top_k"))`.
+    """
+    _validate(model, input_ids, prompt_lengths, max_new_tokens, top_k, top_p, temperature, eos_id)
+    greedy = isinstance(temperature, (int, float)) and temperature == 0
+    if rng is None:
+        if not greedy:
+            raise ValueError(f"temperature={temperature!r} samples: pass rng=jax.random.key(seed)")
+        rng = jax.random.key(0)
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    b, t = input_ids.shape
+    lens = jnp.full((b,), t, jnp.int32) if prompt_lengths is None else jnp.asarray(prompt_lengths, jnp.int32)
+
+    cache = model.init_cache(b, t + max_new_tokens)
+    logits, cache = model.prefill(input_ids, cache, lens, last_only=True)
+
+    def pick(logits, step):
+        return sample_logits(logits, jax.random.fold_in(rng, step), temperature=temperature, top_k=top_k, top_p=top_p)
+
+    first = pick(logits, 0)
+    done = jnp.zeros((b,), bool) if eos_id is None else first == eos_id
+    tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    lengths = jnp.ones((b,), jnp.int32)
+
+    def cond(carry):
+        step, _, _, done, _, _ = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, last, cache, done, tokens, lengths = carry
+        logits, cache = model.decode_step(last, cache, active=~done)
+        nxt = jnp.where(done, pad_id, pick(logits, step))
+        tokens = tokens.at[:, step].set(nxt)
+        lengths = lengths + (~done).astype(jnp.int32)
+        if eos_id is not None:
+            done = done | (nxt == eos_id)
+        return step + 1, nxt, cache, done, tokens, lengths
+
+    carry = (jnp.int32(1), first, cache, done, tokens, lengths)
+    _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
+    return GenerateOutput(tokens=tokens, lengths=lengths)

@@ -1,0 +1,144 @@
+"""Kimi Delta Attention layer (ARCH_SPEC §1); Gated DeltaNet when `kda_scalar_decay`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_jax.cache import KDAState, StepInfo
+from hybrid_jax.config import HybridConfig
+from hybrid_jax.layers.common import DTypes, linear
+from pallas_kernels.linear_attention import kda
+
+
+class ShortConv(nnx.Module):
+    """Depthwise causal conv, `kernel` [W, C]; tap W-1 multiplies the current token (torch weight[c, 0, j])."""
+
+    def __init__(self, channels: int, width: int, dt: DTypes, rngs: nnx.Rngs):
+        bound = width**-0.5
+        self.kernel = nnx.Param(
+            jax.random.uniform(rngs.params(), (width, channels), dt.param, -bound, bound),
+            logical_axes=(None, "kda_heads"),
+        )
+
+
+class KimiDeltaAttention(nnx.Module):
+    """Token mixer with a fixed-size state per head.
+
+        q̂, k̂, v̂ = W_q x, W_k x, W_v x;  q, k, v = SiLU(causal_conv(q̂, k̂, v̂))   (per channel, width W)
+        q, k ← q, k / sqrt(Σ q² + 1e-6) per head;  q ← q K^-1/2
+        g = −exp(A_log) ⊙ softplus(W_fb W_fa x + dt_bias)   (or lb·σ(exp(A_log)(f + dt_bias)) with a lower bound)
+        β = σ(W_b x)
+        S_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ;   o_t = S_tᵀ q_t
+        y = W_o [ γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(W_gb W_ga x) ]   (per head over V)
+
+    Padded tokens (valid=False) get β = 0 and g = 0, which leaves the state untouched (ARCH_SPEC §9.21).
+    """
+
+    def __init__(self, cfg: HybridConfig, dt: DTypes, *, rngs: nnx.Rngs):
+        self.cfg, self.dt = cfg, dt
+        d, n, hd = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        dim = n * hd
+        self.q_proj = linear(d, dim, ("embed", "kda_heads"), dt, rngs)
+        self.k_proj = linear(d, dim, ("embed", "kda_heads"), dt, rngs)
+        self.v_proj = linear(d, dim, ("embed", "kda_heads"), dt, rngs)
+        self.q_conv1d = ShortConv(dim, cfg.kda_conv_size, dt, rngs)
+        self.k_conv1d = ShortConv(dim, cfg.kda_conv_size, dt, rngs)
+        self.v_conv1d = ShortConv(dim, cfg.kda_conv_size, dt, rngs)
+        gate_dim = n if cfg.kda_scalar_decay else dim
+        if cfg.kda_decay_rank is None:
+            self.f_proj = linear(d, gate_dim, ("embed", "kda_heads"), dt, rngs)
+        else:
+            self.f_a_proj = linear(d, cfg.kda_decay_rank, ("embed", None), dt, rngs)
+            self.f_b_proj = linear(cfg.kda_decay_rank, gate_dim, (None, "kda_heads"), dt, rngs)
+        # Float32 on purpose: the gate is computed in float32 in every reference (ARCH_SPEC §9.2).
+        self.A_log = nnx.Param(
+            jnp.log(jax.random.uniform(rngs.params(), (n,), jnp.float32, 1.0, 16.0)), logical_axes=("kda_heads",)
+        )
+        self.dt_bias = nnx.Param(
+            jax.random.uniform(rngs.params(), (gate_dim,), jnp.float32, -4.0, 0.0), logical_axes=("kda_heads",)
+        )
+        self.b_proj = linear(d, n, ("embed", "kda_heads"), dt, rngs)
+        if cfg.kda_output_gate_rank is None:
+            self.g_proj = linear(d, dim, ("embed", "kda_heads"), dt, rngs)
+        else:
+            self.g_a_proj = linear(d, cfg.kda_output_gate_rank, ("embed", None), dt, rngs)
+            self.g_b_proj = linear(cfg.kda_output_gate_rank, dim, (None, "kda_heads"), dt, rngs)
+        self.o_norm = nnx.Param(jnp.ones((hd,), dt.param), logical_axes=("norm",))
+        self.o_proj = linear(dim, d, ("kda_heads", "embed"), dt, rngs)
+
+    def init_state(self, batch_size: int, dtype) -> KDAState:
+        cfg = self.cfg
+        return KDAState(
+            conv=jnp.zeros((batch_size, cfg.kda_conv_size - 1, 3 * cfg.kda_dim), dtype),
+            recurrent=jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
+        )
+
+    def _short_conv(self, xhat: jax.Array, prev: jax.Array, n_new: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """xhat [B,T,3C] raw projections, prev [B,W-1,3C] -> (SiLU(conv) [B,T,3C], new conv state)."""
+        w = self.cfg.kda_conv_size
+        t = xhat.shape[1]
+        kernel = jnp.concatenate(
+            [self.q_conv1d.kernel[...], self.k_conv1d.kernel[...], self.v_conv1d.kernel[...]], axis=1
+        ).astype(jnp.float32)  # [W, 3C]
+        xp = jnp.concatenate([prev.astype(xhat.dtype), xhat], axis=1)  # [B, W-1+T, 3C]
+        xp32 = xp.astype(jnp.float32)
+        u = sum(kernel[j] * xp32[:, j : j + t] for j in range(w))
+        # The new state is the W-1 raw inputs before the first padded token of each row.
+        idx = n_new[:, None] + jnp.arange(w - 1)[None, :]  # [B, W-1]
+        new_prev = jnp.take_along_axis(xp, idx[:, :, None], axis=1)
+        return jax.nn.silu(u).astype(self.dt.compute), new_prev.astype(prev.dtype)
+
+    def _decay(self, x: jax.Array) -> jax.Array:
+        """Log decay g, float32: [B,T,N,K] (per channel) or [B,T,N] (scalar decay)."""
+        cfg = self.cfg
+        f = self.f_proj(x) if cfg.kda_decay_rank is None else self.f_b_proj(self.f_a_proj(x))
+        f = f.astype(jnp.float32) + self.dt_bias[...]
+        b, t = x.shape[:2]
+        a = jnp.exp(self.A_log[...])  # [N]
+        if not cfg.kda_scalar_decay:
+            f = f.reshape(b, t, cfg.kda_num_heads, cfg.kda_head_dim)
+            a = a[:, None]
+        if cfg.kda_gate_lower_bound is not None:
+            return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a * f)
+        softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
+        return -a * softplus
+
+    def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        n, hd = cfg.kda_num_heads, cfg.kda_head_dim
+        if state is None:
+            state = self.init_state(b, x.dtype)
+        xhat = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        qkv, conv = self._short_conv(xhat, state.conv, info.n_new)
+        q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
+
+        g = self._decay(x)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [B,T,N]
+        valid = info.valid
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        g = jnp.where(valid.reshape(valid.shape + (1,) * (g.ndim - 2)), g, 0.0)
+
+        impl = "recurrent" if info.mode == "decode" else "auto"
+        o, s = kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=state.recurrent,
+            use_qk_l2norm=True,
+            impl=impl,
+            chunk_size=cfg.kda_chunk_size,
+        )
+
+        z = self.g_proj(x) if cfg.kda_output_gate_rank is None else self.g_b_proj(self.g_a_proj(x))
+        z = z.reshape(b, t, n, hd).astype(jnp.float32)
+        o32 = o.astype(jnp.float32)
+        # Gated RMSNorm in float32 with one final rounding (FLA FusedRMSNormGated, HF-KL 5.23).
+        y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+        y = y * self.o_norm[...].astype(jnp.float32) * jax.nn.sigmoid(z)
+        out = self.o_proj(y.reshape(b, t, n * hd).astype(self.dt.compute))
+        return out, KDAState(conv=conv, recurrent=s)

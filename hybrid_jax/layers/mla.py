@@ -1,0 +1,189 @@
+"""Multi-head Latent Attention (ARCH_SPEC §3) and the DSA lightning indexer (§4)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_jax.cache import MLAState, StepInfo
+from hybrid_jax.config import HybridConfig
+from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, linear
+from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies
+from pallas_kernels.attention import attention
+from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.paged import gather_pages, write_rows
+from pallas_kernels.sparse_attention import sparse_mla
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _store(pages_or_none: jax.Array | None, new: jax.Array, info: StepInfo) -> jax.Array:
+    """Write this call's rows into the pool; without a cache the new rows *are* the (contiguous) pool."""
+    if pages_or_none is None:
+        return new
+    return write_rows(pages_or_none, info.page_table, info.positions, info.valid, new)
+
+
+class LightningIndexer(nnx.Module):
+    """Chooses, per query token, the Top-K earlier positions that a sparse MLA layer reads.
+
+        q_I = W_qb^I c_q  -> [N_I, H_I];   k_I = LayerNorm(W_k^I x) -> [H_I]   (shared by all heads)
+        RoPE (half-split) on the first `index_rope_dim` dims of q_I and k_I
+        w = (W_w x) N_I^-1/2   (float32)
+        I[t, s] = Σ_h w_h(t) ReLU(H_I^-1/2 q_I,h(t) · k_I(s)),  causal;  keep the Top-K positions
+    `c_q` is the MLA query latent (q_a_layernorm output) or x itself when the model has no q-LoRA.
+    """
+
+    def __init__(self, cfg: HybridConfig, dt: DTypes, *, rngs: nnx.Rngs):
+        self.cfg, self.dt = cfg, dt
+        q_in = cfg.q_lora_rank or cfg.hidden_size
+        nh, hd = cfg.index_num_heads, cfg.index_head_dim
+        self.wq_b = linear(q_in, nh * hd, ("q_lora", "index_heads"), dt, rngs)
+        self.wk = linear(cfg.hidden_size, hd, ("embed", None), dt, rngs)
+        self.k_norm = LayerNorm(hd, eps=cfg.index_norm_eps, dt=dt)
+        self.weights_proj = nnx.Linear(
+            cfg.hidden_size,
+            nh,
+            use_bias=False,
+            dtype=jnp.float32,
+            param_dtype=jnp.float32,
+            kernel_init=nnx.with_metadata(nnx.initializers.normal(0.02), logical_axes=("embed", "index_heads")),
+            rngs=rngs,
+        )
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        r = self.cfg.index_rope_dim
+        if r == 0:
+            return x
+        cfg = self.cfg
+        inv = inv_frequencies(r, cfg.rope_theta, cfg.rope_scaling)
+        rot = apply_rope(x[..., :r], positions, inv, interleaved=False, factor=attention_factor(cfg.rope_scaling))
+        return jnp.concatenate([rot, x[..., r:]], axis=-1)
+
+    def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pages: jax.Array | None):
+        """Returns (indices [B,T,topk] int32 positions, -1 = none; the updated key pool)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self._rope(self.wq_b(c_q).reshape(b, t, cfg.index_num_heads, cfg.index_head_dim), info.positions)
+        k = self._rope(self.k_norm(self.wk(x)), info.positions)  # [B,T,H_I]
+        w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
+        pages = _store(pages, k, info)
+        idx, _ = indexer_topk(
+            q,
+            w,
+            pages,
+            info.page_table,
+            q_positions=info.positions,
+            kv_lengths=info.kv_lengths,
+            topk=cfg.index_topk,
+            scale=cfg.index_head_dim**-0.5,
+        )
+        return idx, pages
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    """MLA with a compressed KV latent; dense (`full`) or over the indexer's Top-K (`sparse`).
+
+        c_q = RMSNorm(W_qa x) (q-LoRA) ;  [q_nope | q_pe]_n = W_qb c_q   (or W_q x)
+        [c_raw | k_pe] = W_kva x ;  c = RMSNorm_1e-6(c_raw) ;  RoPE on q_pe, k_pe (unless NoPE)
+        [k_nope | v]_n = W_kvb c ;  k_n = [k_nope_n | k_pe]
+        o_n = softmax(scale · q_n k_nᵀ + mask) v_n ;   y = W_o concat_n(o_n ⊙ σ(W_og x)_n)
+    Only [c | k_pe] (L+R values) is cached per token. Prefill uses this expanded ("naive") form; decode
+    and sparse layers use the absorbed form: q̃_n = W_UK,nᵀ q_nope_n, logits = scale(q̃_n·c + q_pe_n·k_pe),
+    o_n = W_UV,n Σ p c (ARCH_SPEC §3.3).
+    """
+
+    def __init__(self, cfg: HybridConfig, dt: DTypes, *, sparse: bool, rngs: nnx.Rngs):
+        self.cfg, self.dt, self.sparse = cfg, dt, sparse
+        d, n = cfg.hidden_size, cfg.num_heads
+        if cfg.q_lora_rank is not None:
+            self.q_a_proj = linear(d, cfg.q_lora_rank, ("embed", "q_lora"), dt, rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.mla_norm_eps, dt=dt)
+            self.q_b_proj = linear(cfg.q_lora_rank, n * cfg.qk_head_dim, ("q_lora", "heads"), dt, rngs)
+        else:
+            self.q_proj = linear(d, n * cfg.qk_head_dim, ("embed", "heads"), dt, rngs)
+        self.kv_a_proj_with_mqa = linear(d, cfg.latent_dim, ("embed", None), dt, rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.mla_norm_eps, dt=dt)
+        self.kv_b_proj = linear(
+            cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads"), dt, rngs
+        )
+        self.o_proj = linear(n * cfg.v_head_dim, d, ("heads", "embed"), dt, rngs)
+        if cfg.mla_output_gate:
+            self.output_gate_proj = linear(d, n * cfg.v_head_dim, ("embed", "heads"), dt, rngs)
+        if sparse:
+            self.indexer = LightningIndexer(cfg, dt, rngs=rngs)
+
+    def init_state(self, num_pages: int, page_size: int, dtype) -> MLAState:
+        cfg = self.cfg
+        kv = jnp.zeros((num_pages, page_size, cfg.latent_dim), dtype)
+        ik = jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype) if self.sparse else None
+        return MLAState(kv=kv, index_k=ik)
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        if not cfg.mla_use_rope or cfg.qk_rope_head_dim == 0:
+            return x
+        inv = inv_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return apply_rope(
+            x, positions, inv, interleaved=cfg.mla_rope_interleave, factor=attention_factor(cfg.rope_scaling)
+        )
+
+    def __call__(self, x: jax.Array, info: StepInfo, state: MLAState | None):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        n, nope, vd, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is not None:
+            c_q = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(c_q)
+        else:
+            c_q = x
+            q = self.q_proj(x)
+        q = q.reshape(b, t, n, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :nope], self._rope(q[..., nope:], info.positions)
+        kv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(kv[..., :lat])
+        k_pe = self._rope(kv[..., lat:], info.positions)
+        pages = _store(None if state is None else state.kv, jnp.concatenate([c, k_pe], axis=-1), info)
+
+        w_kv = self.kv_b_proj.kernel[...].astype(self.dt.compute).reshape(lat, n, nope + vd)
+        w_uk, w_uv = w_kv[..., :nope], w_kv[..., nope:]  # [L,N,nope], [L,N,V]
+        scale = cfg.softmax_scale
+        index_pages = None
+        if self.sparse:
+            idx, index_pages = self.indexer(x, c_q, info, None if state is None else state.index_k)
+            q_lat = jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST)
+            o_lat, _ = sparse_mla(q_lat, q_pe, pages, info.page_table, idx, scale=scale)
+            o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
+        elif info.mode == "decode":
+            ctx = gather_pages(pages, info.page_table)  # [B,S,L+R]
+            q_lat = jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST)
+            o_lat, _ = attention(
+                jnp.concatenate([q_lat, q_pe], axis=-1),
+                ctx[:, :, None, :],
+                ctx[:, :, None, :lat],
+                q_positions=info.positions,
+                kv_lengths=info.kv_lengths,
+                scale=scale,
+            )
+            o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
+        else:
+            ctx = gather_pages(pages, info.page_table)  # [B,S,L+R]
+            s = ctx.shape[1]
+            kvx = self.kv_b_proj(ctx[..., :lat]).reshape(b, s, n, nope + vd)
+            k_rope = jnp.broadcast_to(ctx[:, :, None, lat:], (b, s, n, cfg.qk_rope_head_dim))
+            k = jnp.concatenate([kvx[..., :nope], k_rope.astype(kvx.dtype)], axis=-1)
+            o, _ = attention(
+                jnp.concatenate([q_nope, q_pe], axis=-1),
+                k,
+                kvx[..., nope:],
+                q_positions=info.positions,
+                kv_lengths=info.kv_lengths,
+                scale=scale,
+            )
+        if cfg.mla_output_gate:
+            gate = jax.nn.sigmoid(self.output_gate_proj(x).astype(jnp.float32)).reshape(b, t, n, vd)
+            o = (o.astype(jnp.float32) * gate).astype(self.dt.compute)
+        out = self.o_proj(o.reshape(b, t, n * vd).astype(self.dt.compute))
+        new_state = None if state is None else MLAState(kv=pages, index_k=index_pages)
+        return out, new_state

@@ -1,0 +1,241 @@
+"""The hybrid decoder: embedding, heterogeneous decoder layers, final norm and LM head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hybrid_jax.cache import HybridCache, StepInfo, is_concrete, make_page_table
+from hybrid_jax.config import HybridConfig
+from hybrid_jax.layers.attn_res import AttnResMix
+from hybrid_jax.layers.common import DTypes, RMSNorm, SwiGLU, linear
+from hybrid_jax.layers.kda import KimiDeltaAttention
+from hybrid_jax.layers.mla import MultiHeadLatentAttention
+from hybrid_jax.layers.moe import MoE
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, dt: DTypes, rngs: nnx.Rngs):
+        self.dtype = dt.compute
+        self.embedding = nnx.Param(
+            nnx.initializers.normal(1.0)(rngs.params(), (vocab, dim), dt.param), logical_axes=("vocab", "embed")
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        # mode="fill": an out-of-range id becomes NaN (visible), never a silently clamped row.
+        return jnp.take(self.embedding[...], ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """One mixer (KDA or MLA) + one FFN (SwiGLU or MoE), pre-norm.
+
+    Plain residuals:  h ← h + Mixer(RMSNorm(h));  h ← h + FFN(RMSNorm(h)).
+    Block AttnRes (HF-K3 order, layer i, block size S layers, `blocks` = completed block sums, b_0 = embedding):
+        r = h;  if blocks: h = AR_pre(blocks, h);  if i % S == 0: blocks += [r], r = 0
+        h = r + Mixer(RMSNorm(h));  r = h;  h = AR_post(blocks, h);  h = r + FFN(RMSNorm(h))
+    """
+
+    def __init__(self, cfg: HybridConfig, index: int, dt: DTypes, *, rngs: nnx.Rngs):
+        self.cfg, self.index = cfg, index
+        self.layer_type = cfg.layer_types[index]
+        d = cfg.hidden_size
+        self.input_layernorm = RMSNorm(d, eps=cfg.rms_norm_eps, dt=dt)
+        self.post_attention_layernorm = RMSNorm(d, eps=cfg.rms_norm_eps, dt=dt)
+        if self.layer_type == "linear":
+            self.self_attn = KimiDeltaAttention(cfg, dt, rngs=rngs)
+        else:
+            self.self_attn = MultiHeadLatentAttention(cfg, dt, sparse=self.layer_type == "sparse", rngs=rngs)
+        if cfg.mlp_types[index] == "moe":
+            self.mlp = MoE(cfg, dt, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(d, cfg.intermediate_size, dt, rngs)
+        if cfg.attn_res_block_size is not None:
+            self.pre_attn_residual = AttnResMix(d, eps=cfg.rms_norm_eps, rngs=rngs)
+            self.post_attn_residual = AttnResMix(d, eps=cfg.rms_norm_eps, rngs=rngs)
+
+    def __call__(self, h: jax.Array, blocks: list[jax.Array], info: StepInfo, state):
+        bs = self.cfg.attn_res_block_size
+        if bs is None:
+            a, state = self.self_attn(self.input_layernorm(h), info, state)
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h)), blocks, state
+        residual = h
+        if blocks:
+            h = self.pre_attn_residual(blocks, h)
+        if self.index % bs == 0:
+            blocks = [*blocks, residual.astype(jnp.float32)]
+            residual = None
+        a, state = self.self_attn(self.input_layernorm(h), info, state)
+        h = a if residual is None else a + residual
+        residual = h
+        h = self.post_attn_residual(blocks, h)
+        return residual + self.mlp(self.post_attention_layernorm(h)), blocks, state
+
+
+class HybridLM(nnx.Module):
+    """Causal LM over a hybrid stack of KDA, dense MLA and indexer-sparse MLA layers.
+
+    `model(ids)` is the full forward without a cache. Incremental inference: `cache = model.init_cache(B, L)`,
+    then `logits, cache = model.prefill(ids, cache, lengths)` (any number of calls, each appending tokens)
+    and `logits, cache = model.decode_step(ids, cache)` (one token per sequence). All three are pure
+    functions of their inputs and can be jitted.
+    """
+
+    def __init__(self, config: HybridConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        dt = DTypes(compute=jnp.dtype(dtype), param=jnp.dtype(param_dtype))
+        self.dtypes = dt
+        d = config.hidden_size
+        self.embed_tokens = Embed(config.vocab_size, d, dt, rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, dt, rngs=rngs) for i in range(config.num_layers)])
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps, dt=dt)
+        if config.attn_res_block_size is not None:
+            self.final_attn_residual = AttnResMix(d, eps=config.rms_norm_eps, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = linear(d, config.vocab_size, ("embed", "vocab"), dt, rngs)
+
+    # ------------------------------------------------------------------ core
+    def _logits(self, h: jax.Array) -> jax.Array:
+        if self.config.tie_word_embeddings:
+            w = self.embed_tokens.embedding[...].astype(h.dtype)
+            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def _run(self, input_ids: jax.Array, info: StepInfo, states, last_index: jax.Array | None):
+        h = self.embed_tokens(input_ids)
+        blocks: list[jax.Array] = []
+        new_states = []
+        for i, layer in enumerate(self.layers):
+            h, blocks, st = layer(h, blocks, info, None if states is None else states[i])
+            new_states.append(st)
+        if self.config.attn_res_block_size is not None:
+            h = self.final_attn_residual(blocks, h)
+        if last_index is not None:  # only the logits that sampling needs: [B, D] instead of [B, T, D]
+            h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
+        return self._logits(self.norm(h)), tuple(new_states)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        """Full causal forward without a cache: ids [B, T] -> float32 logits [B, T, vocab]."""
+        self._check_ids(input_ids)
+        b, t = input_ids.shape
+        info = StepInfo(
+            positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+            valid=jnp.ones((b, t), bool),
+            n_new=jnp.full((b,), t, jnp.int32),
+            page_table=jnp.arange(b, dtype=jnp.int32)[:, None],
+            kv_lengths=jnp.full((b,), t, jnp.int32),
+            mode="prefill",
+        )
+        logits, _ = self._run(input_ids, info, None, None)
+        return logits
+
+    # ------------------------------------------------------------------ cache
+    def init_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype=None,
+        page_size: int | None = None,
+        num_pages: int | None = None,
+        page_table=None,
+    ) -> HybridCache:
+        """Empty caches for `batch_size` sequences of up to `max_len` tokens (prompt + generated).
+
+        Paged layers share one page table: by default sequence b owns a contiguous run of pages; pass
+        `page_table` [B, ceil(max_len / page_size)] and `num_pages` for any other placement in the pool."""
+        cfg = self.config
+        if batch_size <= 0:
+            raise ValueError(f"init_cache: batch_size={batch_size} must be positive")
+        if not 0 < max_len <= cfg.max_position_embeddings:
+            raise ValueError(
+                f"init_cache: max_len={max_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]"
+            )
+        g = page_size or cfg.page_size
+        table = make_page_table(batch_size, max_len, g, num_pages=num_pages, page_table=page_table)
+        pool = num_pages if num_pages is not None else table.shape[0] * table.shape[1]
+        dtype = dtype or self.dtypes.compute
+        states = tuple(
+            layer.self_attn.init_state(batch_size, dtype)
+            if layer.layer_type == "linear"
+            else layer.self_attn.init_state(pool, g, dtype)
+            for layer in self.layers
+        )
+        return HybridCache(
+            layers=states, page_table=table, lengths=jnp.zeros((batch_size,), jnp.int32), max_len=max_len, page_size=g
+        )
+
+    def _check_ids(self, ids, lengths=None) -> None:
+        """Shape and vocabulary checks, eager when the values are concrete; padding (t >= lengths) is skipped."""
+        ids_shape = np.shape(ids)
+        if len(ids_shape) != 2 or ids_shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, time] with time >= 1, got shape {ids_shape}")
+        if is_concrete(ids, lengths):
+            arr = np.asarray(ids)
+            if lengths is not None:
+                arr = arr[np.arange(ids_shape[1])[None, :] < np.asarray(lengths).reshape(-1, 1)]
+            bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+            if bad.size:
+                raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
+
+    def _extend(self, input_ids, cache: HybridCache, n_new, mode: str, last_only: bool):
+        b, t = input_ids.shape
+        if b != cache.batch_size:
+            raise ValueError(f"input batch {b} != cache batch {cache.batch_size}")
+        n_new = jnp.asarray(n_new, jnp.int32)
+        if n_new.shape != (b,):
+            raise ValueError(f"lengths shape {n_new.shape} != ({b},)")
+        if is_concrete(n_new, cache.lengths):
+            nn_, cl = np.asarray(n_new), np.asarray(cache.lengths)
+            if (nn_ < 0).any() or (nn_ > t).any():
+                raise ValueError(f"lengths {nn_.tolist()} must lie in [0, {t}]")
+            over = np.nonzero(cl + nn_ > cache.max_len)[0]
+            if over.size:
+                i = int(over[0])
+                raise ValueError(
+                    f"sequence {i}: {int(cl[i])} cached + {int(nn_[i])} new tokens exceed the cache "
+                    f"capacity max_len={cache.max_len}"
+                )
+        steps = jnp.arange(t, dtype=jnp.int32)
+        positions = cache.lengths[:, None] + steps[None, :]
+        # Under jit the capacity check above cannot raise: rows that overflow write nothing and get NaN logits.
+        overflow = cache.lengths + n_new > cache.max_len
+        valid = (steps[None, :] < n_new[:, None]) & (positions < cache.max_len)
+        kv_lengths = jnp.minimum(cache.lengths + n_new, cache.max_len)
+        info = StepInfo(
+            positions=positions, valid=valid, n_new=n_new, page_table=cache.page_table, kv_lengths=kv_lengths, mode=mode
+        )
+        last = jnp.maximum(n_new - 1, 0) if last_only else None
+        logits, states = self._run(input_ids, info, cache.layers, last)
+        logits = jnp.where(overflow.reshape((b,) + (1,) * (logits.ndim - 1)), jnp.nan, logits)
+        new_cache = HybridCache(
+            layers=states,
+            page_table=cache.page_table,
+            lengths=kv_lengths,
+            max_len=cache.max_len,
+            page_size=cache.page_size,
+        )
+        return logits, new_cache
+
+    def prefill(self, input_ids: jax.Array, cache: HybridCache, lengths=None, *, last_only: bool = False):
+        """Append tokens to every sequence: ids [B, T] (right-padded), lengths [B] real tokens per row
+        (default T). Returns (logits [B, T, vocab] float32 — or [B, vocab] at each row's last real token
+        when last_only — and the updated cache). Padded positions change no state."""
+        self._check_ids(input_ids, lengths)
+        b, t = input_ids.shape
+        n_new = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
+        return self._extend(input_ids, cache, n_new, "prefill", last_only)
+
+    def decode_step(self, token_ids: jax.Array, cache: HybridCache, active=None):
+        """One token per sequence: ids [B] -> (logits [B, vocab] float32, cache). Rows with active=False
+        are left unchanged (their logits are meaningless)."""
+        token_ids = jnp.asarray(token_ids)
+        if token_ids.ndim != 1:
+            raise ValueError(f"decode_step takes token ids of shape [batch], got {token_ids.shape}")
+        self._check_ids(token_ids[:, None], active)
+        b = token_ids.shape[0]
+        n_new = jnp.ones((b,), jnp.int32) if active is None else jnp.asarray(active).astype(jnp.int32)
+        logits, cache = self._extend(token_ids[:, None], cache, n_new, "decode", False)
+        return logits[:, 0], cache

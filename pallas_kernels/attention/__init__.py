@@ -1,0 +1,3 @@
+from pallas_kernels.attention.api import attention
+
+__all__ = ["attention"]

@@ -1,0 +1,37 @@
+"""Lightning indexer (DeepSeek-V3.2 DSA) scores and causal Top-K in float32 jnp: the ground truth.
+
+    I[t, s] = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s])      (ARCH_SPEC §4.2 step 7, §4.4 HF form)
+Key s is a candidate for query t iff s <= q_positions[t] and s < kv_length. The K best candidates are
+returned in descending score order; ties go to the lower position; missing candidates are -1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged import gather_pages
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def indexer_scores(q, w, keys, *, scale):
+    """q [B,T,N,H], w [B,T,N], keys [B,S,H] -> scores [B,T,S] float32 (no masking)."""
+    s = jnp.einsum("btnh,bsh->btns", q.astype(jnp.float32), keys.astype(jnp.float32), precision=HIGHEST)
+    return jnp.einsum("btns,btn->bts", jax.nn.relu(s * scale), w.astype(jnp.float32), precision=HIGHEST)
+
+
+def indexer_topk_reference(q, w, k_pages, page_table, *, q_positions, kv_lengths, topk, scale):
+    keys = gather_pages(k_pages, page_table)  # [B, S, H]
+    scores = indexer_scores(q, w, keys, scale=scale)
+    pos = jnp.arange(keys.shape[1])
+    ok = (pos[None, None, :] <= q_positions[:, :, None]) & (pos[None, None, :] < kv_lengths[:, None, None])
+    scores = jnp.where(ok, scores, -jnp.inf)
+    k_eff = min(topk, keys.shape[1])
+    vals, idx = jax.lax.top_k(scores, k_eff)
+    idx = jnp.where(jnp.isneginf(vals), -1, idx).astype(jnp.int32)
+    if k_eff < topk:  # more requested than the cache can ever hold
+        extra = topk - k_eff
+        idx = jnp.pad(idx, [(0, 0), (0, 0), (0, extra)], constant_values=-1)
+        vals = jnp.pad(vals, [(0, 0), (0, 0), (0, extra)], constant_values=-jnp.inf)
+    return idx, vals

@@ -1,0 +1,106 @@
+"""Kimi Delta Attention (gated delta rule with channel-wise decay) in float32 jnp: the ground truth.
+
+Per head, with state S in R^{K x V} (ARCH_SPEC §1.2 step 8):
+    S' = Diag(exp(g_t)) S_{t-1}
+    S_t = S' + beta_t k_t (v_t - S'^T k_t)^T
+    o_t = S_t^T q_t
+Two forms: `kda_recurrent` (token by token, `lax.scan`) and `kda_chunked` (WY representation + UT
+transform over chunks of C tokens, ARCH_SPEC §1.4). Gated DeltaNet is the case g [B,T,N] (one decay per head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum x^2 + eps): eps inside the root, as FLA and HF do (not F.normalize)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
+    b, t, n, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * (dk**-0.5 if scale is None else scale)
+    g = g.astype(jnp.float32)
+    if g.ndim == 3:  # scalar decay per head (Gated DeltaNet)
+        g = jnp.broadcast_to(g[..., None], (b, t, n, dk))
+    beta = beta.astype(jnp.float32)
+    s0 = jnp.zeros((b, n, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    return q, k, v, g, beta, s0
+
+
+def kda_recurrent(q, k, v, g, beta, *, initial_state=None, scale=None, use_qk_l2norm=True):
+    """q, k [B,T,N,K]; v [B,T,N,V]; g [B,T,N,K] or [B,T,N] (log decay); beta [B,T,N];
+    initial_state [B,N,K,V] -> (o [B,T,N,V] in q.dtype, final state [B,N,K,V] float32)."""
+    out_dtype = q.dtype
+    q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B,N,K], [B,N,K], [B,N,V], [B,N,K], [B,N]
+        s = s * jnp.exp(g_t)[..., None]
+        ks = jnp.einsum("bnk,bnkv->bnv", k_t, s, precision=HIGHEST)
+        s = s + (b_t[..., None, None] * k_t[..., None]) * (v_t - ks)[..., None, :]
+        return s, jnp.einsum("bnk,bnkv->bnv", q_t, s, precision=HIGHEST)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    s, o = jax.lax.scan(step, s0, xs)
+    return jnp.moveaxis(o, 0, 1).astype(out_dtype), s
+
+
+def _chunk_step(s0, xs):
+    """One chunk of C tokens for all (batch, head) pairs; s0 [B,N,K,V] float32."""
+    q, k, v, g, beta = xs  # [B,N,C,K] x3 (g), [B,N,C,V], [B,N,C]
+    c = q.shape[2]
+    gc = jnp.cumsum(g, axis=2)  # G_r = sum_{i<=r} g_i, [B,N,C,K]
+    i = jnp.arange(c)
+    causal = i[:, None] >= i[None, :]
+    # exp(G_i - G_j) only for i >= j: mask before exp so no exp(+large) is ever formed.
+    diff = jnp.where(causal[None, None, :, :, None], gc[:, :, :, None, :] - gc[:, :, None, :, :], -jnp.inf)
+    decay = jnp.exp(diff)  # [B,N,C,C,K]
+    a_kk = jnp.einsum("bnik,bnjk,bnijk->bnij", k, k, decay, precision=HIGHEST)
+    a_kk = jnp.where((i[:, None] > i[None, :])[None, None], a_kk * beta[..., None], 0.0)
+    a_qk = jnp.einsum("bnik,bnjk,bnijk->bnij", q, k, decay, precision=HIGHEST)
+    # UT transform: T = (I + A_kk)^-1 Diag(beta), a unit-lower-triangular solve.
+    eye = jnp.eye(c, dtype=jnp.float32)
+    t_mat = jax.lax.linalg.triangular_solve(
+        eye + a_kk,
+        jnp.broadcast_to(eye * beta[..., None, :], a_kk.shape),
+        left_side=True,
+        lower=True,
+        unit_diagonal=True,
+    )
+    w = jnp.einsum("bnij,bnjk->bnik", t_mat, jnp.exp(gc) * k, precision=HIGHEST)
+    u = jnp.einsum("bnij,bnjv->bniv", t_mat, v, precision=HIGHEST)
+    v_new = u - jnp.einsum("bnik,bnkv->bniv", w, s0, precision=HIGHEST)  # pseudo-values vs. the old state
+    o = jnp.einsum("bnik,bnkv->bniv", jnp.exp(gc) * q, s0, precision=HIGHEST) + jnp.einsum(
+        "bnij,bnjv->bniv", a_qk, v_new, precision=HIGHEST
+    )
+    g_last = gc[:, :, -1, :]  # [B,N,K]
+    kg = k * jnp.exp(g_last[:, :, None, :] - gc)
+    s1 = jnp.exp(g_last)[..., None] * s0 + jnp.einsum("bnik,bniv->bnkv", kg, v_new, precision=HIGHEST)
+    return s1, o
+
+
+def kda_chunked(q, k, v, g, beta, *, initial_state=None, scale=None, use_qk_l2norm=True, chunk_size=64):
+    """Same contract as `kda_recurrent`, computed chunk-wise (WY + UT transform)."""
+    out_dtype = q.dtype
+    q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
+    b, t, n, dk = q.shape
+    c = chunk_size
+    nc = -(-t // c)
+    pad = nc * c - t
+    # Padding with g = 0 and beta = 0 leaves the state unchanged (ARCH_SPEC §9.21).
+    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    # [B,T,N,...] -> [nc, B, N, C, ...]
+    to_chunks = lambda x: jnp.moveaxis(pad_t(x).reshape(b, nc, c, n, *x.shape[3:]), (1, 3), (0, 2))
+    xs = tuple(to_chunks(x) for x in (q, k, v, g, beta))
+    s, o = jax.lax.scan(_chunk_step, s0, xs)  # o [nc,B,N,C,V]
+    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, nc * c, n, -1)[:, :t]
+    return o.astype(out_dtype), s

@@ -1,0 +1,74 @@
+"""The one table from logical axis names to mesh axes.
+
+Parameters carry `logical_axes` metadata (e.g. `("embed", "heads")`); nothing in the model names a mesh
+axis. A logical name maps to one mesh axis, a tuple of mesh axes, or None (replicated). Mesh axes that the
+current mesh lacks are dropped, so the same table serves a 1-device run and a (dp, cp, tp, ep) mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
+    # parameters
+    "vocab": "tp",  # embedding rows and LM-head columns
+    "embed": None,  # the model dimension stays whole: activations are sequence-parallel instead
+    "heads": "tp",  # MLA query / output heads (flattened heads x head_dim)
+    "kda_heads": "tp",  # KDA heads (q/k/v/gates, conv channels, A_log, dt_bias)
+    "index_heads": "tp",  # lightning-indexer heads
+    "q_lora": None,
+    "kv_lora": None,  # the compressed latent is shared by all heads
+    "mlp": "tp",  # dense SwiGLU hidden
+    "expert": "ep",
+    "expert_mlp": "tp",
+    "norm": None,
+    # activations
+    "batch": "dp",
+    "seq": "cp",
+}
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES,
+    mesh_axis_names: Sequence[str] | None = None,
+) -> PartitionSpec:
+    """Map per-dimension logical names to a PartitionSpec; each mesh axis is used at most once."""
+    used: set[str] = set()
+    out: list[MeshAxes] = []
+    for name in logical_axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
+        target = rules[name]
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        if mesh_axis_names is not None:
+            axes = tuple(a for a in axes if a in mesh_axis_names)
+        for a in axes:
+            if a in used:
+                raise ValueError(f"mesh axis {a!r} would shard two dimensions of {tuple(logical_axes)}")
+            used.add(a)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+def param_partition_specs(
+    model: nnx.Module, rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES, mesh_axis_names: Sequence[str] | None = None
+) -> nnx.State:
+    """A State with the structure of the model's parameters whose leaves are PartitionSpecs."""
+    state = nnx.state(model, nnx.Param)
+
+    def spec(var):
+        axes = var.get_metadata().get("logical_axes")
+        if axes is None:
+            raise ValueError(f"parameter of shape {var.get_value().shape} carries no logical_axes metadata")
+        return logical_to_spec(axes, rules, mesh_axis_names)
+
+    return nnx.map_state(lambda _, v: spec(v), state)

@@ -1,0 +1,61 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax import HybridConfig, HybridLM
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all() and np.isfinite(b).all(), "NaN/Inf in compared arrays"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def variant_config() -> HybridConfig:
+    """The tiny model with the other side of every switch: no AttnRes, Gated DeltaNet scalar decay with a
+    full-rank gate, full-rank output gate, NoPE MLA without q-LoRA, no indexer RoPE, softmax routing
+    without groups, no shared expert, tied embeddings."""
+    return HybridConfig.tiny().replace(
+        layer_types=("sparse", "linear", "full", "linear", "sparse", "linear"),
+        kda_scalar_decay=True,
+        kda_decay_rank=None,
+        kda_output_gate_rank=None,
+        q_lora_rank=None,
+        mla_use_rope=False,
+        rope_scaling=None,
+        mla_output_gate=False,
+        index_rope_dim=0,
+        scoring_func="softmax",
+        n_group=1,
+        topk_group=1,
+        num_shared_experts=0,
+        norm_topk_prob=False,
+        attn_res_block_size=None,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> HybridConfig:
+    return HybridConfig.tiny()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cfg) -> HybridLM:
+    return HybridLM(tiny_cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="session")
+def jitted():
+    """Jitted entry points shared by the tests (one compilation per shape)."""
+    return {
+        "forward": jax.jit(lambda m, ids: m(ids)),
+        "prefill": jax.jit(lambda m, ids, c, n: m.prefill(ids, c, n)),
+        "decode": jax.jit(lambda m, ids, c: m.decode_step(ids, c)),
+    }
+
+
+def random_ids(key: int, shape, vocab: int = 256) -> jnp.ndarray:
+    return jax.random.randint(jax.random.key(key), shape, 0, vocab, dtype=jnp.int32)

@@ -1,0 +1,80 @@
+"""generate(): greedy equals argmax of the full forward, batching, EOS, sampling, determinism, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrid_jax import generate, sample_logits
+from tests.conftest import random_ids
+
+GEN = jax.jit(generate, static_argnames=("max_new_tokens", "top_k"))
+
+
+def test_greedy_equals_repeated_argmax_of_full_forward(tiny_model, jitted):
+    lens = [9, 4]
+    ids = random_ids(20, (2, 9))
+    out = GEN(tiny_model, ids, prompt_lengths=jnp.array(lens), max_new_tokens=6)
+    np.testing.assert_array_equal(out.lengths, [6, 6])
+    for i, n in enumerate(lens):
+        seq = jnp.concatenate([ids[i, :n], out.tokens[i]])[None]
+        logits = jitted["forward"](tiny_model, seq)[0]
+        # Teacher forcing: each generated token is the argmax after the tokens before it.
+        np.testing.assert_array_equal(jnp.argmax(logits[n - 1 : n + 5], axis=-1), out.tokens[i])
+
+
+def test_eos_stops_each_sequence(tiny_model):
+    ids = random_ids(21, (2, 5))
+    free = GEN(tiny_model, ids, max_new_tokens=6)
+    eos = int(free.tokens[0, 2])  # make row 0's third token the EOS
+    out = GEN(tiny_model, ids, max_new_tokens=6, eos_id=eos, pad_id=0)
+    n0 = int(np.argmax(np.asarray(free.tokens[0]) == eos)) + 1
+    assert int(out.lengths[0]) == n0 <= 3
+    np.testing.assert_array_equal(out.tokens[0, :n0], free.tokens[0, :n0])
+    assert (np.asarray(out.tokens[0, n0:]) == 0).all()
+    hits = np.nonzero(np.asarray(free.tokens[1]) == eos)[0]
+    assert int(out.lengths[1]) == (hits[0] + 1 if hits.size else 6)
+
+
+def test_jitted_sampling_is_deterministic_for_a_key(tiny_model):
+    ids = random_ids(22, (2, 4))
+    kw = dict(max_new_tokens=8, temperature=0.9, top_k=50, top_p=0.95)
+    a = GEN(tiny_model, ids, rng=jax.random.key(3), **kw)
+    b = GEN(tiny_model, ids, rng=jax.random.key(3), **kw)
+    c = GEN(tiny_model, ids, rng=jax.random.key(4), **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_sample_logits_respects_top_k_top_p_and_temperature():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    keys = jax.random.key(0)
+    greedy = sample_logits(logits, keys, temperature=0.0)
+    assert (np.asarray(greedy) == 0).all()
+    top2 = np.asarray(sample_logits(logits, keys, temperature=1.0, top_k=2))
+    assert set(top2.tolist()) == {0, 1}
+    nucleus = np.asarray(sample_logits(logits, keys, temperature=1.0, top_p=0.7))  # keeps {0, 1}
+    assert set(nucleus.tolist()) == {0, 1}
+    free = np.asarray(sample_logits(logits, keys, temperature=1.0))
+    assert set(free.tolist()) == {0, 1, 2, 3}
+    assert abs((free == 0).mean() - 0.5) < 0.05
+
+
+def test_bad_input_raises_naming_the_value(tiny_model):
+    ok = jnp.array([[1, 2, 3]])
+    with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
+        generate(tiny_model, jnp.array([[1, 999]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(tiny_model, jnp.zeros((1, 0), jnp.int32), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt_lengths \[0\]"):
+        generate(tiny_model, ok, prompt_lengths=jnp.array([0]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt length 3 \\+ max_new_tokens 1022 = 1025 exceeds"):
+        generate(tiny_model, ok, max_new_tokens=1022)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        generate(tiny_model, ok, max_new_tokens=0)
+    with pytest.raises(ValueError, match="rng=jax.random.key"):
+        generate(tiny_model, ok, max_new_tokens=2, temperature=0.7)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        generate(tiny_model, ok, max_new_tokens=2, top_p=1.5, temperature=1.0, rng=jax.random.key(0))
+    # Token ids in the padding are never read, so they are not errors.
+    generate(tiny_model, jnp.array([[1, 2, -1]]), prompt_lengths=jnp.array([2]), max_new_tokens=1)

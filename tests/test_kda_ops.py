@@ -1,0 +1,106 @@
+"""Chunked KDA (WY / UT transform) against the token recurrence, and the recurrence against numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.linear_attention import kda
+from tests.conftest import rel_err
+
+
+def _inputs(seed, b, t, n, dk, dv, scalar=False, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (b, t, n, dk), dtype)
+    k = jax.random.normal(ks[1], (b, t, n, dk), dtype)
+    v = jax.random.normal(ks[2], (b, t, n, dv), dtype)
+    gshape = (b, t, n) if scalar else (b, t, n, dk)
+    # Strong decay on some channels (down to exp(-8) per token) to exercise the masked exp(G_i - G_j).
+    g = -jax.nn.softplus(jax.random.normal(ks[3], gshape) * 2.0) * 2.0
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, n)))
+    s0 = jax.random.normal(ks[5], (b, n, dk, dv))
+    return q, k, v, g, beta, s0
+
+
+def _numpy_recurrence(q, k, v, g, beta, s0):
+    q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0))
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    if g.ndim == 3:
+        g = np.broadcast_to(g[..., None], k.shape)
+    o = np.zeros(v.shape)
+    for t in range(q.shape[1]):
+        s = s * np.exp(g[:, t])[..., None]
+        ks = np.einsum("bnk,bnkv->bnv", k[:, t], s)
+        s = s + beta[:, t][..., None, None] * k[:, t][..., None] * (v[:, t] - ks)[..., None, :]
+        o[:, t] = np.einsum("bnk,bnkv->bnv", q[:, t], s)
+    return o, s
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+def test_recurrent_matches_numpy(scalar):
+    q, k, v, g, beta, s0 = _inputs(1, 2, 13, 3, 8, 5, scalar)
+    o, s = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    o_ref, s_ref = _numpy_recurrence(q, k, v, g, beta, s0)
+    assert rel_err(o, o_ref) < 1e-5
+    assert rel_err(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "t,chunk,scalar", [(37, 8, False), (64, 16, False), (50, 16, True), (1, 8, False), (5, 8, True)]
+)
+def test_chunked_matches_recurrent(t, chunk, scalar):
+    q, k, v, g, beta, s0 = _inputs(t, 2, t, 3, 16, 8, scalar)
+    o_r, s_r = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    o_c, s_c = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=chunk)
+    assert rel_err(o_c, o_r) < 1e-5
+    assert rel_err(s_c, s_r) < 1e-5
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    t=st.integers(1, 40),
+    n=st.integers(1, 3),
+    dk=st.sampled_from([4, 8, 16]),
+    dv=st.sampled_from([3, 8]),
+    chunk=st.sampled_from([4, 8, 16]),
+    scalar=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_matches_recurrent_random_shapes(b, t, n, dk, dv, chunk, scalar, seed):
+    q, k, v, g, beta, s0 = _inputs(seed, b, t, n, dk, dv, scalar)
+    o_r, s_r = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    o_c, s_c = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=chunk)
+    assert rel_err(o_c, o_r) < 1e-5
+    assert rel_err(s_c, s_r) < 1e-5
+
+
+def test_zero_initial_state_equals_none_and_split_sequences_compose():
+    q, k, v, g, beta, _ = _inputs(3, 1, 30, 2, 8, 8)
+    o_full, s_full = kda(q, k, v, g, beta, impl="chunked", chunk_size=8)
+    o1, s1 = kda(q[:, :11], k[:, :11], v[:, :11], g[:, :11], beta[:, :11], impl="chunked", chunk_size=8)
+    o2, s2 = kda(
+        q[:, 11:], k[:, 11:], v[:, 11:], g[:, 11:], beta[:, 11:], initial_state=s1, impl="chunked", chunk_size=8
+    )
+    assert rel_err(jnp.concatenate([o1, o2], 1), o_full) < 1e-5
+    assert rel_err(s2, s_full) < 1e-5
+
+
+def test_bf16_inputs_keep_float32_state():
+    q, k, v, g, beta, s0 = _inputs(4, 1, 20, 2, 8, 8, dtype=jnp.bfloat16)
+    o, s = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=8)
+    o_ref, s_ref = _numpy_recurrence(q, k, v, g, beta, s0)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    assert rel_err(o, o_ref) < 1e-2
+    assert rel_err(s, s_ref) < 1e-5
+
+
+def test_bad_arguments_are_named():
+    q, k, v, g, beta, s0 = _inputs(0, 1, 4, 1, 4, 4)
+    with pytest.raises(ValueError, match="impl='pallas_v9'"):
+        kda(q, k, v, g, beta, impl="pallas_v9")
+    with pytest.raises(ValueError, match="g.shape"):
+        kda(q, k, v, g[..., :2], beta)
