@@ -6,6 +6,10 @@ from flax import nnx
 
 from hybrid_jax import HybridConfig, HybridLM
 
+# The tests compare float32 paths against each other; on a GPU, XLA's default float32 matmul precision
+# (TF32) would add ~1e-4 noise that differs between shapes. (A no-op on the CPU.)
+jax.config.update("jax_default_matmul_precision", "highest")
+
 
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

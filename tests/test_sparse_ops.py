@@ -151,3 +151,77 @@ def test_bad_impl_is_named():
             scale=1.0,
             impl="triton",
         )
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    """Force the references to split the queries into many small blocks."""
+    import pallas_kernels._blocking as blocking
+
+    monkeypatch.setattr(blocking, "BLOCK_ELEMENTS", 64)
+
+
+def _sparse_inputs(seed, b=2, t=9, n=3, lat=8, r=4, s=16, k=5):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q_lat, q_pe = jax.random.normal(ks[0], (b, t, n, lat)), jax.random.normal(ks[1], (b, t, n, r))
+    pool, table = _scattered_pool(seed, jax.random.normal(ks[2], (b, s, lat + r)), 4)
+    rng = np.random.default_rng(seed)
+    idx = np.full((b, t, k), -1)
+    for bi in range(b):
+        for ti in range(t):
+            m = rng.integers(0, k + 1)  # some queries select nothing
+            idx[bi, ti, :m] = rng.choice(s, size=m, replace=False)
+    return q_lat, q_pe, pool, table, jnp.asarray(idx, jnp.int32)
+
+
+def test_sparse_mla_gather_and_mask_forms_agree():
+    from pallas_kernels.sparse_attention.reference import sparse_mla_reference
+
+    args = _sparse_inputs(6)
+    og, lg = sparse_mla_reference(*args, scale=0.4, form="gather")
+    om, lm = sparse_mla_reference(*args, scale=0.4, form="mask")
+    assert rel_err(om, og) < 1e-6
+    np.testing.assert_allclose(lm, lg, rtol=1e-6)  # -inf where nothing is selected, in both
+    assert np.isneginf(np.asarray(lg)).any() and (np.asarray(og)[np.isneginf(np.asarray(lg))] == 0).all()
+
+
+def test_query_blocking_changes_nothing(tiny_blocks):
+    from pallas_kernels.sparse_attention.reference import sparse_mla_reference
+
+    args = _sparse_inputs(7)
+    ks = jax.random.split(jax.random.key(8), 3)
+    q, k, v = (jax.random.normal(kk, (2, 9, 2, 4)) for kk in ks)
+    pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    blocked = (
+        sparse_mla_reference(*args, scale=0.4, form="gather"),
+        sparse_mla_reference(*args, scale=0.4, form="mask"),
+        attention(q, k, v, q_positions=pos, kv_lengths=jnp.array([9, 5]), scale=0.5),
+        indexer_topk(
+            q,
+            v[..., 0],
+            *contiguous_as_pages(k[:, :, 0]),
+            q_positions=pos,
+            kv_lengths=jnp.array([9, 5]),
+            topk=4,
+            scale=0.5,
+        ),
+    )
+    import pallas_kernels._blocking as blocking
+
+    blocking.BLOCK_ELEMENTS = 1 << 27
+    whole = (
+        sparse_mla_reference(*args, scale=0.4, form="gather"),
+        sparse_mla_reference(*args, scale=0.4, form="mask"),
+        attention(q, k, v, q_positions=pos, kv_lengths=jnp.array([9, 5]), scale=0.5),
+        indexer_topk(
+            q,
+            v[..., 0],
+            *contiguous_as_pages(k[:, :, 0]),
+            q_positions=pos,
+            kv_lengths=jnp.array([9, 5]),
+            topk=4,
+            scale=0.5,
+        ),
+    )
+    for a, b in zip(jax.tree_util.tree_leaves(blocked), jax.tree_util.tree_leaves(whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

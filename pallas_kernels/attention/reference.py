@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._blocking import masked_softmax, over_query_blocks, query_block_size
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -16,16 +18,16 @@ def attention_reference(q, k, v, *, q_positions, kv_lengths, scale):
     s, nk = k.shape[1], k.shape[2]
     if n % nk:
         raise ValueError(f"query heads {n} not a multiple of kv heads {nk}")
-    qg = q.astype(jnp.float32).reshape(b, t, nk, n // nk, h)
-    logits = jnp.einsum("btkgh,bskh->btkgs", qg, k.astype(jnp.float32), precision=HIGHEST) * scale
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
     pos = jnp.arange(s)
-    visible = (pos[None, None, :] <= q_positions[:, :, None]) & (pos[None, None, :] < kv_lengths[:, None, None])
-    logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(logits - m_safe)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("btkgs,bskv->btkgv", p, v.astype(jnp.float32), precision=HIGHEST)
-    lse = (jnp.log(denom) + m_safe)[..., 0]
-    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse.reshape(b, t, n)
+
+    def block(qb, qpos):
+        tb = qb.shape[1]
+        qg = qb.astype(jnp.float32).reshape(b, tb, nk, n // nk, h)
+        logits = jnp.einsum("btkgh,bskh->btkgs", qg, k32, precision=HIGHEST) * scale
+        visible = (pos[None, None, :] <= qpos[:, :, None]) & (pos[None, None, :] < kv_lengths[:, None, None])
+        p, lse = masked_softmax(logits, visible[:, :, None, None, :])
+        out = jnp.einsum("btkgs,bskv->btkgv", p, v32, precision=HIGHEST)
+        return out.reshape(b, tb, n, v.shape[-1]).astype(q.dtype), lse.reshape(b, tb, n)
+
+    return over_query_blocks(block, query_block_size(t, b * n * s), q, q_positions)

@@ -1,0 +1,41 @@
+"""Shared pieces of the benchmark scripts: device name, table formatting, appending to BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+from pathlib import Path
+
+import jax
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', d.platform)} x{jax.device_count()}, jax {jax.__version__}"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def append_results(script: str, title: str, table: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    block = f"\n### {title}\n\n`benchmarks/{script}` — {stamp}, commit {commit()}, {device_name()}\n\n{table}\n"
+    with path.open("a") as f:
+        f.write(block)
