@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,9 @@ def device_name() -> str:
 
 
 def commit() -> str:
+    """HEAD of the checkout; HYBRID_JAX_COMMIT overrides it where the tree was copied without .git (GPU runs)."""
+    if os.environ.get("HYBRID_JAX_COMMIT"):
+        return os.environ["HYBRID_JAX_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(
