@@ -186,42 +186,27 @@ def test_sparse_mla_gather_and_mask_forms_agree():
 
 
 def test_query_blocking_changes_nothing(tiny_blocks):
+    import pallas_kernels._blocking as blocking
     from pallas_kernels.sparse_attention.reference import sparse_mla_reference
 
     args = _sparse_inputs(7)
     ks = jax.random.split(jax.random.key(8), 3)
     q, k, v = (jax.random.normal(kk, (2, 9, 2, 4)) for kk in ks)
     pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
-    blocked = (
-        sparse_mla_reference(*args, scale=0.4, form="gather"),
-        sparse_mla_reference(*args, scale=0.4, form="mask"),
-        attention(q, k, v, q_positions=pos, kv_lengths=jnp.array([9, 5]), scale=0.5),
-        indexer_topk(
-            q,
-            v[..., 0],
-            *contiguous_as_pages(k[:, :, 0]),
-            q_positions=pos,
-            kv_lengths=jnp.array([9, 5]),
-            topk=4,
-            scale=0.5,
-        ),
-    )
-    import pallas_kernels._blocking as blocking
+    lens = jnp.array([9, 5])
 
+    def all_ops():
+        return (
+            sparse_mla_reference(*args, scale=0.4, form="gather"),
+            sparse_mla_reference(*args, scale=0.4, form="mask"),
+            attention(q, k, v, q_positions=pos, kv_lengths=lens, scale=0.5),
+            indexer_topk(
+                q, v[..., 0], *contiguous_as_pages(k[:, :, 0]), q_positions=pos, kv_lengths=lens, topk=4, scale=0.5
+            ),
+        )
+
+    blocked = all_ops()  # one query per block under the fixture's budget
     blocking.BLOCK_ELEMENTS = 1 << 27
-    whole = (
-        sparse_mla_reference(*args, scale=0.4, form="gather"),
-        sparse_mla_reference(*args, scale=0.4, form="mask"),
-        attention(q, k, v, q_positions=pos, kv_lengths=jnp.array([9, 5]), scale=0.5),
-        indexer_topk(
-            q,
-            v[..., 0],
-            *contiguous_as_pages(k[:, :, 0]),
-            q_positions=pos,
-            kv_lengths=jnp.array([9, 5]),
-            topk=4,
-            scale=0.5,
-        ),
-    )
+    whole = all_ops()
     for a, b in zip(jax.tree_util.tree_leaves(blocked), jax.tree_util.tree_leaves(whole), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -23,6 +23,21 @@ class ShortConv(nnx.Module):
         )
 
 
+class GatedRMSNorm(nnx.Module):
+    """y = γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(z) per head, in float32 with one final rounding
+    (FLA FusedRMSNormGated, HF-KL 5.23); γ is shared by all heads."""
+
+    def __init__(self, dim: int, *, eps: float, dt: DTypes):
+        self.eps, self.dtype = eps, dt.compute
+        self.weight = nnx.Param(jnp.ones((dim,), dt.param), logical_axes=("norm",))
+
+    def __call__(self, o: jax.Array, z: jax.Array) -> jax.Array:
+        o32 = o.astype(jnp.float32)
+        y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.eps)
+        y = y * self.weight[...].astype(jnp.float32) * jax.nn.sigmoid(z.astype(jnp.float32))
+        return y.astype(self.dtype)
+
+
 class KimiDeltaAttention(nnx.Module):
     """Token mixer with a fixed-size state per head.
 
@@ -65,7 +80,7 @@ class KimiDeltaAttention(nnx.Module):
         else:
             self.g_a_proj = linear(d, cfg.kda_output_gate_rank, ("embed", None), dt, rngs)
             self.g_b_proj = linear(cfg.kda_output_gate_rank, dim, (None, "kda_heads"), dt, rngs)
-        self.o_norm = nnx.Param(jnp.ones((hd,), dt.param), logical_axes=("norm",))
+        self.o_norm = GatedRMSNorm(hd, eps=cfg.rms_norm_eps, dt=dt)
         self.o_proj = linear(dim, d, ("kda_heads", "embed"), dt, rngs)
 
     def init_state(self, batch_size: int, dtype) -> KDAState:
@@ -135,10 +150,6 @@ class KimiDeltaAttention(nnx.Module):
         )
 
         z = self.g_proj(x) if cfg.kda_output_gate_rank is None else self.g_b_proj(self.g_a_proj(x))
-        z = z.reshape(b, t, n, hd).astype(jnp.float32)
-        o32 = o.astype(jnp.float32)
-        # Gated RMSNorm in float32 with one final rounding (FLA FusedRMSNormGated, HF-KL 5.23).
-        y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-        y = y * self.o_norm[...].astype(jnp.float32) * jax.nn.sigmoid(z)
-        out = self.o_proj(y.reshape(b, t, n * hd).astype(self.dt.compute))
+        y = self.o_norm(o, z.reshape(b, t, n, hd))
+        out = self.o_proj(y.reshape(b, t, n * hd))
         return out, KDAState(conv=conv, recurrent=s)
