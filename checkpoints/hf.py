@@ -149,7 +149,7 @@ def load_safetensors_model(
         if missing:
             raise CheckpointError(
                 f"tensor {missing[0]!r} (for parameter {'.'.join(map(str, p))}) is missing from "
-                f"the checkpoint in {path}"
+                f"{', '.join(reader.files)} in {path}"
             )
         arr = src.build([_weight(reader, n) for n in src.names])
         want = tuple(var.get_value().shape)

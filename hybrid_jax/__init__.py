@@ -18,3 +18,15 @@ __all__ = [
     "sample_logits",
 ]
 __version__ = "0.1.0"
+
+_CHECKPOINT_API = ("from_pretrained", "save_pretrained", "load_tokenizer", "convert")
+
+
+def __getattr__(name: str):
+    # Checkpoint I/O lives in the `checkpoints` package, which imports the model; resolve it lazily so that
+    # `import hybrid_jax` stays light and the dependency keeps pointing one way.
+    if name in _CHECKPOINT_API:
+        import checkpoints
+
+        return getattr(checkpoints, name)
+    raise AttributeError(f"module 'hybrid_jax' has no attribute {name!r}")

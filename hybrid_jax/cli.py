@@ -40,24 +40,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hybrid_jax.model import HybridLM
     from hybrid_jax.tokenizer import ByteTokenizer
 
-    cfg = _load_config(args.config)
-    tok = ByteTokenizer()
-    if cfg.vocab_size < tok.vocab_size:
-        raise SystemExit(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}, config has {cfg.vocab_size}")
-    print(
-        f"model: {args.config} ({cfg.layer_pattern}), random weights from seed {args.seed}, "
-        f"device {jax.devices()[0].platform}",
-        flush=True,
-    )
-    model = HybridLM(cfg, rngs=nnx.Rngs(args.seed))
-    ids = jnp.asarray([tok.encode(args.prompt)], jnp.int32)
+    if args.model:
+        from checkpoints import from_pretrained, load_tokenizer
+
+        model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype))
+        cfg = model.config
+        tok = _HFTokenizer(load_tokenizer(args.model), cfg)
+        print(f"model: {args.model} ({cfg.layer_pattern}), {args.dtype}, device {jax.devices()[0].platform}")
+    else:
+        cfg = _load_config(args.config)
+        tok = ByteTokenizer()
+        if cfg.vocab_size < tok.vocab_size:
+            raise SystemExit(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}, config has {cfg.vocab_size}")
+        print(
+            f"model: {args.config} ({cfg.layer_pattern}), random weights from seed {args.seed}, "
+            f"device {jax.devices()[0].platform}",
+            flush=True,
+        )
+        model = HybridLM(cfg, rngs=nnx.Rngs(args.seed))
+    if args.prompt_ids:
+        ids = jnp.asarray([[int(t) for t in args.prompt_ids.split(",")]], jnp.int32)
+    elif tok is None:
+        raise SystemExit(f"{args.model} has no tokenizer.json: pass the prompt as --prompt-ids 1,2,3")
+    else:
+        ids = jnp.asarray([tok.encode(args.prompt)], jnp.int32)
     gen = jax.jit(generate, static_argnames=("max_new_tokens", "top_k", "eos_id"))
+    eos = tok.eos_id if tok is not None else cfg.eos_token_id
     kw = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        eos_id=tok.eos_id,
+        eos_id=eos,
         rng=jax.random.key(args.seed),
     )
 
@@ -69,10 +83,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
     steady = time.perf_counter() - t0
 
     n = int(out.lengths[0])
-    print(f"prompt: {args.prompt!r}")
-    print(f"generated: {tok.decode(out.tokens[0, :n])!r}")
+    print(f"prompt: {args.prompt_ids or args.prompt!r}")
+    if tok is not None:
+        print(f"generated: {tok.decode(out.tokens[0, :n])!r}")
     print(f"tokens: {out.tokens[0, :n].tolist()}")
     print(f"{n} tokens in {steady:.3f} s: {n / steady:.1f} tokens/s (first call incl. compilation {first:.2f} s)")
+    return 0
+
+
+class _HFTokenizer:
+    """The few methods the CLI needs, over a `tokenizers.Tokenizer` (None stays None)."""
+
+    def __new__(cls, tokenizer, cfg):
+        if tokenizer is None:
+            return None
+        self = super().__new__(cls)
+        self.tok, self.eos_id, self.bos_id = tokenizer, cfg.eos_token_id, cfg.bos_token_id
+        return self
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text).ids
+        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from checkpoints import convert
+
+    out = convert(args.hf_dir, args.out_dir, dtype=jnp.dtype(args.dtype), force=args.force)
+    print(f"wrote {out}")
     return 0
 
 
@@ -92,7 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.path.expanduser("~/.cache/hybrid_jax/jit"),
         help="JAX persistent compilation cache folder ('' to disable)",
     )
+    g.add_argument("--model", default=None, help="Hugging Face or converted folder (instead of --config)")
+    g.add_argument("--dtype", default="bfloat16", help="weights/activations dtype with --model")
+    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids (for folders without tokenizer)")
     g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("convert", help="convert a Hugging Face folder to an orbax checkpoint (atomic)")
+    c.add_argument("hf_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    c.set_defaults(func=cmd_convert)
     return p
 
 
