@@ -161,7 +161,15 @@ def load_safetensors_model(
         used.update(src.names)
         used.update(n + "_scale_inv" for n in src.names)
         target = var.get_value().dtype
-        var.set_value(jax.device_put(np.asarray(arr).astype(target), _sharding(var, mesh, rules)))
+        # At most one host copy (cast or transpose); device_put then reads the memory-mapped bytes directly.
+        host = np.ascontiguousarray(arr if arr.dtype == target else arr.astype(target))
+        var.set_value(jax.device_put(host, _sharding(var, mesh, rules)))
+        del host
+        del arr
+        for n in src.names:  # keep host memory near one tensor, not the whole memory-mapped file
+            reader.release(n)
+            if n + "_scale_inv" in reader:
+                reader.release(n + "_scale_inv")
     extra = sorted(n for n in reader if n not in used and not _IGNORED.match(n) and not _is_mtp(n, config))
     if extra and strict:
         shown = ", ".join(extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10 else "")

@@ -89,6 +89,18 @@ class SafetensorsFile:
         buf = np.frombuffer(self._mmap, dtype=np.uint8, count=end - start, offset=self._data_start + start)
         return buf.view(dtype).reshape(shape)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's resident set once it has been copied elsewhere.
+        The mapping is read-only and file-backed, so a later read simply faults the pages in again."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        _, _, start, end = self._entries[name]
+        page = mmap.PAGESIZE
+        lo = (self._data_start + start) // page * page
+        hi = self._data_start + end
+        if hi > lo:
+            self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
 
 class CheckpointFolder(Mapping):
     """All tensors of a Hugging Face folder: `model.safetensors`, or the shards listed in
@@ -125,6 +137,9 @@ class CheckpointFolder(Mapping):
 
     def __len__(self) -> int:
         return len(self._where)
+
+    def release(self, name: str) -> None:
+        self.files[self._where[name]].release(name)
 
     def file_of(self, name: str) -> str:
         return self._where.get(name, "<not in any file>")
