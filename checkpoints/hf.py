@@ -28,6 +28,7 @@ from checkpoints.hf_config import config_from_hf, config_to_hf
 from checkpoints.safetensors_io import CheckpointError, CheckpointFolder, write_safetensors
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.model import HybridLM
+from hybrid_jax.quant.config import QuantConfig
 from sharding.rules import LOGICAL_AXIS_RULES, logical_to_spec
 
 FP8_BLOCK = 128
@@ -123,8 +124,11 @@ def _sharding(var: nnx.Variable, mesh: Mesh | None, rules) -> jax.sharding.Shard
     return NamedSharding(mesh, logical_to_spec(var.get_metadata()["logical_axes"], rules, mesh.axis_names))
 
 
-def abstract_model(config: HybridConfig, dtype) -> HybridLM:
-    return nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+def abstract_model(config: HybridConfig, dtype, quant: QuantConfig | None = None) -> HybridLM:
+    """Shapes only. Projection weights take the quant policy's dtype when it sets one, else `dtype`."""
+    quant = quant or QuantConfig()
+    param_dtype = None if quant.projection.param_dtype is not None else dtype
+    return nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=nnx.Rngs(0)))
 
 
 def load_safetensors_model(
@@ -132,6 +136,7 @@ def load_safetensors_model(
     *,
     dtype=jnp.bfloat16,
     mesh: Mesh | None = None,
+    quant: QuantConfig | None = None,
     strict: bool = True,
     rules=LOGICAL_AXIS_RULES,
     progress: bool = True,
@@ -140,7 +145,7 @@ def load_safetensors_model(
     path = Path(path)
     config = read_config(path)
     reader = CheckpointFolder(path)
-    graphdef, state = nnx.split(abstract_model(config, dtype))
+    graphdef, state = nnx.split(abstract_model(config, dtype, quant))
     flat = list(nnx.to_flat_state(state))
     used: set[str] = set()
     for p, var in tqdm(flat, desc=f"loading {path.name}", unit="tensor", disable=not progress):

@@ -76,13 +76,15 @@ def convert(
     return save_orbax(model, out, force=force, source=str(hf_dir.absolute()), extra_files=extra)
 
 
-def restore_orbax(path: str | Path, *, dtype=None, mesh: Mesh | None = None, rules=LOGICAL_AXIS_RULES) -> HybridLM:
+def restore_orbax(
+    path: str | Path, *, dtype=None, mesh: Mesh | None = None, quant=None, rules=LOGICAL_AXIS_RULES
+) -> HybridLM:
     """Restore a converted folder; with a mesh, every parameter lands on its NamedSharding from the rules."""
     path = Path(path)
     meta = json.loads((path / MARKER).read_text())
     config = read_config(path)
     dtype = jnp.dtype(dtype or meta["dtype"])
-    graphdef, params = nnx.split(abstract_model(config, dtype))  # HybridLM holds only Params
+    graphdef, params = nnx.split(abstract_model(config, dtype, quant))  # HybridLM holds only Params
 
     def target(_, var):
         value = var.get_value()

@@ -2,8 +2,10 @@
 
 * KDA layer: `conv` [B, W-1, 3*N*K] (the last W-1 raw q|k|v projections, newest last) and
   `recurrent` [B, N, K, V] float32.
-* MLA layer: `kv` [P, G, L+R] latent pool (compressed latent c and the shared rope key per token);
-  sparse layers add `index_k` [P, G, H_I], the indexer's key pool.
+* MLA layer: `latent` [P, G, L] pool of compressed latents c, `rope` [P, G, R] of shared rope keys;
+  sparse layers add `index_k` [P, G, H_I], the indexer's key pool. A pool stores its rows dense, or
+  quantized (FP8 per-tile for the latent, MXFP8 for the indexer keys, see `hybrid_jax.quant`), so the
+  memory really shrinks; writing a token quantizes and touches only that token's rows.
 * Shared by all layers: `page_table` [B, n] (pages of each sequence, see `pallas_kernels.paged`) and
   `lengths` [B] (tokens cached so far). `max_len` is the capacity per sequence: going past it is an error.
 """
@@ -14,6 +16,75 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from hybrid_jax.quant.formats import (
+    MX_BLOCK,
+    dequantize_kv_fp8,
+    dequantize_mxfp8,
+    quantize_kv_fp8,
+    quantize_mxfp8,
+)
+from pallas_kernels.paged import write_rows
+
+POOL_FORMATS = ("dense", "fp8", "mxfp8")
+
+
+def quantize_rows(x: jax.Array, fmt: str, tile: int, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """Rows [..., W] -> (values, scales) in a pool format."""
+    if fmt == "fp8":
+        return quantize_kv_fp8(x, tile)
+    if fmt == "mxfp8":
+        return quantize_mxfp8(x)
+    return x.astype(dtype), None
+
+
+def dequantize_rows(values: jax.Array, scales: jax.Array | None, fmt: str, dtype) -> jax.Array:
+    if fmt == "fp8":
+        return dequantize_kv_fp8(values, scales, dtype)
+    if fmt == "mxfp8":
+        return dequantize_mxfp8(values, scales, dtype=dtype)
+    return values.astype(dtype)
+
+
+@struct.dataclass
+class Pool:
+    """Per-token rows of one layer in pages: values [P, G, W] and, when quantized, scales [P, G, W / block]."""
+
+    values: jax.Array
+    scales: jax.Array | None
+    fmt: str = struct.field(pytree_node=False, default="dense")
+    tile: int = struct.field(pytree_node=False, default=0)
+
+    @classmethod
+    def empty(cls, num_pages: int, page_size: int, width: int, dtype, fmt: str = "dense", tile: int = 0) -> Pool:
+        if fmt not in POOL_FORMATS:
+            raise ValueError(f"pool format {fmt!r} not in {POOL_FORMATS}")
+        block = {"fp8": tile, "mxfp8": MX_BLOCK}.get(fmt)
+        if block and width % block:
+            raise ValueError(f"pool width {width} is not a multiple of the {fmt} block {block}")
+        shape = (num_pages, page_size, width)
+        if fmt == "dense":
+            return cls(jnp.zeros(shape, dtype), None, fmt, tile)
+        values, scales = quantize_rows(jnp.zeros(shape, jnp.float32), fmt, tile, dtype)
+        return cls(values, scales, fmt, tile)
+
+    @classmethod
+    def from_rows(cls, rows: jax.Array, fmt: str, tile: int, dtype) -> Pool:
+        """Contiguous rows [B, T, W] as a pool of B pages (page table arange(B)[:, None])."""
+        values, scales = quantize_rows(rows, fmt, tile, dtype)
+        return cls(values, scales, fmt, tile)
+
+    def write(self, info: StepInfo, rows: jax.Array) -> Pool:
+        values, scales = quantize_rows(rows, self.fmt, self.tile, self.values.dtype)
+        new_values = write_rows(self.values, info.page_table, info.positions, info.valid, values)
+        new_scales = None
+        if scales is not None:
+            new_scales = write_rows(self.scales, info.page_table, info.positions, info.valid, scales)
+        return Pool(new_values, new_scales, self.fmt, self.tile)
+
+    def read(self, dtype) -> jax.Array:
+        """The dequantized pool [P, G, W] (what the reference ops read)."""
+        return dequantize_rows(self.values, self.scales, self.fmt, dtype)
+
 
 @struct.dataclass
 class KDAState:
@@ -23,8 +94,9 @@ class KDAState:
 
 @struct.dataclass
 class MLAState:
-    kv: jax.Array  # [P, G, L+R]
-    index_k: jax.Array | None  # [P, G, H_I] for sparse layers
+    latent: Pool  # [P, G, L]
+    rope: Pool  # [P, G, R]
+    index_k: Pool | None  # [P, G, H_I] for sparse layers
 
 
 @struct.dataclass

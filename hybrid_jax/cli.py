@@ -38,12 +38,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from hybrid_jax.generate import generate
     from hybrid_jax.model import HybridLM
+    from hybrid_jax.quant.config import QuantConfig
     from hybrid_jax.tokenizer import ByteTokenizer
 
+    quant = QuantConfig.from_yaml(args.quant) if args.quant else None
     if args.model:
         from checkpoints import from_pretrained, load_tokenizer
 
-        model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype))
+        model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), quant=quant)
         cfg = model.config
         tok = _HFTokenizer(load_tokenizer(args.model), cfg)
         print(f"model: {args.model} ({cfg.layer_pattern}), {args.dtype}, device {jax.devices()[0].platform}")
@@ -57,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"device {jax.devices()[0].platform}",
             flush=True,
         )
-        model = HybridLM(cfg, rngs=nnx.Rngs(args.seed))
+        model = HybridLM(cfg, quant=quant, rngs=nnx.Rngs(args.seed))
     if args.prompt_ids:
         ids = jnp.asarray([[int(t) for t in args.prompt_ids.split(",")]], jnp.int32)
     elif tok is None:
@@ -138,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="Hugging Face or converted folder (instead of --config)")
     g.add_argument("--dtype", default="bfloat16", help="weights/activations dtype with --model")
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids (for folders without tokenizer)")
+    g.add_argument("--quant", default=None, help="QuantConfig YAML file (indexer / kv_cache / projection)")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("convert", help="convert a Hugging Face folder to an orbax checkpoint (atomic)")
     c.add_argument("hf_dir")

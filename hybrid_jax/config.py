@@ -301,7 +301,7 @@ class HybridConfig:
             rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0),
             mla_output_gate=True,
             index_num_heads=4,
-            index_head_dim=16,
+            index_head_dim=32,
             index_rope_dim=8,
             index_topk=8,
             num_experts=8,

@@ -14,6 +14,7 @@ from hybrid_jax.layers.common import DTypes, RMSNorm, SwiGLU, linear
 from hybrid_jax.layers.kda import KimiDeltaAttention
 from hybrid_jax.layers.mla import MultiHeadLatentAttention
 from hybrid_jax.layers.moe import MoE
+from hybrid_jax.quant.config import QuantConfig
 
 
 class Embed(nnx.Module):
@@ -37,7 +38,7 @@ class DecoderLayer(nnx.Module):
         h = r + Mixer(RMSNorm(h));  r = h;  h = AR_post(blocks, h);  h = r + FFN(RMSNorm(h))
     """
 
-    def __init__(self, cfg: HybridConfig, index: int, dt: DTypes, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: HybridConfig, index: int, dt: DTypes, quant: QuantConfig, *, rngs: nnx.Rngs):
         self.cfg, self.index = cfg, index
         self.layer_type = cfg.layer_types[index]
         d = cfg.hidden_size
@@ -46,7 +47,7 @@ class DecoderLayer(nnx.Module):
         if self.layer_type == "linear":
             self.self_attn = KimiDeltaAttention(cfg, dt, rngs=rngs)
         else:
-            self.self_attn = MultiHeadLatentAttention(cfg, dt, sparse=self.layer_type == "sparse", rngs=rngs)
+            self.self_attn = MultiHeadLatentAttention(cfg, dt, quant, sparse=self.layer_type == "sparse", rngs=rngs)
         if cfg.mlp_types[index] == "moe":
             self.mlp = MoE(cfg, dt, rngs=rngs)
         else:
@@ -83,13 +84,35 @@ class HybridLM(nnx.Module):
     functions of their inputs and can be jitted.
     """
 
-    def __init__(self, config: HybridConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: HybridConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=None,
+        quant: QuantConfig | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.config = config
+        self.quant = quant = quant or QuantConfig()
+        proj = quant.projection.param_dtype
+        if param_dtype is not None and proj is not None and jnp.dtype(param_dtype) != jnp.dtype(proj):
+            raise ValueError(
+                f"param_dtype={jnp.dtype(param_dtype).name} contradicts "
+                f"quant.projection.dtype={quant.projection.dtype!r}"
+            )
+        param_dtype = param_dtype or proj or jnp.float32
+        if quant.indexer.enabled and "sparse" in config.layer_types and config.index_head_dim % 32:
+            raise ValueError(f"MXFP8 indexer needs index_head_dim={config.index_head_dim} to be a multiple of 32")
+        tile = quant.kv_cache.tile_size
+        has_mla = any(t in ("full", "sparse") for t in config.layer_types)
+        if quant.kv_cache.enabled and has_mla and config.kv_lora_rank % tile:
+            raise ValueError(f"FP8 KV cache tile_size={tile} must divide kv_lora_rank={config.kv_lora_rank}")
         dt = DTypes(compute=jnp.dtype(dtype), param=jnp.dtype(param_dtype))
         self.dtypes = dt
         d = config.hidden_size
         self.embed_tokens = Embed(config.vocab_size, d, dt, rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dt, rngs=rngs) for i in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, i, dt, quant, rngs=rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(d, eps=config.rms_norm_eps, dt=dt)
         if config.attn_res_block_size is not None:
             self.final_attn_residual = AttnResMix(d, eps=config.rms_norm_eps, rngs=rngs)

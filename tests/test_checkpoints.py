@@ -238,3 +238,17 @@ def test_tokenizer_json_is_loaded_and_absence_is_explained(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(d / "tokenizer.json"))
     assert load_tokenizer(d).encode("hello world").ids == [5, 9]
+
+
+def test_from_pretrained_applies_a_quant_policy(tmp_path):
+    q = tmp_path / "q.yaml"
+    q.write_text("kv_cache: {dtype: fp8, tile_size: 16}\nprojection: {dtype: bf16}\n")
+    model = from_pretrained(FIXTURES / "kimi_linear", dtype=jnp.float32, quant=q, progress=False)
+    assert model.layers[2].self_attn.kv_b_proj.kernel[...].dtype == jnp.bfloat16
+    assert model.layers[0].self_attn.A_log[...].dtype == jnp.float32
+    cache = model.init_cache(1, 8)
+    assert cache.layers[2].latent.values.dtype == jnp.float8_e4m3fn
+    ref = np.load(FIXTURES / "kimi_linear/reference.npz")
+    logits = jax.jit(lambda m, i: m(i))(model, jnp.asarray(ref["input_ids"]))
+    err = np.linalg.norm(np.asarray(logits) - ref["logits"]) / np.linalg.norm(ref["logits"])
+    assert 1e-4 < err < 0.05  # bf16 weights + FP8 latents: close to the float32 reference, not equal

@@ -21,3 +21,10 @@ def test_cli_rejects_unknown_config():
         [sys.executable, "-m", "hybrid_jax", "generate", "--config", "nope"], capture_output=True, text=True
     )
     assert proc.returncode != 0 and "--config 'nope'" in proc.stderr
+
+
+def test_cli_takes_a_quant_file(tmp_path, capsys):
+    q = tmp_path / "q.yaml"
+    q.write_text("indexer: {dtype: mxfp8}\nkv_cache: {dtype: fp8, tile_size: 16}\nprojection: {dtype: bf16}\n")
+    assert main(["generate", "--max-new-tokens", "3", "--compile-cache", "", "--quant", str(q)]) == 0
+    assert "tokens/s" in capsys.readouterr().out

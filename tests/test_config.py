@@ -68,7 +68,7 @@ def test_tiny_has_every_feature():
         (dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7"),
         (dict(eos_token_id=288), r"eos_token_id=288.*outside the vocabulary"),
         (dict(attn_res_block_size=0), r"attn_res_block_size=0"),
-        (dict(index_rope_dim=32), r"index_rope_dim=32"),
+        (dict(index_rope_dim=40), r"index_rope_dim=40"),
     ],
 )
 def test_contradictory_fields_raise_naming_the_value(changes, match):

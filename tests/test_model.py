@@ -10,6 +10,7 @@ from hybrid_jax import HybridLM
 from hybrid_jax.cache import StepInfo
 from hybrid_jax.layers.common import DTypes
 from hybrid_jax.layers.mla import MultiHeadLatentAttention
+from hybrid_jax.quant.config import QuantConfig
 from tests.conftest import random_ids, rel_err, variant_config
 
 
@@ -91,8 +92,8 @@ def _info(b, t, start=0):
 
 
 def _sparse_and_dense(cfg):
-    sparse = MultiHeadLatentAttention(cfg, DTypes(), sparse=True, rngs=nnx.Rngs(5))
-    dense = MultiHeadLatentAttention(cfg, DTypes(), sparse=False, rngs=nnx.Rngs(6))
+    sparse = MultiHeadLatentAttention(cfg, DTypes(), QuantConfig(), sparse=True, rngs=nnx.Rngs(5))
+    dense = MultiHeadLatentAttention(cfg, DTypes(), QuantConfig(), sparse=False, rngs=nnx.Rngs(6))
     state = nnx.state(sparse)
     del state["indexer"]
     nnx.update(dense, state)
@@ -109,6 +110,14 @@ def test_sparse_layer_with_topk_covering_the_context_equals_dense(tiny_cfg):
     assert rel_err(ys, yd) < 1e-5
 
 
+def _perturb(state, rows, delta):
+    """Add delta [n, L+R] to the cached [latent | rope] rows of page 0 (the MLA keys and values)."""
+    lat = state.latent.values.shape[-1]
+    latent = state.latent.replace(values=state.latent.values.at[0, rows].add(delta[:, :lat]))
+    rope = state.rope.replace(values=state.rope.values.at[0, rows].add(delta[:, lat:]))
+    return state.replace(latent=latent, rope=rope)
+
+
 def test_small_topk_ignores_unselected_keys(tiny_cfg):
     cfg = tiny_cfg.replace(index_topk=3)
     layer, _ = _sparse_and_dense(cfg)
@@ -123,10 +132,10 @@ def test_small_topk_ignores_unselected_keys(tiny_cfg):
     unselected = jnp.array([p for p in range(t + 1) if p not in selected])
     noise = jax.random.normal(jax.random.key(14), (len(unselected), cfg.latent_dim))
     y, _ = layer(x[:, t:], info, state)
-    y_noisy, _ = layer(x[:, t:], info, state.replace(kv=state.kv.at[0, unselected].add(noise)))
+    y_noisy, _ = layer(x[:, t:], info, _perturb(state, unselected, noise))
     np.testing.assert_allclose(y_noisy, y, rtol=0, atol=1e-6)
     one_selected = jnp.array([sorted(selected)[0]])
-    y_hit, _ = layer(x[:, t:], info, state.replace(kv=state.kv.at[0, one_selected].add(1.0)))
+    y_hit, _ = layer(x[:, t:], info, _perturb(state, one_selected, jnp.ones((1, cfg.latent_dim))))
     assert not np.allclose(y_hit, y, atol=1e-4)
 
 

@@ -6,23 +6,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.cache import MLAState, StepInfo
+from hybrid_jax.cache import MLAState, Pool, StepInfo
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, linear
 from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies
+from hybrid_jax.quant.config import QuantConfig
 from pallas_kernels.attention import attention
 from pallas_kernels.indexer import indexer_topk
-from pallas_kernels.paged import gather_pages, write_rows
+from pallas_kernels.paged import gather_pages
 from pallas_kernels.sparse_attention import sparse_mla
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _store(pages_or_none: jax.Array | None, new: jax.Array, info: StepInfo) -> jax.Array:
-    """Write this call's rows into the pool; without a cache the new rows *are* the (contiguous) pool."""
-    if pages_or_none is None:
-        return new
-    return write_rows(pages_or_none, info.page_table, info.positions, info.valid, new)
+def _store(pool: Pool | None, rows: jax.Array, info: StepInfo, fmt: str, tile: int) -> Pool:
+    """Write this call's rows into the pool; without a cache the new rows *are* the (contiguous) pool.
+    Either way they pass through the pool's format, so cached and uncached runs see the same rounding."""
+    if pool is None:
+        return Pool.from_rows(rows, fmt, tile, rows.dtype)
+    return pool.write(info, rows)
 
 
 class LightningIndexer(nnx.Module):
@@ -35,8 +37,9 @@ class LightningIndexer(nnx.Module):
     `c_q` is the MLA query latent (q_a_layernorm output) or x itself when the model has no q-LoRA.
     """
 
-    def __init__(self, cfg: HybridConfig, dt: DTypes, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: HybridConfig, dt: DTypes, quant: QuantConfig, *, rngs: nnx.Rngs):
         self.cfg, self.dt = cfg, dt
+        self.fmt = "mxfp8" if quant.indexer.enabled else "dense"
         q_in = cfg.q_lora_rank or cfg.hidden_size
         nh, hd = cfg.index_num_heads, cfg.index_head_dim
         self.wq_b = linear(q_in, nh * hd, ("q_lora", "index_heads"), dt, rngs)
@@ -61,25 +64,28 @@ class LightningIndexer(nnx.Module):
         rot = apply_rope(x[..., :r], positions, inv, interleaved=False, factor=attention_factor(cfg.rope_scaling))
         return jnp.concatenate([rot, x[..., r:]], axis=-1)
 
-    def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pages: jax.Array | None):
-        """Returns (indices [B,T,topk] int32 positions, -1 = none; the updated key pool)."""
+    def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None):
+        """Returns (indices [B,T,topk] int32 positions, -1 = none; the updated key pool).
+        With MXFP8 on, q and k are scored as their quantize-dequantize images (the kernel's arithmetic)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self._rope(self.wq_b(c_q).reshape(b, t, cfg.index_num_heads, cfg.index_head_dim), info.positions)
         k = self._rope(self.k_norm(self.wk(x)), info.positions)  # [B,T,H_I]
         w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
-        pages = _store(pages, k, info)
+        if self.fmt == "mxfp8":
+            q = Pool.from_rows(q, "mxfp8", 0, q.dtype).read(q.dtype)
+        pool = _store(pool, k, info, self.fmt, 0)
         idx, _ = indexer_topk(
             q,
             w,
-            pages,
+            pool.read(self.dt.compute),
             info.page_table,
             q_positions=info.positions,
             kv_lengths=info.kv_lengths,
             topk=cfg.index_topk,
             scale=cfg.index_head_dim**-0.5,
         )
-        return idx, pages
+        return idx, pool
 
 
 class MultiHeadLatentAttention(nnx.Module):
@@ -94,8 +100,10 @@ class MultiHeadLatentAttention(nnx.Module):
     o_n = W_UV,n Σ p c (ARCH_SPEC §3.3).
     """
 
-    def __init__(self, cfg: HybridConfig, dt: DTypes, *, sparse: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: HybridConfig, dt: DTypes, quant: QuantConfig, *, sparse: bool, rngs: nnx.Rngs):
         self.cfg, self.dt, self.sparse = cfg, dt, sparse
+        self.latent_fmt = "fp8" if quant.kv_cache.enabled else "dense"
+        self.tile = quant.kv_cache.tile_size
         d, n = cfg.hidden_size, cfg.num_heads
         if cfg.q_lora_rank is not None:
             self.q_a_proj = linear(d, cfg.q_lora_rank, ("embed", "q_lora"), dt, rngs)
@@ -112,13 +120,14 @@ class MultiHeadLatentAttention(nnx.Module):
         if cfg.mla_output_gate:
             self.output_gate_proj = linear(d, n * cfg.v_head_dim, ("embed", "heads"), dt, rngs)
         if sparse:
-            self.indexer = LightningIndexer(cfg, dt, rngs=rngs)
+            self.indexer = LightningIndexer(cfg, dt, quant, rngs=rngs)
 
     def init_state(self, num_pages: int, page_size: int, dtype) -> MLAState:
         cfg = self.cfg
-        kv = jnp.zeros((num_pages, page_size, cfg.latent_dim), dtype)
-        ik = jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype) if self.sparse else None
-        return MLAState(kv=kv, index_k=ik)
+        latent = Pool.empty(num_pages, page_size, cfg.kv_lora_rank, dtype, self.latent_fmt, self.tile)
+        rope = Pool.empty(num_pages, page_size, cfg.qk_rope_head_dim, dtype)  # the rope part stays unquantized
+        ik = Pool.empty(num_pages, page_size, cfg.index_head_dim, dtype, self.indexer.fmt) if self.sparse else None
+        return MLAState(latent=latent, rope=rope, index_k=ik)
 
     def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -144,7 +153,9 @@ class MultiHeadLatentAttention(nnx.Module):
         kv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(kv[..., :lat])
         k_pe = self._rope(kv[..., lat:], info.positions)
-        pages = _store(None if state is None else state.kv, jnp.concatenate([c, k_pe], axis=-1), info)
+        latent = _store(None if state is None else state.latent, c, info, self.latent_fmt, self.tile)
+        rope = _store(None if state is None else state.rope, k_pe, info, "dense", 0)
+        pages = jnp.concatenate([latent.read(self.dt.compute), rope.read(self.dt.compute)], axis=-1)  # [P,G,L+R]
 
         w_kv = self.kv_b_proj.kernel[...].astype(self.dt.compute).reshape(lat, n, nope + vd)
         w_uk, w_uv = w_kv[..., :nope], w_kv[..., nope:]  # [L,N,nope], [L,N,V]
@@ -185,5 +196,5 @@ class MultiHeadLatentAttention(nnx.Module):
             gate = jax.nn.sigmoid(self.output_gate_proj(x).astype(jnp.float32)).reshape(b, t, n, vd)
             o = (o.astype(jnp.float32) * gate).astype(self.dt.compute)
         out = self.o_proj(o.reshape(b, t, n * vd).astype(self.dt.compute))
-        new_state = None if state is None else MLAState(kv=pages, index_k=index_pages)
+        new_state = None if state is None else MLAState(latent=latent, rope=rope, index_k=index_pages)
         return out, new_state
