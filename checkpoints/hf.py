@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 from checkpoints.hf_config import config_from_hf, config_to_hf
 from checkpoints.safetensors_io import CheckpointError, CheckpointFolder, write_safetensors
 from hybrid_jax.config import HybridConfig
+from hybrid_jax.layers.common import quantize_fp8_blocks
 from hybrid_jax.model import HybridLM
 from hybrid_jax.quant.config import QuantConfig
 from sharding.rules import LOGICAL_AXIS_RULES, logical_to_spec
@@ -69,9 +71,9 @@ def _source(path: tuple, cfg: HybridConfig, reader: CheckpointFolder) -> Source:
     key = ".".join(map(str, path))
     if key == "embed_tokens.embedding":
         return Source(["model.embed_tokens.weight"], lambda t: t[0])
-    if key == "lm_head.kernel":
-        return Source(["lm_head.weight"], lambda t: t[0].T)
-    hf = "model." + key
+    hf = key if key.startswith("lm_head.") else "model." + key
+    if hf.endswith(".kernel_scale_inv"):  # FP8-resident projection: torch [out/128, in/128] -> ours [in/128, out/128]
+        return Source([hf[: -len(".kernel_scale_inv")] + ".weight_scale_inv"], lambda t: t[0].T)
     if hf.endswith(".kernel"):
         hf = hf[: -len(".kernel")] + ".weight"
     alternatives = [hf]
@@ -106,6 +108,23 @@ def _expert_source(layer: int, which: str, cfg: HybridConfig, reader: Checkpoint
         if which == "down_proj" and f"{prefix}.down_proj" in reader:  # HF fused [E, D, F]
             return Source([f"{prefix}.down_proj"], lambda ts: np.transpose(ts[0], (0, 2, 1)))
     return Source([f"model.layers.{layer}.mlp.experts.0.{which}.weight"], lambda ts: ts[0])  # reported missing
+
+
+def _fp8_param(path: tuple, cfg: HybridConfig, reader: CheckpointFolder) -> tuple[np.ndarray, list[str]]:
+    """Kernel or block scales of an FP8-resident projection: the checkpoint's own FP8 blocks when it has them
+    (no dequantize-requantize round trip), else the weight quantized to 128 x 128 blocks on load."""
+    want_scale = path[-1] == "kernel_scale_inv"
+    base = (*path[:-1], "kernel")
+    src = _source(base, cfg, reader)
+    wname = src.names[0]
+    sname = wname + "_scale_inv"
+    if wname not in reader:
+        return np.zeros(0), [wname]  # reported as missing by the caller
+    w = reader[wname]
+    if sname in reader and w.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+        return (reader[sname].T if want_scale else w.T), [wname, sname]
+    w8, scale = quantize_fp8_blocks(jnp.asarray(src.build([_weight(reader, wname)])))
+    return np.asarray(scale if want_scale else w8), [wname]
 
 
 def read_config(path: str | Path) -> HybridConfig:
@@ -149,14 +168,19 @@ def load_safetensors_model(
     flat = list(nnx.to_flat_state(state))
     used: set[str] = set()
     for p, var in tqdm(flat, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        src = _source(p, config, reader)
+        fp8 = p[-1] == "kernel_scale_inv" or (p[-1] == "kernel" and var.get_value().dtype == jnp.float8_e4m3fn)
+        if fp8:
+            built, names = _fp8_param(p, config, reader)
+            src = Source(names, lambda _, built=built: built)
+        else:
+            src = _source(p, config, reader)
         missing = [n for n in src.names if n not in reader]
         if missing:
             raise CheckpointError(
                 f"tensor {missing[0]!r} (for parameter {'.'.join(map(str, p))}) is missing from "
                 f"{', '.join(reader.files)} in {path}"
             )
-        arr = src.build([_weight(reader, n) for n in src.names])
+        arr = src.build(None) if fp8 else src.build([_weight(reader, n) for n in src.names])
         want = tuple(var.get_value().shape)
         if tuple(arr.shape) != want:
             raise CheckpointError(
@@ -207,7 +231,7 @@ def save_pretrained(model: HybridLM, path: str | Path) -> None:
         name = src.names[0]
         if name.endswith("_conv1d.weight"):
             value = value.T[:, None, :]
-        elif key.endswith(".kernel") or key == "lm_head.kernel":
+        elif key.endswith((".kernel", ".kernel_scale_inv")):
             value = value.T
         tensors[name] = value
     write_safetensors(path / "model.safetensors", tensors, {"format": "hybrid-jax"})

@@ -108,7 +108,7 @@ class HybridLM(nnx.Module):
         has_mla = any(t in ("full", "sparse") for t in config.layer_types)
         if quant.kv_cache.enabled and has_mla and config.kv_lora_rank % tile:
             raise ValueError(f"FP8 KV cache tile_size={tile} must divide kv_lora_rank={config.kv_lora_rank}")
-        dt = DTypes(compute=jnp.dtype(dtype), param=jnp.dtype(param_dtype))
+        dt = DTypes(compute=jnp.dtype(dtype), param=jnp.dtype(param_dtype), fp8_weights=quant.projection.fp8_weights)
         self.dtypes = dt
         d = config.hidden_size
         self.embed_tokens = Embed(config.vocab_size, d, dt, rngs)

@@ -252,3 +252,36 @@ def test_from_pretrained_applies_a_quant_policy(tmp_path):
     logits = jax.jit(lambda m, i: m(i))(model, jnp.asarray(ref["input_ids"]))
     err = np.linalg.norm(np.asarray(logits) - ref["logits"]) / np.linalg.norm(ref["logits"])
     assert 1e-4 < err < 0.05  # bf16 weights + FP8 latents: close to the float32 reference, not equal
+
+
+def test_fp8_weights_kept_in_fp8_when_asked(tmp_path):
+    """projection: fp8 keeps DeepSeek's FP8 blocks as they are; bf16 tensors are block-quantized on load."""
+    src = CheckpointFolder(FIXTURES / "deepseek_v32")
+    tensors = {k: np.array(src[k]) for k in src}
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    w8 = np.clip(tensors[name] / 0.5, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    tensors[name], tensors[name + "_scale_inv"] = w8, np.array([[0.5]], np.float32)
+    d = tmp_path / "ds_fp8"
+    d.mkdir()
+    shutil.copy(FIXTURES / "deepseek_v32/config.json", d)
+    write_safetensors(d / "model.safetensors", tensors)
+    q = tmp_path / "q.yaml"
+    q.write_text("projection: {dtype: fp8}\n")
+    model = from_pretrained(d, dtype=jnp.float32, quant=q, progress=False)
+    layer = model.layers[1].self_attn.q_b_proj
+    assert layer.kernel[...].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(layer.kernel[...]).view(np.uint8), w8.T.view(np.uint8))
+    np.testing.assert_array_equal(layer.kernel_scale_inv[...], [[0.5]])
+    # A bf16/f32 tensor of the same checkpoint was quantized on load to within E4M3 precision.
+    o = model.layers[1].self_attn.o_proj
+    ref = tensors["model.layers.1.self_attn.o_proj.weight"].T
+    deq = np.asarray(o.dense_kernel(jnp.float32))
+    assert o.kernel[...].dtype == jnp.float8_e4m3fn and np.abs(deq - ref).max() <= np.abs(ref).max() / 16
+    # ... and the FP8 model round-trips through our own format bit for bit.
+    save_pretrained(model, tmp_path / "fp8_hybrid")
+    back = from_pretrained(tmp_path / "fp8_hybrid", dtype=jnp.float32, quant=q, progress=False)
+    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model)), jax.tree_util.tree_leaves(nnx.state(back)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    ids = jnp.asarray(np.load(FIXTURES / "deepseek_v32/reference.npz")["input_ids"])
+    assert np.isfinite(np.asarray(jax.jit(lambda m, i: m(i))(model, ids))).all()

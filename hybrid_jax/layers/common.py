@@ -26,6 +26,58 @@ class DTypes:
 
     compute: jnp.dtype = jnp.float32
     param: jnp.dtype = jnp.float32
+    fp8_weights: bool = False  # projections hold FP8 E4M3 kernels with 128 x 128 block scales
+
+
+FP8_BLOCK = 128
+
+
+def block_scales_shape(in_dim: int, out_dim: int) -> tuple[int, int]:
+    return -(-in_dim // FP8_BLOCK), -(-out_dim // FP8_BLOCK)
+
+
+def quantize_fp8_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [in, out] -> (E4M3 [in, out], float32 scales [in/128, out/128]) with w ≈ w8 * scale per 128 x 128
+    block (DeepSeek's weight format, scale = amax / 448)."""
+    i, o = w.shape
+    bi, bo = block_scales_shape(i, o)
+    wp = jnp.pad(w.astype(jnp.float32), ((0, bi * FP8_BLOCK - i), (0, bo * FP8_BLOCK - o)))
+    blocks = wp.reshape(bi, FP8_BLOCK, bo, FP8_BLOCK)
+    scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(1, 3)), 1e-12) / 448.0
+    w8 = jnp.clip(blocks / scale[:, None, :, None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return w8.reshape(bi * FP8_BLOCK, bo * FP8_BLOCK)[:i, :o], scale
+
+
+def dequantize_fp8_blocks(w8: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    i, o = w8.shape
+    full = jnp.repeat(jnp.repeat(scale, FP8_BLOCK, axis=0)[:i], FP8_BLOCK, axis=1)[:, :o]
+    return (w8.astype(jnp.float32) * full).astype(dtype)
+
+
+class Fp8Linear(nnx.Module):
+    """y = x · (kernel ⊙ block scales): an FP8-resident projection (DeepSeek-V3 style 128 x 128 blocks).
+
+    `kernel` [in, out] float8_e4m3fn and `kernel_scale_inv` [in/128, out/128] float32 (the checkpoint's
+    `weight_scale_inv`, transposed). This reference dequantizes to the compute dtype before the matmul."""
+
+    def __init__(self, in_dim: int, out_dim: int, axes, dt: DTypes, rngs: nnx.Rngs, *, stddev: float = 0.02):
+        self.dtype = dt.compute
+        w8, scale = quantize_fp8_blocks(stddev * jax.random.normal(rngs.params(), (in_dim, out_dim)))
+        self.kernel = nnx.Param(w8, logical_axes=axes)
+        self.kernel_scale_inv = nnx.Param(scale, logical_axes=(None, None))
+
+    def dense_kernel(self, dtype) -> jax.Array:
+        return dequantize_fp8_blocks(self.kernel[...], self.kernel_scale_inv[...], dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.dot(x.astype(self.dtype), self.dense_kernel(self.dtype))
+
+
+def dense_kernel(layer: nnx.Module, dtype) -> jax.Array:
+    """The [in, out] kernel of a projection as a dense array (dequantized when FP8-resident)."""
+    if isinstance(layer, Fp8Linear):
+        return layer.dense_kernel(dtype)
+    return layer.kernel[...].astype(dtype)
 
 
 def linear(
@@ -37,8 +89,11 @@ def linear(
     *,
     param_dtype=None,
     stddev: float | None = None,
-) -> nnx.Linear:
-    """A bias-free projection whose kernel [in, out] carries logical axis names."""
+) -> nnx.Module:
+    """A bias-free projection whose kernel [in, out] carries logical axis names (FP8 blocks when the policy
+    asks for FP8-resident weights)."""
+    if dt.fp8_weights:
+        return Fp8Linear(in_dim, out_dim, axes, dt, rngs, stddev=0.02 if stddev is None else stddev)
     init = _normal if stddev is None else nnx.initializers.normal(stddev=stddev)
     return nnx.Linear(
         in_dim,

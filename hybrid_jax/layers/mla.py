@@ -8,7 +8,7 @@ from flax import nnx
 
 from hybrid_jax.cache import MLAState, Pool, StepInfo
 from hybrid_jax.config import HybridConfig
-from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, linear
+from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, linear
 from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies
 from hybrid_jax.quant.config import QuantConfig
 from pallas_kernels.attention import attention
@@ -157,7 +157,7 @@ class MultiHeadLatentAttention(nnx.Module):
         rope = _store(None if state is None else state.rope, k_pe, info, "dense", 0)
         pages = jnp.concatenate([latent.read(self.dt.compute), rope.read(self.dt.compute)], axis=-1)  # [P,G,L+R]
 
-        w_kv = self.kv_b_proj.kernel[...].astype(self.dt.compute).reshape(lat, n, nope + vd)
+        w_kv = dense_kernel(self.kv_b_proj, self.dt.compute).reshape(lat, n, nope + vd)
         w_uk, w_uv = w_kv[..., :nope], w_kv[..., nope:]  # [L,N,nope], [L,N,V]
         scale = cfg.softmax_scale
         index_pages = None

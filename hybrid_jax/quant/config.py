@@ -63,13 +63,18 @@ class ProjectionQuant:
     dtype: str = "bf16"
 
     def __post_init__(self):
-        if self.dtype not in ("bf16", "fp32", "none"):
-            _fail("projection", "dtype", self.dtype, ("bf16", "fp32", "none"))
+        if self.dtype not in ("bf16", "fp32", "fp8", "none"):
+            _fail("projection", "dtype", self.dtype, ("bf16", "fp32", "fp8", "none"))
 
     @property
     def param_dtype(self):
-        """Weight dtype of the projections; None = keep the model's own."""
-        return {"bf16": jnp.bfloat16, "fp32": jnp.float32}.get(self.dtype)
+        """Dtype of the non-projection weights (and of the projections unless FP8); None = the model's own."""
+        return {"bf16": jnp.bfloat16, "fp32": jnp.float32, "fp8": jnp.bfloat16}.get(self.dtype)
+
+    @property
+    def fp8_weights(self) -> bool:
+        """FP8-resident projections: E4M3 kernels with 128 x 128 float32 block scales (DeepSeek's format)."""
+        return self.dtype == "fp8"
 
 
 _PARTS = {"indexer": IndexerQuant, "kv_cache": KVCacheQuant, "projection": ProjectionQuant}
