@@ -9,6 +9,7 @@ Layout of a converted folder:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from checkpoints.hf import abstract_model, load_safetensors_model, read_config
 from checkpoints.hf_config import config_to_hf
 from checkpoints.safetensors_io import CheckpointError
 from hybrid_jax.model import HybridLM
+from hybrid_jax.quant.config import ProjectionQuant, QuantConfig
 from sharding.rules import LOGICAL_AXIS_RULES, logical_to_spec
 
 MARKER = "hybrid_jax_checkpoint.json"
@@ -50,8 +52,13 @@ def save_orbax(
             ckpt.save(tmp / "state", nnx.to_pure_dict(state))  # plain nested dict of arrays
             ckpt.wait_until_finished()
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
-        dtype = str(jax.tree_util.tree_leaves(state)[0].dtype)
-        (tmp / MARKER).write_text(json.dumps({"format": "orbax", "dtype": dtype, "source": source}) + "\n")
+        meta = {
+            "format": "orbax",
+            "dtype": model.dtypes.compute.name,
+            "source": source,
+            "projection": model.quant.projection.dtype,
+        }  # the parameter structure depends on it
+        (tmp / MARKER).write_text(json.dumps(meta) + "\n")
         for f in extra_files:
             shutil.copy2(f, tmp / f.name)
         if out.exists():
@@ -64,14 +71,21 @@ def save_orbax(
 
 
 def convert(
-    hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, force: bool = False, progress: bool = True
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype=jnp.bfloat16,
+    quant: QuantConfig | None = None,
+    force: bool = False,
+    progress: bool = True,
 ) -> Path:
-    """Hugging Face folder -> orbax folder (see `save_orbax`)."""
+    """Hugging Face folder -> orbax folder (see `save_orbax`). With `quant.projection.dtype == "fp8"` the
+    projections are stored FP8-resident."""
     hf_dir = Path(hf_dir)
     out = Path(out_dir)
     if out.exists() and not force:  # fail before the (long) load
         raise FileExistsError(f"{out} exists; pass force=True (--force) to overwrite it")
-    model = load_safetensors_model(hf_dir, dtype=dtype, progress=progress)
+    model = load_safetensors_model(hf_dir, dtype=dtype, quant=quant, progress=progress)
     extra = tuple(hf_dir / f for f in TOKENIZER_FILES if (hf_dir / f).is_file())
     return save_orbax(model, out, force=force, source=str(hf_dir.absolute()), extra_files=extra)
 
@@ -84,6 +98,15 @@ def restore_orbax(
     meta = json.loads((path / MARKER).read_text())
     config = read_config(path)
     dtype = jnp.dtype(dtype or meta["dtype"])
+    quant = quant or QuantConfig()
+    saved = meta.get("projection", "none")
+    if quant.projection.dtype == "none":
+        quant = dataclasses.replace(quant, projection=ProjectionQuant(saved))
+    elif quant.projection.dtype != saved:
+        raise CheckpointError(
+            f"{path} was converted with projection dtype {saved!r}; it cannot be restored as "
+            f"{quant.projection.dtype!r} (convert again with that policy)"
+        )
     graphdef, params = nnx.split(abstract_model(config, dtype, quant))  # HybridLM holds only Params
 
     def target(_, var):

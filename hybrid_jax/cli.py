@@ -115,8 +115,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from checkpoints import convert
+    from hybrid_jax.quant.config import QuantConfig
 
-    out = convert(args.hf_dir, args.out_dir, dtype=jnp.dtype(args.dtype), force=args.force)
+    quant = QuantConfig.from_yaml(args.quant) if args.quant else None
+    out = convert(args.hf_dir, args.out_dir, dtype=jnp.dtype(args.dtype), quant=quant, force=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir")
     c.add_argument("--dtype", default="bfloat16")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    c.add_argument("--quant", default=None, help="QuantConfig YAML; projection: fp8 stores FP8-resident weights")
     c.set_defaults(func=cmd_convert)
     return p
 

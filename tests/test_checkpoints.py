@@ -280,8 +280,26 @@ def test_fp8_weights_kept_in_fp8_when_asked(tmp_path):
     # ... and the FP8 model round-trips through our own format bit for bit.
     save_pretrained(model, tmp_path / "fp8_hybrid")
     back = from_pretrained(tmp_path / "fp8_hybrid", dtype=jnp.float32, quant=q, progress=False)
-    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model)), jax.tree_util.tree_leaves(nnx.state(back)),
-                    strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(nnx.state(model)), jax.tree_util.tree_leaves(nnx.state(back)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     ids = jnp.asarray(np.load(FIXTURES / "deepseek_v32/reference.npz")["input_ids"])
     assert np.isfinite(np.asarray(jax.jit(lambda m, i: m(i))(model, ids))).all()
+
+
+def test_convert_keeps_fp8_projections_and_restores_them(tmp_path):
+    q = tmp_path / "q.yaml"
+    q.write_text("projection: {dtype: fp8}\n")
+    from hybrid_jax.cli import main
+
+    assert main(["convert", str(FIXTURES / "kimi_linear"), str(tmp_path / "o"), "--quant", str(q)]) == 0
+    model = from_pretrained(tmp_path / "o")
+    assert model.layers[2].self_attn.kv_b_proj.kernel[...].dtype == jnp.float8_e4m3fn
+    direct = from_pretrained(FIXTURES / "kimi_linear", quant=q, progress=False)
+    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model)), jax.tree_util.tree_leaves(nnx.state(direct)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    q.write_text("projection: {dtype: bf16}\n")
+    with pytest.raises(CheckpointError, match="converted with projection dtype 'fp8'"):
+        from_pretrained(tmp_path / "o", quant=q)

@@ -127,11 +127,11 @@ projection: {dtype: bf16}
         QuantConfig.from_dict({"kv_cache": {"dtype": "int4"}})
 
 
-def _quant(indexer=True, kv=True, proj=False):
+def _quant(indexer=True, kv=True, proj="none"):
     return QuantConfig(
         IndexerQuant("mxfp8" if indexer else "none"),
         KVCacheQuant("fp8" if kv else "none", tile_size=16),
-        ProjectionQuant("bf16" if proj else "none"),
+        ProjectionQuant(proj),
     )
 
 
@@ -155,10 +155,12 @@ def test_quantized_model_decodes_like_its_full_forward_and_the_cache_shrinks(tin
     assert nbytes(q_state) < 0.45 * nbytes(p_state)
 
 
-@pytest.mark.parametrize("indexer,kv,proj", [(i, k, p) for i in (0, 1) for k in (0, 1) for p in (0, 1)])
+@pytest.mark.parametrize(
+    "indexer,kv,proj", [(i, k, p) for i in (0, 1) for k in (0, 1) for p in ("none", "bf16", "fp8")]
+)
 def test_every_combination_runs(tiny_cfg, indexer, kv, proj):
     model = HybridLM(tiny_cfg, quant=_quant(indexer, kv, proj), rngs=nnx.Rngs(0))
-    want = jnp.bfloat16 if proj else jnp.float32
+    want = {"none": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[proj]
     assert model.layers[0].self_attn.q_proj.kernel[...].dtype == want
     assert model.layers[0].self_attn.A_log[...].dtype == jnp.float32  # float32 by design, whatever the policy
     logits = jax.jit(lambda m, i: m(i))(model, random_ids(31, (1, 10)))
@@ -171,4 +173,4 @@ def test_quant_shape_requirements_are_named(tiny_cfg):
     with pytest.raises(ValueError, match="index_head_dim=16"):
         HybridLM(tiny_cfg.replace(index_head_dim=16, index_rope_dim=8), quant=_quant(kv=False), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="param_dtype=float32 contradicts quant.projection.dtype='bf16'"):
-        HybridLM(tiny_cfg, param_dtype=jnp.float32, quant=_quant(proj=True), rngs=nnx.Rngs(0))
+        HybridLM(tiny_cfg, param_dtype=jnp.float32, quant=_quant(proj="bf16"), rngs=nnx.Rngs(0))
