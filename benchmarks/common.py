@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -17,6 +18,7 @@ def device_name() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', d.platform)} x{jax.device_count()}, jax {jax.__version__}"
 
 
+@functools.cache
 def commit() -> str:
     """HEAD of the checkout; HYBRID_JAX_COMMIT overrides it where the tree was copied without .git (GPU runs)."""
     if os.environ.get("HYBRID_JAX_COMMIT"):
@@ -43,3 +45,6 @@ def append_results(script: str, title: str, table: str, path: Path = ROOT / "BEN
     block = f"\n### {title}\n\n`benchmarks/{script}` — {stamp}, commit {commit()}, {device_name()}\n\n{table}\n"
     with path.open("a") as f:
         f.write(block)
+
+
+commit()  # read when the benchmark starts, so a commit made while it runs cannot mislabel its results

@@ -89,11 +89,11 @@ def _recall(ref: jax.Array, got: jax.Array, topk: int) -> np.ndarray:
     return np.array([len(np.intersect1d(x, y)) / topk for x, y in zip(a, b, strict=True)])
 
 
-def recall_table(topk: int = 2048, keys: int = 8192, queries: int = 32, heads: int = 64, dim: int = 128):
+def recall_table(topk: int = 2048, queries: int = 32, heads: int = 64, dim: int = 128):
     """Recall of the BF16 Top-K. For scale, the same table holds BF16 against float32 (the noise floor of
     the reference itself) and DeepSeek's per-128 FP8 format."""
     rows = []
-    for case in ("random", "outlier channels"):
+    for case, keys in (("random", 8192), ("outlier channels", 8192), ("random", 32768)):
         ks = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(ks[0], (1, queries, heads, dim))
         k = jax.random.normal(ks[1], (1, keys, dim))
@@ -104,34 +104,20 @@ def recall_table(topk: int = 2048, keys: int = 8192, queries: int = 32, heads: i
         q16, k16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
         ref = indexer_scores(q16, w, k16, scale=dim**-0.5)
         variants = {
-            "MXFP8 (OCP, 32-groups)": indexer_scores(_mx(q16), w, _mx(k16), scale=dim**-0.5),
-            "FP8 ue8m0 per 128 (DeepSeek)": indexer_scores(
-                _fp8_ue8m0_128(q16), w, _fp8_ue8m0_128(k16), scale=dim**-0.5
+            ("MXFP8 (OCP, 32-groups)", "bf16"): (ref, indexer_scores(_mx(q16), w, _mx(k16), scale=dim**-0.5)),
+            ("FP8 ue8m0 per 128 (DeepSeek)", "bf16"): (
+                ref,
+                indexer_scores(_fp8_ue8m0_128(q16), w, _fp8_ue8m0_128(k16), scale=dim**-0.5),
             ),
+            ("bf16", "float32"): (indexer_scores(q, w, k, scale=dim**-0.5), ref),
         }
-        for name, got in variants.items():
-            r = _recall(ref, got, topk)
-            rows.append(
-                {
-                    "activations": case,
-                    "format": name,
-                    "vs": "bf16",
-                    "mean recall": f"{r.mean():.4f}",
-                    "min recall": f"{r.min():.4f}",
-                }
-            )
-        r = _recall(indexer_scores(q, w, k, scale=dim**-0.5), ref, topk)
-        rows.append(
-            {
-                "activations": case,
-                "format": "bf16",
-                "vs": "float32",
-                "mean recall": f"{r.mean():.4f}",
-                "min recall": f"{r.min():.4f}",
-            }
-        )
-    for row in rows:
-        row.update({"shape": f"{queries} q x {keys} keys, {heads} x {dim}, top-{topk}"})
+        for (name, versus), (a, b) in variants.items():
+            r = _recall(a, b, topk)
+            rows.append({
+                "activations": case, "keys": keys, "format": name, "vs": versus,
+                "mean recall": f"{r.mean():.4f}", "min recall": f"{r.min():.4f}",
+                "queries, heads x dim, top-k": f"{queries}, {heads} x {dim}, {topk}",
+            })  # fmt: skip
     return rows
 
 
@@ -198,17 +184,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--kl-tokens", type=int, default=2048)
     p.add_argument("--kl-layers", type=int, default=16)
+    p.add_argument("--only", nargs="+", choices=["bytes", "recall", "attention", "kl"], default=None)
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
-    sections = [
-        ("Quantization: cache bytes, BF16 vs MXFP8 indexer keys + FP8 latent (rope part stays BF16)", bytes_table()),
-        ("Quantization: indexer Top-K recall, MXFP8 q/k vs BF16 scores", recall_table()),
-        ("Quantization: attention output error with the FP8 KV cache", attention_error_table()),
-        ("Quantization: final-logit KL, hierarchical config vs BF16", kl_table(args.kl_tokens, args.kl_layers)),
-    ]
-    for title, rows in sections:
-        table = format_table(rows)
+    sections = {
+        "bytes": ("Quantization: cache bytes, BF16 vs MXFP8 indexer keys + FP8 latent (rope part stays BF16)",
+                  bytes_table),
+        "recall": ("Quantization: indexer Top-K recall, MXFP8 q/k vs BF16 scores", recall_table),
+        "attention": ("Quantization: attention output error with the FP8 KV cache", attention_error_table),
+        "kl": ("Quantization: final-logit KL, hierarchical config vs BF16",
+               lambda: kl_table(args.kl_tokens, args.kl_layers)),
+    }  # fmt: skip
+    for key in args.only or sections:
+        title, make = sections[key]
+        table = format_table(make())
         print(f"\n{title}\n{table}", flush=True)
         if not args.no_record:
             append_results("quant_accuracy.py", title, table)

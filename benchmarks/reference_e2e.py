@@ -18,6 +18,7 @@ from flax import nnx
 
 from benchmarks.common import append_results, device_name, format_table
 from hybrid_jax import PRESETS, HybridLM
+from hybrid_jax.quant.config import QuantConfig
 
 
 def median_ms(fn, *args, warmup: int = 2, iters: int = 5) -> float:
@@ -38,12 +39,15 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048, help="cached tokens before the timed decode step")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quant", default=None, help="QuantConfig YAML (e.g. configs/quant_hierarchical.yaml)")
     p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
     args = p.parse_args()
 
     cfg = PRESETS[args.config]()
     dtype = jnp.dtype(args.dtype)
-    model = HybridLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    quant = QuantConfig.from_yaml(args.quant) if args.quant else None
+    param_dtype = None if quant and quant.projection.param_dtype is not None else dtype
+    model = HybridLM(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=nnx.Rngs(0))
     prefill = jax.jit(lambda m, ids, c: m.prefill(ids, c, last_only=True), donate_argnums=2)
     decode = jax.jit(lambda m, ids, c: m.decode_step(ids, c), donate_argnums=2)
 
@@ -89,7 +93,7 @@ def main() -> None:
 
     title = (
         f"Reference model (pure jnp, no Pallas), {args.config} ({cfg.layer_pattern}), {args.dtype} "
-        f"weights and activations; decode after a {args.context}-token context"
+        f"activations; decode after a {args.context}-token context; quant: {args.quant or 'off'}"
     )
     table = format_table(rows)
     print(f"{title}\ndevice: {device_name()}\n{table}")

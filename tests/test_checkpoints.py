@@ -297,8 +297,9 @@ def test_convert_keeps_fp8_projections_and_restores_them(tmp_path):
     model = from_pretrained(tmp_path / "o")
     assert model.layers[2].self_attn.kv_b_proj.kernel[...].dtype == jnp.float8_e4m3fn
     direct = from_pretrained(FIXTURES / "kimi_linear", quant=q, progress=False)
-    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model)), jax.tree_util.tree_leaves(nnx.state(direct)),
-                    strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(nnx.state(model)), jax.tree_util.tree_leaves(nnx.state(direct)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     q.write_text("projection: {dtype: bf16}\n")
     with pytest.raises(CheckpointError, match="converted with projection dtype 'fp8'"):
