@@ -145,7 +145,11 @@ def test_quantized_model_decodes_like_its_full_forward_and_the_cache_shrinks(tin
     for t in range(5, 12):
         lg, cache = jitted["decode"](model, ids[:, t], cache)
         steps.append(lg[:, None])
-    assert rel_err(jnp.concatenate(steps, axis=1), full) < 1e-4
+    # On the CPU the cached and uncached paths compute bit-identical latents, so quantization rounds them
+    # identically. Elsewhere GEMM rounding differs by shape, and a 1e-7 difference can move a value across
+    # an FP8 rounding boundary (a 2^-4 relative step), so only a looser agreement is meaningful there.
+    tol = 1e-4 if jax.default_backend() == "cpu" else 2e-2
+    assert rel_err(jnp.concatenate(steps, axis=1), full) < tol
     plain = HybridLM(tiny_cfg, rngs=nnx.Rngs(0))
     assert rel_err(full, jitted["forward"](plain, ids)) > 1e-4  # the quantization is really applied
     i = tiny_cfg.layer_types.index("sparse")
