@@ -47,4 +47,12 @@ def append_results(script: str, title: str, table: str, path: Path = ROOT / "BEN
         f.write(block)
 
 
+def report(script: str, title: str, rows: list[dict], *, record: bool = True) -> None:
+    """Print a titled table (with the device) and, unless record=False, append it to BENCHMARKS.md."""
+    table = format_table(rows)
+    print(f"\n{title}\ndevice: {device_name()}\n{table}", flush=True)
+    if record:
+        append_results(script, title, table)
+
+
 commit()  # read when the benchmark starts, so a commit made while it runs cannot mislabel its results

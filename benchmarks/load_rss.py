@@ -45,7 +45,7 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from benchmarks.common import append_results, format_table
+    from benchmarks.common import report
     from checkpoints import save_pretrained
     from hybrid_jax import HybridConfig, HybridLM
 
@@ -84,10 +84,7 @@ def main() -> None:
         }
     ]
     title = f"from_pretrained host memory, hybrid format, bf16, hybrid_small widths with {n} layers"
-    table = format_table(rows)
-    print(f"{title}\n{table}")
-    if not args.no_record:
-        append_results("load_rss.py", title, table)
+    report("load_rss.py", title, rows, record=not args.no_record)
 
 
 if __name__ == "__main__":

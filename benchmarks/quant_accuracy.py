@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import append_results, format_table
+from benchmarks.common import report
 from hybrid_jax import HybridConfig, HybridLM
 from hybrid_jax.cache import Pool
 from hybrid_jax.quant.config import QuantConfig
@@ -198,10 +198,7 @@ def main() -> None:
     }  # fmt: skip
     for key in args.only or sections:
         title, make = sections[key]
-        table = format_table(make())
-        print(f"\n{title}\n{table}", flush=True)
-        if not args.no_record:
-            append_results("quant_accuracy.py", title, table)
+        report("quant_accuracy.py", title, make(), record=not args.no_record)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import append_results, device_name, format_table
+from benchmarks.common import report
 from hybrid_jax import PRESETS, HybridLM
 from hybrid_jax.quant.config import QuantConfig
 
@@ -95,10 +95,7 @@ def main() -> None:
         f"Reference model (pure jnp, no Pallas), {args.config} ({cfg.layer_pattern}), {args.dtype} "
         f"activations; decode after a {args.context}-token context; quant: {args.quant or 'off'}"
     )
-    table = format_table(rows)
-    print(f"{title}\ndevice: {device_name()}\n{table}")
-    if not args.no_record:
-        append_results("reference_e2e.py", title, table)
+    report("reference_e2e.py", title, rows, record=not args.no_record)
 
 
 if __name__ == "__main__":

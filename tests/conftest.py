@@ -63,3 +63,16 @@ def jitted():
 
 def random_ids(key: int, shape, vocab: int = 256) -> jnp.ndarray:
     return jax.random.randint(jax.random.key(key), shape, 0, vocab, dtype=jnp.int32)
+
+
+def prefill_then_decode(model, ids, jitted, n_prefill: int, max_len: int):
+    """Prefill the first n_prefill tokens, then decode the rest one at a time through the caches.
+    Returns (logits [B, T, V] stitched from all calls, final cache)."""
+    b, t = ids.shape
+    cache = model.init_cache(b, max_len)
+    logits, cache = jitted["prefill"](model, ids[:, :n_prefill], cache, jnp.full((b,), n_prefill))
+    steps = [logits]
+    for i in range(n_prefill, t):
+        lg, cache = jitted["decode"](model, ids[:, i], cache)
+        steps.append(lg[:, None])
+    return jnp.concatenate(steps, axis=1), cache

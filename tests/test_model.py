@@ -11,7 +11,7 @@ from hybrid_jax.cache import StepInfo
 from hybrid_jax.layers.common import DTypes
 from hybrid_jax.layers.mla import MultiHeadLatentAttention
 from hybrid_jax.quant.config import QuantConfig
-from tests.conftest import random_ids, rel_err, variant_config
+from tests.conftest import prefill_then_decode, random_ids, rel_err, variant_config
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +24,8 @@ def test_token_by_token_decode_reproduces_full_forward(which, tiny_model, varian
     model = tiny_model if which == "tiny" else variant_model
     ids = random_ids(7, (2, 14))
     full = jitted["forward"](model, ids)
-    cache = model.init_cache(2, 16)
-    logits, cache = jitted["prefill"](model, ids[:, :5], cache, jnp.array([5, 5]))
-    steps = [logits]
-    for t in range(5, 14):
-        lg, cache = jitted["decode"](model, ids[:, t], cache)
-        steps.append(lg[:, None])
-    assert rel_err(jnp.concatenate(steps, axis=1), full) < 1e-4
+    stepped, cache = prefill_then_decode(model, ids, jitted, 5, 16)
+    assert rel_err(stepped, full) < 1e-4
     np.testing.assert_array_equal(cache.lengths, [14, 14])
 
 

@@ -10,7 +10,7 @@ from flax import nnx
 from hybrid_jax import HybridLM
 from hybrid_jax.quant.config import IndexerQuant, KVCacheQuant, ProjectionQuant, QuantConfig
 from hybrid_jax.quant.formats import dequantize_kv_fp8, dequantize_mxfp8, quantize_kv_fp8, quantize_mxfp8
-from tests.conftest import random_ids, rel_err
+from tests.conftest import prefill_then_decode, random_ids, rel_err
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -139,17 +139,12 @@ def test_quantized_model_decodes_like_its_full_forward_and_the_cache_shrinks(tin
     model = HybridLM(tiny_cfg, quant=_quant(), rngs=nnx.Rngs(0))
     ids = random_ids(30, (2, 12))
     full = jitted["forward"](model, ids)
-    cache = model.init_cache(2, 16)
-    logits, cache = jitted["prefill"](model, ids[:, :5], cache, jnp.array([5, 5]))
-    steps = [logits]
-    for t in range(5, 12):
-        lg, cache = jitted["decode"](model, ids[:, t], cache)
-        steps.append(lg[:, None])
+    stepped, cache = prefill_then_decode(model, ids, jitted, 5, 16)
     # On the CPU the cached and uncached paths compute bit-identical latents, so quantization rounds them
     # identically. Elsewhere GEMM rounding differs by shape, and a 1e-7 difference can move a value across
     # an FP8 rounding boundary (a 2^-4 relative step), so only a looser agreement is meaningful there.
     tol = 1e-4 if jax.default_backend() == "cpu" else 2e-2
-    assert rel_err(jnp.concatenate(steps, axis=1), full) < tol
+    assert rel_err(stepped, full) < tol
     plain = HybridLM(tiny_cfg, rngs=nnx.Rngs(0))
     assert rel_err(full, jitted["forward"](plain, ids)) > 1e-4  # the quantization is really applied
     i = tiny_cfg.layer_types.index("sparse")
