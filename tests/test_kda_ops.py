@@ -104,3 +104,20 @@ def test_bad_arguments_are_named():
         kda(q, k, v, g, beta, impl="pallas_v9")
     with pytest.raises(ValueError, match="g.shape"):
         kda(q, k, v, g[..., :2], beta)
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+def test_state_summary_is_the_affine_map_of_the_shard(scalar):
+    from pallas_kernels.linear_attention import apply_summary, compose_summaries, kda_state_summary
+
+    q, k, v, g, beta, s0 = _inputs(11, 2, 45, 2, 8, 6, scalar)
+    m, e = kda_state_summary(k, v, g, beta, chunk_size=8)
+    _, s_end = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    assert rel_err(apply_summary((m, e), s0), s_end) < 1e-5
+    _, s_zero = kda(q, k, v, g, beta, impl="recurrent")
+    assert rel_err(e, s_zero) < 1e-5  # E is the final state from zero
+    # Two shards composed equal the whole (the fold each CP rank does over the ranks before it).
+    first = kda_state_summary(k[:, :20], v[:, :20], g[:, :20], beta[:, :20], chunk_size=8)
+    second = kda_state_summary(k[:, 20:], v[:, 20:], g[:, 20:], beta[:, 20:], chunk_size=8)
+    both = compose_summaries(first, second)
+    assert rel_err(both[0], m) < 1e-5 and rel_err(both[1], e) < 1e-5

@@ -1,3 +1,3 @@
-from pallas_kernels.linear_attention.api import kda
+from pallas_kernels.linear_attention.api import apply_summary, compose_summaries, kda, kda_state_summary
 
-__all__ = ["kda"]
+__all__ = ["apply_summary", "compose_summaries", "kda", "kda_state_summary"]

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from pallas_kernels.linear_attention.reference import kda_chunked, kda_recurrent
+from pallas_kernels.linear_attention.reference import (
+    apply_summary,
+    compose_summaries,
+    kda_chunked,
+    kda_recurrent,
+)
+from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
+
+__all__ = ["apply_summary", "compose_summaries", "kda", "kda_state_summary"]
 
 IMPLS = ("auto", "recurrent", "chunked")
 
@@ -32,3 +40,11 @@ def kda(
     if impl == "recurrent":
         return kda_recurrent(q, k, v, g, beta, **kw)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+
+
+def kda_state_summary(k, v, g, beta, *, use_qk_l2norm=True, chunk_size: int = 64, impl: str = "auto"):
+    """Context-parallel state summary of one sequence shard: (M [B,N,K,K], E [B,N,K,V]) float32 with
+    S_end = M S_start + E. impl: "reference" (chunk-wise jnp) or "auto"."""
+    if impl not in ("auto", "reference"):
+        raise ValueError(f"kda_state_summary: unknown impl={impl!r}; expected one of ('auto', 'reference')")
+    return _kda_state_summary(k, v, g, beta, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)

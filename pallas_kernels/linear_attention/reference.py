@@ -23,7 +23,6 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 def _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
     b, t, n, dk = q.shape
-    dv = v.shape[-1]
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
@@ -32,7 +31,9 @@ def _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
     if g.ndim == 3:  # scalar decay per head (Gated DeltaNet)
         g = jnp.broadcast_to(g[..., None], (b, t, n, dk))
     beta = beta.astype(jnp.float32)
-    s0 = jnp.zeros((b, n, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    # zeros_like of an input-derived value: inside shard_map the scan carry then has the inputs' varying type.
+    zero_state = jnp.zeros_like(k[:, 0, :, :, None] * v[:, 0, :, None, :])  # [B,N,K,V]
+    s0 = zero_state if initial_state is None else initial_state.astype(jnp.float32)
     return q, k, v, g, beta, s0
 
 
@@ -54,20 +55,20 @@ def kda_recurrent(q, k, v, g, beta, *, initial_state=None, scale=None, use_qk_l2
     return jnp.moveaxis(o, 0, 1).astype(out_dtype), s
 
 
-def _chunk_step(s0, xs):
-    """One chunk of C tokens for all (batch, head) pairs; s0 [B,N,K,V] float32."""
-    q, k, v, g, beta = xs  # [B,N,C,K] x3 (g), [B,N,C,V], [B,N,C]
-    c = q.shape[2]
-    gc = jnp.cumsum(g, axis=2)  # G_r = sum_{i<=r} g_i, [B,N,C,K]
-    i = jnp.arange(c)
+def _decay_matrix(gc: jax.Array) -> jax.Array:
+    """exp(G_i - G_j) for i >= j, else 0: [B,N,C,K] -> [B,N,C,C,K]. Masked before the exp, so no exp(+large)
+    is ever formed (ARCH_SPEC §9.5)."""
+    i = jnp.arange(gc.shape[2])
     causal = i[:, None] >= i[None, :]
-    # exp(G_i - G_j) only for i >= j: mask before exp so no exp(+large) is ever formed.
-    diff = jnp.where(causal[None, None, :, :, None], gc[:, :, :, None, :] - gc[:, :, None, :, :], -jnp.inf)
-    decay = jnp.exp(diff)  # [B,N,C,C,K]
+    return jnp.exp(jnp.where(causal[None, None, :, :, None], gc[:, :, :, None, :] - gc[:, :, None, :, :], -jnp.inf))
+
+
+def _wy_factors(k, v, gc, beta, decay):
+    """UT transform T = (I + A_kk)^-1 Diag(beta); W = T (exp(G) ⊙ K), U = T V; kg = K ⊙ exp(G_C - G)."""
+    c = k.shape[2]
+    i = jnp.arange(c)
     a_kk = jnp.einsum("bnik,bnjk,bnijk->bnij", k, k, decay, precision=HIGHEST)
     a_kk = jnp.where((i[:, None] > i[None, :])[None, None], a_kk * beta[..., None], 0.0)
-    a_qk = jnp.einsum("bnik,bnjk,bnijk->bnij", q, k, decay, precision=HIGHEST)
-    # UT transform: T = (I + A_kk)^-1 Diag(beta), a unit-lower-triangular solve.
     eye = jnp.eye(c, dtype=jnp.float32)
     t_mat = jax.lax.linalg.triangular_solve(
         eye + a_kk,
@@ -78,29 +79,84 @@ def _chunk_step(s0, xs):
     )
     w = jnp.einsum("bnij,bnjk->bnik", t_mat, jnp.exp(gc) * k, precision=HIGHEST)
     u = jnp.einsum("bnij,bnjv->bniv", t_mat, v, precision=HIGHEST)
+    g_last = gc[:, :, -1, :]  # [B,N,K]
+    kg = k * jnp.exp(g_last[:, :, None, :] - gc)
+    return w, u, kg, g_last
+
+
+def _chunk_step(s0, xs):
+    """One chunk of C tokens for all (batch, head) pairs; s0 [B,N,K,V] float32."""
+    q, k, v, g, beta = xs  # [B,N,C,K] x3 (g), [B,N,C,V], [B,N,C]
+    gc = jnp.cumsum(g, axis=2)  # G_r = sum_{i<=r} g_i, [B,N,C,K]
+    decay = _decay_matrix(gc)
+    w, u, kg, g_last = _wy_factors(k, v, gc, beta, decay)
+    a_qk = jnp.einsum("bnik,bnjk,bnijk->bnij", q, k, decay, precision=HIGHEST)
     v_new = u - jnp.einsum("bnik,bnkv->bniv", w, s0, precision=HIGHEST)  # pseudo-values vs. the old state
     o = jnp.einsum("bnik,bnkv->bniv", jnp.exp(gc) * q, s0, precision=HIGHEST) + jnp.einsum(
         "bnij,bnjv->bniv", a_qk, v_new, precision=HIGHEST
     )
-    g_last = gc[:, :, -1, :]  # [B,N,K]
-    kg = k * jnp.exp(g_last[:, :, None, :] - gc)
     s1 = jnp.exp(g_last)[..., None] * s0 + jnp.einsum("bnik,bniv->bnkv", kg, v_new, precision=HIGHEST)
     return s1, o
+
+
+def _summary_step(carry, xs):
+    """(M, E) <- (M_c M, M_c E + kg^T U) with the chunk transition M_c = Diag(exp(G_C)) - kg^T W (ARCH_SPEC §2.2)."""
+    m, e = carry
+    k, v, g, beta = xs
+    gc = jnp.cumsum(g, axis=2)
+    w, u, kg, g_last = _wy_factors(k, v, gc, beta, _decay_matrix(gc))
+    m_c = jnp.exp(g_last)[..., :, None] * jnp.eye(k.shape[-1]) - jnp.einsum(
+        "bnik,bnij->bnkj", kg, w, precision=HIGHEST
+    )  # [B,N,K,K]
+    e = jnp.einsum("bnkj,bnjv->bnkv", m_c, e, precision=HIGHEST) + jnp.einsum(
+        "bnik,bniv->bnkv", kg, u, precision=HIGHEST
+    )
+    return (jnp.einsum("bnkj,bnjl->bnkl", m_c, m, precision=HIGHEST), e), None
+
+
+def _to_chunks(x, c: int):
+    """[B,T,N,...] -> [T/C (padded), B, N, C, ...]; padding with zeros (g = 0, beta = 0 keep the state)."""
+    b, t, n = x.shape[:3]
+    nc = -(-t // c)
+    x = jnp.pad(x, [(0, 0), (0, nc * c - t)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, nc, c, n, *x.shape[3:]), (1, 3), (0, 2))
+
+
+def kda_state_summary(k, v, g, beta, *, use_qk_l2norm=True, chunk_size=64):
+    """The affine map of a sequence shard: S_end = M S_start + E (ARCH_SPEC §2).
+
+    k [B,T,N,K], v [B,T,N,V], g [B,T,N,K] or [B,T,N], beta [B,T,N] -> (M [B,N,K,K], E [B,N,K,V]) float32.
+    M depends only on k, g and beta; E is the shard's final state when started from zero."""
+    _, k, v, g, beta, _ = _prepare(k, k, v, g, beta, None, None, use_qk_l2norm)
+    dk = k.shape[-1]
+    m0 = jnp.eye(dk, dtype=jnp.float32) + jnp.zeros_like(k[:, 0, :, :, None] * k[:, 0, :, None, :])  # [B,N,K,K]
+    e0 = jnp.zeros_like(k[:, 0, :, :, None] * v[:, 0, :, None, :])  # [B,N,K,V]
+    xs = tuple(_to_chunks(x, chunk_size) for x in (k, v, g, beta))
+    (m, e), _ = jax.lax.scan(_summary_step, (m0, e0), xs)
+    return m, e
+
+
+def compose_summaries(first, second):
+    """(M2, E2) after (M1, E1): (M2 M1, M2 E1 + E2). Associative, so prefix compositions can be scanned."""
+    m1, e1 = first
+    m2, e2 = second
+    return (
+        jnp.einsum("...kj,...jl->...kl", m2, m1, precision=HIGHEST),
+        jnp.einsum("...kj,...jv->...kv", m2, e1, precision=HIGHEST) + e2,
+    )
+
+
+def apply_summary(summary, state):
+    m, e = summary
+    return jnp.einsum("...kj,...jv->...kv", m, state, precision=HIGHEST) + e
 
 
 def kda_chunked(q, k, v, g, beta, *, initial_state=None, scale=None, use_qk_l2norm=True, chunk_size=64):
     """Same contract as `kda_recurrent`, computed chunk-wise (WY + UT transform)."""
     out_dtype = q.dtype
     q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
-    b, t, n, dk = q.shape
-    c = chunk_size
-    nc = -(-t // c)
-    pad = nc * c - t
-    # Padding with g = 0 and beta = 0 leaves the state unchanged (ARCH_SPEC §9.21).
-    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    # [B,T,N,...] -> [nc, B, N, C, ...]
-    to_chunks = lambda x: jnp.moveaxis(pad_t(x).reshape(b, nc, c, n, *x.shape[3:]), (1, 3), (0, 2))
-    xs = tuple(to_chunks(x) for x in (q, k, v, g, beta))
+    b, t, n, _ = q.shape
+    xs = tuple(_to_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     s, o = jax.lax.scan(_chunk_step, s0, xs)  # o [nc,B,N,C,V]
-    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, nc * c, n, -1)[:, :t]
+    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, -1, n, o.shape[-1])[:, :t]
     return o.astype(out_dtype), s
