@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from checkpoints.hf_config import config_from_hf, config_to_hf
@@ -31,7 +31,7 @@ from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import quantize_fp8_blocks
 from hybrid_jax.model import HybridLM
 from hybrid_jax.quant.config import QuantConfig
-from sharding.rules import LOGICAL_AXIS_RULES, logical_to_spec
+from sharding.rules import LOGICAL_AXIS_RULES, param_sharding
 
 FP8_BLOCK = 128
 # Tensors a checkpoint may carry that inference does not use.
@@ -140,7 +140,7 @@ def read_config(path: str | Path) -> HybridConfig:
 def _sharding(var: nnx.Variable, mesh: Mesh | None, rules) -> jax.sharding.Sharding | None:
     if mesh is None:
         return None
-    return NamedSharding(mesh, logical_to_spec(var.get_metadata()["logical_axes"], rules, mesh.axis_names))
+    return param_sharding(var, mesh, rules)
 
 
 def abstract_model(config: HybridConfig, dtype, quant: QuantConfig | None = None) -> HybridLM:

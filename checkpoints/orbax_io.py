@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from checkpoints.hf import abstract_model, load_safetensors_model, read_config
 from checkpoints.hf_config import config_to_hf
 from checkpoints.safetensors_io import CheckpointError
 from hybrid_jax.model import HybridLM
 from hybrid_jax.quant.config import ProjectionQuant, QuantConfig
-from sharding.rules import LOGICAL_AXIS_RULES, logical_to_spec
+from sharding.rules import LOGICAL_AXIS_RULES, param_sharding
 
 MARKER = "hybrid_jax_checkpoint.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -112,8 +112,7 @@ def restore_orbax(
     def target(_, var):
         value = var.get_value()
         if mesh is not None:
-            spec = logical_to_spec(var.get_metadata()["logical_axes"], rules, mesh.axis_names)
-            sharding = NamedSharding(mesh, spec)
+            sharding = param_sharding(var, mesh, rules)
         else:
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)

@@ -7,10 +7,12 @@ current mesh lacks are dropped, so the same table serves a 1-device run and a (d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
+import jax
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -57,6 +59,27 @@ def logical_to_spec(
             used.add(a)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)
+
+
+def param_sharding(var: nnx.Variable, mesh: Mesh, rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES) -> NamedSharding:
+    """NamedSharding of one parameter from its logical axes. A dimension that the mesh axes do not divide
+    evenly (e.g. 2 KDA heads over tp=8) stays whole on every device instead of being split unevenly."""
+    value = var.get_value()
+    spec = logical_to_spec(var.get_metadata()["logical_axes"], rules, mesh.axis_names)
+    fitted = []
+    for size, axes in zip(value.shape, tuple(spec) + (None,) * (len(value.shape) - len(spec)), strict=True):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        ways = math.prod(mesh.shape[a] for a in names)
+        fitted.append(axes if size % ways == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*fitted))
+
+
+def shard_params(model: nnx.Module, mesh: Mesh, rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES) -> nnx.Module:
+    """Place every parameter of `model` on its rule-given NamedSharding (in place); returns the model."""
+    state = nnx.state(model, nnx.Param)
+    placed = nnx.map_state(lambda _, v: jax.device_put(v.get_value(), param_sharding(v, mesh, rules)), state)
+    nnx.update(model, placed)
+    return model
 
 
 def param_partition_specs(

@@ -196,9 +196,8 @@ def test_orbax_restore_on_8_fake_devices_carries_the_rule_shardings(tmp_path):
     script = textwrap.dedent(f"""
         import jax, numpy as np, jax.numpy as jnp
         from flax import nnx
-        from jax.sharding import NamedSharding
         from checkpoints import from_pretrained
-        from sharding import logical_to_spec
+        from sharding import param_sharding
         assert jax.device_count() == 8
         mesh = jax.make_mesh((4, 2), ("dp", "tp"))
         model = from_pretrained({str(out)!r}, dtype=jnp.float32, mesh=mesh)
@@ -208,8 +207,7 @@ def test_orbax_restore_on_8_fake_devices_carries_the_rule_shardings(tmp_path):
         sharded = 0
         for path, var in flat:
             value = var.get_value()
-            spec = logical_to_spec(var.get_metadata()["logical_axes"], mesh_axis_names=mesh.axis_names)
-            want = NamedSharding(mesh, spec)
+            want = param_sharding(var, mesh)
             assert value.sharding.is_equivalent_to(want, value.ndim), (path, value.sharding, want)
             np.testing.assert_array_equal(np.asarray(value), np.asarray(flat_ref[path].get_value()))
             sharded += any(s is not None for s in want.spec)

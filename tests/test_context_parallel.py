@@ -74,3 +74,30 @@ def test_state_parallel_kda_equals_single_device():
         print("OK")
     """)
     assert "OK" in out
+
+
+def test_tensor_parallel_forward_and_generate_equal_single_device():
+    out = run_on_fake_devices("""
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        jax.config.update("jax_default_matmul_precision", "highest")
+        from hybrid_jax import HybridConfig, HybridLM, generate
+        from sharding import make_mesh, shard_params
+        cfg = HybridConfig.tiny()
+        ids = jax.random.randint(jax.random.key(0), (2, 11), 0, 256)
+        fwd = jax.jit(lambda m, i: m(i))
+        gen = jax.jit(generate, static_argnames=("max_new_tokens",))
+        ref_model = HybridLM(cfg, rngs=nnx.Rngs(0))
+        ref_logits = np.asarray(fwd(ref_model, ids))
+        ref_tokens = np.asarray(gen(ref_model, ids, max_new_tokens=6).tokens)
+        for dp, tp in ((1, 8), (2, 4), (4, 2)):
+            model = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), make_mesh(dp=dp, tp=tp))
+            kernel = model.layers[2].self_attn.kv_b_proj.kernel[...]
+            assert kernel.sharding.spec[1] == "tp" and len(kernel.addressable_shards) == 8
+            logits = np.asarray(fwd(model, ids))
+            rel = np.linalg.norm(logits - ref_logits) / np.linalg.norm(ref_logits)
+            assert rel < 1e-5, (dp, tp, rel)
+            np.testing.assert_array_equal(np.asarray(gen(model, ids, max_new_tokens=6).tokens), ref_tokens)
+        print("OK")
+    """)
+    assert "OK" in out
