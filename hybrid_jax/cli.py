@@ -30,6 +30,9 @@ def _enable_compilation_cache(path: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from sharding.launch import initialize, spec_from
+
+    initialize(spec_from(args))  # multi-host: join the job before JAX touches a device
     if args.compile_cache:
         _enable_compilation_cache(args.compile_cache)
     import jax
@@ -60,6 +63,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             flush=True,
         )
         model = HybridLM(cfg, quant=quant, rngs=nnx.Rngs(args.seed))
+    if args.dp * args.tp > 1:
+        from sharding import make_mesh, shard_params
+
+        mesh = make_mesh(dp=args.dp, tp=args.tp)
+        model = shard_params(model, mesh)
+        print(f"mesh: dp={args.dp} tp={args.tp} over {jax.device_count()} devices in {jax.process_count()} process(es)")
     if args.prompt_ids:
         ids = jnp.asarray([[int(t) for t in args.prompt_ids.split(",")]], jnp.int32)
     elif tok is None:
@@ -84,6 +93,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = jax.block_until_ready(gen(model, ids, **kw))
     steady = time.perf_counter() - t0
 
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        out = multihost_utils.process_allgather(out, tiled=True)
+        if jax.process_index() != 0:
+            return 0  # one report per job
     n = int(out.lengths[0])
     print(f"prompt: {args.prompt_ids or args.prompt!r}")
     if tok is not None:
@@ -124,6 +139,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sharding.launch import add_arguments as add_distributed_arguments
+
     p = argparse.ArgumentParser(prog="hybrid-jax", description=__doc__)
     sub = p.add_subparsers(dest="command")
     g = sub.add_parser("generate", help="generate text with a model (default: the embedded tiny model)")
@@ -143,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="bfloat16", help="weights/activations dtype with --model")
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids (for folders without tokenizer)")
     g.add_argument("--quant", default=None, help="QuantConfig YAML file (indexer / kv_cache / projection)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel mesh size")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel mesh size (dp * tp = all devices)")
+    add_distributed_arguments(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("convert", help="convert a Hugging Face folder to an orbax checkpoint (atomic)")
     c.add_argument("hf_dir")

@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -77,8 +78,17 @@ def param_sharding(var: nnx.Variable, mesh: Mesh, rules: Mapping[str, MeshAxes] 
 def shard_params(model: nnx.Module, mesh: Mesh, rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES) -> nnx.Module:
     """Place every parameter of `model` on its rule-given NamedSharding (in place); returns the model."""
     state = nnx.state(model, nnx.Param)
-    placed = nnx.map_state(lambda _, v: jax.device_put(v.get_value(), param_sharding(v, mesh, rules)), state)
-    nnx.update(model, placed)
+
+    def place(_, var):
+        sharding = param_sharding(var, mesh, rules)
+        value = var.get_value()
+        if sharding.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        # Multi-process: every process holds the same host value and contributes its own shards.
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    nnx.update(model, nnx.map_state(place, state))
     return model
 
 

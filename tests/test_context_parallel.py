@@ -101,3 +101,113 @@ def test_tensor_parallel_forward_and_generate_equal_single_device():
         print("OK")
     """)
     assert "OK" in out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_processes(argv_and_env, timeout=600) -> list[str]:
+    """Start process 0 and 1 of a 2-process job on localhost (2 fake CPU devices each); their stdout."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    base = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+    procs = []
+    for i in range(2):
+        argv, env = argv_and_env(i, coordinator)
+        procs.append(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**base, **env})
+        )
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    return [o for o, _ in outs]
+
+
+def test_two_processes_build_one_mesh_and_reproduce_single_process_logits(tmp_path):
+    import jax
+    from flax import nnx
+
+    from hybrid_jax import HybridConfig, HybridLM
+
+    ids = jax.random.randint(jax.random.key(5), (2, 9), 0, 256)
+    np.save(tmp_path / "ids.npy", np.asarray(ids))
+    ref = np.asarray(jax.jit(lambda m, i: m(i))(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), ids))
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from flax import nnx
+        from jax.experimental import multihost_utils
+        from sharding.launch import initialize, spec_from
+        initialize(spec_from())  # from the HYBRID_JAX_* environment variables
+        jax.config.update("jax_default_matmul_precision", "highest")
+        from hybrid_jax import HybridConfig, HybridLM
+        from sharding import make_mesh, shard_params
+        assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+        model = shard_params(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), make_mesh(dp=2, tp=2))
+        ids = np.load({str(tmp_path / "ids.npy")!r})
+        logits = multihost_utils.process_allgather(jax.jit(lambda m, i: m(i))(model, ids), tiled=True)
+        np.save({str(tmp_path)!r} + f"/logits{{jax.process_index()}}.npy", np.asarray(logits))
+        print("OK", jax.process_index())
+    """)
+
+    def argv_and_env(i, coordinator):
+        env = {"HYBRID_JAX_COORDINATOR": coordinator, "HYBRID_JAX_NUM_PROCESSES": "2", "HYBRID_JAX_PROCESS_ID": str(i)}
+        return [sys.executable, "-c", script], env
+
+    outs = _run_two_processes(argv_and_env)
+    assert all("OK" in o for o in outs)
+    for i in range(2):
+        got = np.load(tmp_path / f"logits{i}.npy")
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_cli_generate_on_two_processes_matches_one(capsys):
+    from hybrid_jax.cli import main
+
+    assert main(["generate", "--max-new-tokens", "5", "--compile-cache", ""]) == 0
+    single = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens:"))
+
+    def argv_and_env(i, coordinator):
+        argv = [
+            sys.executable,
+            "-m",
+            "hybrid_jax",
+            "generate",
+            "--max-new-tokens",
+            "5",
+            "--compile-cache",
+            "",
+            "--tp",
+            "4",
+            "--coordinator",
+            coordinator,
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+        ]
+        return argv, {}
+
+    outs = _run_two_processes(argv_and_env)
+    assert single in outs[0].splitlines() and "mesh: dp=1 tp=4 over 4 devices in 2 process(es)" in outs[0]
+    assert "tokens:" not in outs[1]  # one report per job
+
+
+def test_distributed_spec_errors_name_the_value():
+    from sharding.launch import DistributedSpec, spec_from
+
+    assert spec_from(None, environ={}) is None
+    with pytest.raises(ValueError, match=r"\['process_id'\] missing"):
+        spec_from(None, environ={"HYBRID_JAX_COORDINATOR": "h:1", "HYBRID_JAX_NUM_PROCESSES": "2"})
+    with pytest.raises(ValueError, match="process_id=2"):
+        DistributedSpec("h:1", 2, 2)
+    with pytest.raises(ValueError, match="coordinator='host'"):
+        DistributedSpec("host", 2, 0)
