@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from hybrid_jax.quant.formats import (
@@ -112,6 +115,28 @@ class HybridCache:
         return self.page_table.shape[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """Inside `jax.shard_map` over `axis`: each device holds the sequence pieces `table[device]` (equal slices,
+    global piece indices) in that order; positions travel with the tokens."""
+
+    axis: str
+    table: tuple[tuple[int, ...], ...]
+
+    @property
+    def pieces(self) -> int:
+        return len(self.table[0])
+
+    def gather_sequence(self, x: jax.Array) -> jax.Array:
+        """Local rows [B, T_local, ...] of every device -> the whole sequence [B, T, ...] in position order."""
+        table = np.asarray(self.table)
+        b, t_local = x.shape[:2]
+        per = x.reshape(b, self.pieces, t_local // self.pieces, *x.shape[2:])
+        gathered = jax.lax.all_gather(jnp.moveaxis(per, 1, 0), self.axis)  # [cp, pieces, B, L, ...]
+        ordered = gathered.reshape(-1, *gathered.shape[2:])[np.argsort(table.reshape(-1))]  # [P, B, L, ...]
+        return jnp.moveaxis(ordered, 0, 1).reshape(b, -1, *x.shape[2:])
+
+
 @struct.dataclass
 class StepInfo:
     """What every layer needs to know about the tokens of one forward call."""
@@ -122,6 +147,7 @@ class StepInfo:
     page_table: jax.Array  # [B, n]; arange(B)[:, None] when running without a cache
     kv_lengths: jax.Array  # [B] keys visible after this call (cache length + n_new)
     mode: str = struct.field(pytree_node=False)  # "prefill" or "decode"
+    cp: ContextParallel | None = struct.field(pytree_node=False, default=None)  # sequence split over devices
 
 
 def is_concrete(*xs) -> bool:

@@ -211,3 +211,25 @@ def test_distributed_spec_errors_name_the_value():
         DistributedSpec("h:1", 2, 2)
     with pytest.raises(ValueError, match="coordinator='host'"):
         DistributedSpec("host", 2, 0)
+
+
+def test_whole_model_context_parallel_prefill_equals_single_device():
+    out = run_on_fake_devices("""
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        jax.config.update("jax_default_matmul_precision", "highest")
+        from hybrid_jax import HybridConfig, HybridLM
+        from sharding import make_mesh
+        from sharding.context_parallel import forward_context_parallel
+        cfg = HybridConfig.tiny()
+        model = HybridLM(cfg, rngs=nnx.Rngs(0))
+        ids = jax.random.randint(jax.random.key(1), (2, 48), 0, 256)
+        ref = np.asarray(jax.jit(lambda m, i: m(i))(model, ids))
+        for cp in (2, 4, 8):
+            for layout in ("zigzag", "sequential"):
+                got = np.asarray(forward_context_parallel(model, ids, mesh=make_mesh(cp=cp, dp=8 // cp), layout=layout))
+                rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+                assert rel < 1e-5, (cp, layout, rel)
+        print("OK")
+    """)
+    assert "OK" in out

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hybrid_jax.cache import KDAState, StepInfo
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, linear
 from pallas_kernels.linear_attention import kda
+from pallas_kernels.linear_attention.context_parallel import (
+    gather_in_sequence_order,
+    kda_sequence_parallel,
+    split_pieces,
+)
 
 
 class ShortConv(nnx.Module):
@@ -120,6 +126,32 @@ class KimiDeltaAttention(nnx.Module):
         softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
         return -a * softplus
 
+    def _context_parallel(self, x: jax.Array, xhat: jax.Array, info: StepInfo):
+        """Prefill of a sequence split over info.cp.axis (no cache): each piece's short conv starts from the
+        last W-1 raw inputs of the piece before it (a halo gathered over the axis), and the recurrence runs
+        state-parallel (pallas_kernels.linear_attention.context_parallel)."""
+        cfg, cp = self.cfg, info.cp
+        b, t, _ = x.shape
+        n, hd, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+        table = np.asarray(cp.table)
+        pieces = split_pieces(xhat, cp.pieces)
+        if pieces[0].shape[1] < w - 1:
+            raise ValueError(
+                f"context-parallel pieces of {pieces[0].shape[1]} tokens are shorter than the conv halo {w - 1}"
+            )
+        tails = gather_in_sequence_order(jnp.stack([p[:, p.shape[1] - (w - 1) :] for p in pieces]), cp.axis, table)
+        tails = jnp.concatenate([jnp.zeros_like(tails[:1]), tails[:-1]])  # halo of piece p = tail of piece p - 1
+        mine = jnp.asarray(table)[jax.lax.axis_index(cp.axis)]
+        full = jnp.full((b,), pieces[0].shape[1], jnp.int32)
+        qkv = jnp.concatenate([self._short_conv(p, tails[mine[i]], full)[0] for i, p in enumerate(pieces)], axis=1)
+        q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        o, _ = kda_sequence_parallel(
+            q, k, v, self._decay(x), beta, axis=cp.axis, table=table, chunk_size=cfg.kda_chunk_size
+        )
+        z = self.g_proj(x) if cfg.kda_output_gate_rank is None else self.g_b_proj(self.g_a_proj(x))
+        return self.o_proj(self.o_norm(o, z.reshape(b, t, n, hd)).reshape(b, t, n * hd)), None
+
     def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):
         cfg = self.cfg
         b, t, _ = x.shape
@@ -127,6 +159,8 @@ class KimiDeltaAttention(nnx.Module):
         if state is None:
             state = self.init_state(b, x.dtype)
         xhat = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        if info.cp is not None:
+            return self._context_parallel(x, xhat, info)
         qkv, conv = self._short_conv(xhat, state.conv, info.n_new)
         q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
 

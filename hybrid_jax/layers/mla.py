@@ -23,6 +23,8 @@ def _store(pool: Pool | None, rows: jax.Array, info: StepInfo, fmt: str, tile: i
     """Write this call's rows into the pool; without a cache the new rows *are* the (contiguous) pool.
     Either way they pass through the pool's format, so cached and uncached runs see the same rounding."""
     if pool is None:
+        if info.cp is not None:  # context parallel: every device attends over the whole (gathered) sequence
+            rows = info.cp.gather_sequence(rows)
         return Pool.from_rows(rows, fmt, tile, rows.dtype)
     return pool.write(info, rows)
 
