@@ -48,7 +48,9 @@ def forward_context_parallel(model: HybridLM, input_ids, *, mesh: Mesh, axis: st
     seq = P(None, axis)
     # in: parameters replicated over cp; token ids and their positions split along time in layout order.
     # out: logits split along time in layout order.
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq), out_specs=seq))
+    # Only cp is manual: the other mesh axes (tp, dp) stay automatic, so tensor-parallel parameter shardings
+    # are kept and XLA partitions each device's share of the work over them.
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq), out_specs=seq, axis_names={axis}))
     positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (b, t))
     logits = fn(state, jnp.asarray(input_ids)[:, order], positions)
     return logits[:, np.argsort(order)]

@@ -219,7 +219,7 @@ def test_whole_model_context_parallel_prefill_equals_single_device():
         from flax import nnx
         jax.config.update("jax_default_matmul_precision", "highest")
         from hybrid_jax import HybridConfig, HybridLM
-        from sharding import make_mesh
+        from sharding import make_mesh, shard_params
         from sharding.context_parallel import forward_context_parallel
         cfg = HybridConfig.tiny()
         model = HybridLM(cfg, rngs=nnx.Rngs(0))
@@ -230,6 +230,13 @@ def test_whole_model_context_parallel_prefill_equals_single_device():
                 got = np.asarray(forward_context_parallel(model, ids, mesh=make_mesh(cp=cp, dp=8 // cp), layout=layout))
                 rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
                 assert rel < 1e-5, (cp, layout, rel)
+        # CP x TP: parameters sharded over tp by the rules, the sequence over cp.
+        for cp, tp in ((1, 8), (2, 4), (4, 2), (8, 1)):
+            mesh = make_mesh(cp=cp, tp=tp)
+            sharded = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
+            got = np.asarray(forward_context_parallel(sharded, ids, mesh=mesh))
+            rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            assert rel < 1e-5, (cp, tp, rel)
         print("OK")
     """)
     assert "OK" in out
