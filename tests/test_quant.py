@@ -101,11 +101,9 @@ def test_fp8_kv_matches_flashmla_rule_and_bounds():
     np.testing.assert_array_equal(np.asarray(s), s_ref)
     np.testing.assert_array_equal(np.asarray(v).view(np.uint8), v_ref.view(np.uint8))
     y = np.asarray(dequantize_kv_fp8(v, s))
-    tiles = np.abs(x).reshape(5, 3, 2, 128).max(-1, keepdims=True)
     err = np.abs(y - x).reshape(5, 3, 2, 128)
     assert (err <= np.maximum(np.abs(x).reshape(err.shape) * 2.0**-4, s_ref[..., None] * 2.0**-10)).all()
     assert np.isnan(np.asarray(dequantize_kv_fp8(*quantize_kv_fp8(jnp.full((1, 128), jnp.nan))))).all()
-    assert tiles.max() > 0
 
 
 def test_quant_config_yaml_and_errors(tmp_path):

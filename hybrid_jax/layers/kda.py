@@ -126,6 +126,13 @@ class KimiDeltaAttention(nnx.Module):
         softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
         return -a * softplus
 
+    def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        """Output gate + gated RMSNorm per head, then o_proj: o [B,T,N,V] -> [B,T,D]."""
+        cfg = self.cfg
+        b, t, n, hd = o.shape
+        z = self.g_proj(x) if cfg.kda_output_gate_rank is None else self.g_b_proj(self.g_a_proj(x))
+        return self.o_proj(self.o_norm(o, z.reshape(b, t, n, hd)).reshape(b, t, n * hd))
+
     def _context_parallel(self, x: jax.Array, xhat: jax.Array, info: StepInfo):
         """Prefill of a sequence split over info.cp.axis (no cache): each piece's short conv starts from the
         last W-1 raw inputs of the piece before it (a halo gathered over the axis), and the recurrence runs
@@ -149,8 +156,7 @@ class KimiDeltaAttention(nnx.Module):
         o, _ = kda_sequence_parallel(
             q, k, v, self._decay(x), beta, axis=cp.axis, table=table, chunk_size=cfg.kda_chunk_size
         )
-        z = self.g_proj(x) if cfg.kda_output_gate_rank is None else self.g_b_proj(self.g_a_proj(x))
-        return self.o_proj(self.o_norm(o, z.reshape(b, t, n, hd)).reshape(b, t, n * hd)), None
+        return self._output(x, o), None
 
     def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):
         cfg = self.cfg
@@ -183,7 +189,4 @@ class KimiDeltaAttention(nnx.Module):
             chunk_size=cfg.kda_chunk_size,
         )
 
-        z = self.g_proj(x) if cfg.kda_output_gate_rank is None else self.g_b_proj(self.g_a_proj(x))
-        y = self.o_norm(o, z.reshape(b, t, n, hd))
-        out = self.o_proj(y.reshape(b, t, n * hd))
-        return out, KDAState(conv=conv, recurrent=s)
+        return self._output(x, o), KDAState(conv=conv, recurrent=s)
