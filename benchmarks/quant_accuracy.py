@@ -23,24 +23,11 @@ from flax import nnx
 from benchmarks.common import report
 from hybrid_jax import HybridConfig, HybridLM
 from hybrid_jax.cache import Pool
+from hybrid_jax.memory import cache_bytes
 from hybrid_jax.quant.config import QuantConfig
 from pallas_kernels.indexer.reference import indexer_scores
 from pallas_kernels.paged import contiguous_as_pages
 from pallas_kernels.sparse_attention import sparse_mla
-
-
-def cache_bytes(cfg: HybridConfig, quant: QuantConfig | None) -> dict[str, float]:
-    page = cfg.page_size
-    model = nnx.eval_shape(lambda: HybridLM(cfg, dtype=jnp.bfloat16, quant=quant, rngs=nnx.Rngs(0)))
-    cache = jax.eval_shape(lambda: model.init_cache(1, page))
-    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
-    out = {"kda state / seq": 0.0, "full MLA / token": 0.0, "sparse MLA / token": 0.0}
-    for t, st in zip(cfg.layer_types, cache.layers, strict=True):
-        if t == "linear":
-            out["kda state / seq"] = nbytes(st)
-        else:
-            out[f"{t} MLA / token"] = nbytes(st) / page
-    return out
 
 
 def bytes_table() -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -63,12 +64,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             flush=True,
         )
         model = HybridLM(cfg, quant=quant, rngs=nnx.Rngs(args.seed))
+    mesh_ctx = contextlib.nullcontext()
     if args.dp * args.tp > 1:
         from sharding import make_mesh, shard_params
 
         mesh = make_mesh(dp=args.dp, tp=args.tp)
         model = shard_params(model, mesh)
         print(f"mesh: dp={args.dp} tp={args.tp} over {jax.device_count()} devices in {jax.process_count()} process(es)")
+        mesh_ctx = jax.set_mesh(mesh)  # activations follow the sharding rules (sequence-parallel inside TP)
     if args.prompt_ids:
         ids = jnp.asarray([[int(t) for t in args.prompt_ids.split(",")]], jnp.int32)
     elif tok is None:
@@ -86,12 +89,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         rng=jax.random.key(args.seed),
     )
 
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(gen(model, ids, **kw))
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(gen(model, ids, **kw))
-    steady = time.perf_counter() - t0
+    with mesh_ctx:
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(gen(model, ids, **kw))
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(gen(model, ids, **kw))
+        steady = time.perf_counter() - t0
 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

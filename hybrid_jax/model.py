@@ -15,6 +15,10 @@ from hybrid_jax.layers.kda import KimiDeltaAttention
 from hybrid_jax.layers.mla import MultiHeadLatentAttention
 from hybrid_jax.layers.moe import MoE
 from hybrid_jax.quant.config import QuantConfig
+from sharding.rules import constrain
+
+# The residual stream [B, T, D]: sequence-parallel inside the TP group (see sharding.rules) when a mesh is set.
+RESIDUAL = ("batch", "act_seq", "embed")
 
 
 class Embed(nnx.Module):
@@ -127,11 +131,12 @@ class HybridLM(nnx.Module):
         return self.lm_head(h).astype(jnp.float32)
 
     def _run(self, input_ids: jax.Array, info: StepInfo, states, last_index: jax.Array | None):
-        h = self.embed_tokens(input_ids)
+        h = constrain(self.embed_tokens(input_ids), RESIDUAL)
         blocks: list[jax.Array] = []
         new_states = []
         for i, layer in enumerate(self.layers):
             h, blocks, st = layer(h, blocks, info, None if states is None else states[i])
+            h = constrain(h, RESIDUAL)
             new_states.append(st)
         if self.config.attn_res_block_size is not None:
             h = self.final_attn_residual(blocks, h)

@@ -3,10 +3,14 @@
 Token-local work (projections, norms, MoE, AttnRes) runs on each device's own tokens; MLA and indexer layers
 gather the compressed latents and indexer keys over `cp` (each device then scores its queries, at their true
 positions, against the whole causal prefix); KDA layers run state-parallel with a conv halo. Logits come
-back in position order.
+back in position order. With a cache, the prefill also fills it for decode: every device writes the gathered
+latents / indexer keys into its copy of the paged pools and computes the same final KDA states, so the cache
+leaves the shard_map replicated over `cp` (and sharded over the automatic axes as it came in).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,42 +19,116 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from hybrid_jax.cache import ContextParallel, StepInfo
+from hybrid_jax.cache import ContextParallel, HybridCache, StepInfo, is_concrete
 from hybrid_jax.model import HybridLM
 from sharding.zigzag import layout_order, piece_table
 
 
-def forward_context_parallel(model: HybridLM, input_ids, *, mesh: Mesh, axis: str = "cp", layout: str = "zigzag"):
-    """Full causal forward (no cache) of ids [B, T] with T split over `axis`: float32 logits [B, T, vocab],
-    equal to `model(input_ids)`. T must be a multiple of the number of pieces (2*cp for zigzag)."""
-    model._check_ids(input_ids)
-    cp = mesh.shape[axis]
-    b, t = input_ids.shape
-    order = layout_order(t, cp, layout)
-    cpi = ContextParallel(axis=axis, table=tuple(map(tuple, piece_table(cp, layout).tolist())))
-    graphdef, state = nnx.split(model)
+@functools.lru_cache(maxsize=32)
+def _compiled(mesh: Mesh, axis: str, layout: str, cp: int, b: int, t: int, last_only: bool, cached: bool):
+    table = piece_table(cp, layout)
+    cpi = ContextParallel(axis=axis, table=tuple(map(tuple, table.tolist())))
+    # The last position lives at the end of piece (d*, j*); every device takes its own row at that local
+    # offset and the caller keeps device d*'s.
+    d_last, j_last = (int(a[0]) for a in np.nonzero(table == table.size - 1))
+    t_local = t // cp
+    last_local = (j_last + 1) * (t_local // cpi.pieces) - 1
 
-    def local(state, ids, positions):
-        m = nnx.merge(graphdef, state)
-        tl = ids.shape[1]
+    def local(graphdef, state, ids, positions, layers, page_table, kv_lengths):
+        model = nnx.merge(graphdef, state)
         info = StepInfo(
             positions=positions,
-            valid=jnp.ones((b, tl), bool),
-            n_new=jnp.full((b,), tl, jnp.int32),
-            page_table=jnp.arange(b, dtype=jnp.int32)[:, None],
-            kv_lengths=jnp.full((b,), t, jnp.int32),
+            valid=jnp.ones((b, t_local), bool),
+            n_new=jnp.full((b,), t, jnp.int32),
+            page_table=page_table,
+            kv_lengths=kv_lengths,
             mode="prefill",
             cp=cpi,
         )
-        logits, _ = m._run(ids, info, None, None)
-        return logits
+        last = jnp.full((b,), last_local, jnp.int32) if last_only else None
+        logits, new_layers = model._run(ids, info, layers, last)
+        return (logits[None] if last_only else logits), new_layers
 
     seq = P(None, axis)
-    # in: parameters replicated over cp; token ids and their positions split along time in layout order.
-    # out: logits split along time in layout order.
-    # Only cp is manual: the other mesh axes (tp, dp) stay automatic, so tensor-parallel parameter shardings
-    # are kept and XLA partitions each device's share of the work over them.
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), seq, seq), out_specs=seq, axis_names={axis}))
-    positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (b, t))
-    logits = fn(state, jnp.asarray(input_ids)[:, order], positions)
-    return logits[:, np.argsort(order)]
+    order = layout_order(t, cp, layout)
+
+    # The model is a jit argument (a pytree: cheaper to pass than nnx.split on the host every call); its
+    # graph definition is static, so it is closed over inside the trace.
+    def run(model, ids, start, layers, page_table):
+        graphdef, state = nnx.split(model)
+        # in: parameters and cache replicated over cp; token ids and their positions split along time in
+        # layout order. out: logits split along time in layout order (last_only: one row per device,
+        # stacked), the filled cache replicated. Only cp is manual: the other mesh axes (tp, dp) stay
+        # automatic, so the tensor-parallel shardings of parameters and caches are kept and XLA partitions
+        # each device's share. check_vma=False: the cache leaves are computed from all-gathered values,
+        # identical on every device but typed as device-varying; they are returned as one replicated value.
+        fn = jax.shard_map(
+            functools.partial(local, graphdef),
+            mesh=mesh,
+            in_specs=(P(), seq, seq, P(), P(), P()),
+            out_specs=(P(axis) if last_only else seq, P()),
+            axis_names={axis},
+            check_vma=not cached,
+        )
+        positions = start[:, None] + jnp.asarray(order, jnp.int32)[None, :]
+        logits, new_layers = fn(state, ids[:, order], positions, layers, page_table, start + t)
+        return (logits[d_last] if last_only else logits[:, np.argsort(order)]), new_layers
+
+    return jax.jit(run)
+
+
+def prefill_context_parallel(
+    model: HybridLM,
+    input_ids,
+    cache: HybridCache | None = None,
+    *,
+    mesh: Mesh,
+    axis: str = "cp",
+    layout: str = "zigzag",
+    last_only: bool = False,
+):
+    """Prefill of ids [B, T] with T split over the mesh axis `axis`; every row takes all T tokens.
+
+    Returns float32 logits [B, T, vocab] ([B, vocab] at position T-1 with `last_only`) and, when a cache is
+    given, the cache filled for decode: the result equals `model.prefill(input_ids, cache)` (and the
+    logits `model(input_ids)` for an empty cache). T must be a multiple of the number of pieces (2*cp for
+    zigzag, cp for sequential) and each piece at least kda_conv_size - 1 tokens long."""
+    model._check_ids(input_ids)
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no context-parallel axis {axis!r}")
+    cp = mesh.shape[axis]
+    b, t = np.shape(input_ids)
+    layout_order(t, cp, layout)  # raises when T does not split into the layout's pieces
+    if cache is None:
+        start = jnp.zeros((b,), jnp.int32)
+        layers, page_table = None, jnp.arange(b, dtype=jnp.int32)[:, None]
+    else:
+        if cache.batch_size != b:
+            raise ValueError(f"input batch {b} != cache batch {cache.batch_size}")
+        if is_concrete(cache.lengths):
+            over = np.nonzero(np.asarray(cache.lengths) + t > cache.max_len)[0]
+            if over.size:
+                i = int(over[0])
+                raise ValueError(
+                    f"sequence {i}: {int(cache.lengths[i])} cached + {t} new tokens exceed the cache "
+                    f"capacity max_len={cache.max_len}"
+                )
+        start, layers, page_table = cache.lengths, cache.layers, cache.page_table
+    fn = _compiled(mesh, axis, layout, cp, b, t, last_only, cache is not None)
+    logits, new_layers = fn(model, jnp.asarray(input_ids), start, layers, page_table)
+    if cache is None:
+        return logits
+    filled = HybridCache(
+        layers=new_layers,
+        page_table=cache.page_table,
+        lengths=cache.lengths + t,
+        max_len=cache.max_len,
+        page_size=cache.page_size,
+    )
+    return logits, filled
+
+
+def forward_context_parallel(model: HybridLM, input_ids, *, mesh: Mesh, axis: str = "cp", layout: str = "zigzag"):
+    """Full causal forward (no cache) of ids [B, T] with T split over `axis`: float32 logits [B, T, vocab],
+    equal to `model(input_ids)`."""
+    return prefill_context_parallel(model, input_ids, mesh=mesh, axis=axis, layout=layout)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -32,7 +32,11 @@ LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
     "norm": None,
     # activations
     "batch": "dp",
-    "seq": "cp",
+    "seq": "cp",  # token ids and positions entering a context-parallel prefill
+    # The residual stream between layers: split over cp (context parallel) and, inside each TP group, over tp
+    # as well (sequence parallelism), so norms, residual adds and AttnRes mixes touch T / (cp * tp) tokens
+    # and the TP matmuls all-gather their input and reduce-scatter their output along the sequence.
+    "act_seq": ("cp", "tp"),
 }
 
 
@@ -62,17 +66,34 @@ def logical_to_spec(
     return PartitionSpec(*out)
 
 
+def _fit(spec: PartitionSpec, shape: Sequence[int], sizes: Mapping[str, int], skip=()) -> PartitionSpec:
+    """Drop mesh axes from dimensions they do not divide evenly (or that are in `skip`)."""
+    fitted = []
+    for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        names = tuple(a for a in names if a not in skip)
+        ways = math.prod(sizes[a] for a in names)
+        fitted.append(None if not names or size % ways else names[0] if len(names) == 1 else names)
+    return PartitionSpec(*fitted)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES):
+    """Sharding constraint on an activation, by logical axis names, against the mesh set with
+    `jax.set_mesh` (a no-op without one). Manual axes (inside `jax.shard_map`) and axes that do not divide a
+    dimension (a one-token decode step over tp) are left out, so the same model code runs everywhere."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    manual = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual}
+    spec = _fit(logical_to_spec(logical_axes, rules, mesh.axis_names), x.shape, dict(mesh.shape), manual)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def param_sharding(var: nnx.Variable, mesh: Mesh, rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES) -> NamedSharding:
     """NamedSharding of one parameter from its logical axes. A dimension that the mesh axes do not divide
     evenly (e.g. 2 KDA heads over tp=8) stays whole on every device instead of being split unevenly."""
-    value = var.get_value()
     spec = logical_to_spec(var.get_metadata()["logical_axes"], rules, mesh.axis_names)
-    fitted = []
-    for size, axes in zip(value.shape, tuple(spec) + (None,) * (len(value.shape) - len(spec)), strict=True):
-        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        ways = math.prod(mesh.shape[a] for a in names)
-        fitted.append(axes if size % ways == 0 else None)
-    return NamedSharding(mesh, PartitionSpec(*fitted))
+    return NamedSharding(mesh, _fit(spec, var.get_value().shape, dict(mesh.shape)))
 
 
 def shard_params(model: nnx.Module, mesh: Mesh, rules: Mapping[str, MeshAxes] = LOGICAL_AXIS_RULES) -> nnx.Module:

@@ -26,7 +26,7 @@ def kda_context_parallel(
     *,
     mesh: Mesh,
     axis: str = "cp",
-    layout: str = "sequential",
+    layout: str = "zigzag",
     initial_state=None,
     scale=None,
     use_qk_l2norm: bool = True,

@@ -91,13 +91,26 @@ def test_tensor_parallel_forward_and_generate_equal_single_device():
         ref_logits = np.asarray(fwd(ref_model, ids))
         ref_tokens = np.asarray(gen(ref_model, ids, max_new_tokens=6).tokens)
         for dp, tp in ((1, 8), (2, 4), (4, 2)):
-            model = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), make_mesh(dp=dp, tp=tp))
+            mesh = make_mesh(dp=dp, tp=tp)
+            model = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
             kernel = model.layers[2].self_attn.kv_b_proj.kernel[...]
             assert kernel.sharding.spec[1] == "tp" and len(kernel.addressable_shards) == 8
-            logits = np.asarray(fwd(model, ids))
+            with jax.set_mesh(mesh):  # the residual stream becomes sequence-parallel over tp
+                lowered = fwd.lower(model, jnp.zeros((4, 16), jnp.int32)).as_text()
+                logits = np.asarray(fwd(model, ids))
+                tokens = np.asarray(gen(model, ids, max_new_tokens=6).tokens)
+            # a constraint at every layer boundary (and after the embedding)
+            assert lowered.count('[{"dp"}, {"cp", "tp"}, {}]> : tensor<4x16x') >= cfg.num_layers + 1, (dp, tp)
             rel = np.linalg.norm(logits - ref_logits) / np.linalg.norm(ref_logits)
             assert rel < 1e-5, (dp, tp, rel)
-            np.testing.assert_array_equal(np.asarray(gen(model, ids, max_new_tokens=6).tokens), ref_tokens)
+            np.testing.assert_array_equal(tokens, ref_tokens)
+        # sequence-parallel residual: split over dp (batch) and tp (time) when the sizes divide
+        from sharding import constrain
+        with jax.set_mesh(make_mesh(dp=2, tp=4)):
+            x = jax.jit(lambda x: constrain(x, ("batch", "act_seq", "embed")))(jnp.ones((2, 16, 8)))
+            one = jax.jit(lambda x: constrain(x, ("batch", "act_seq", "embed")))(jnp.ones((2, 1, 8)))
+        assert x.addressable_shards[0].data.shape == (1, 4, 8), x.sharding
+        assert one.addressable_shards[0].data.shape == (1, 1, 8), one.sharding  # a decode step stays whole in time
         print("OK")
     """)
     assert "OK" in out
@@ -237,6 +250,51 @@ def test_whole_model_context_parallel_prefill_equals_single_device():
             got = np.asarray(forward_context_parallel(sharded, ids, mesh=mesh))
             rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
             assert rel < 1e-5, (cp, tp, rel)
+        print("OK")
+    """)
+    assert "OK" in out
+
+
+def test_context_parallel_prefill_fills_the_decode_cache():
+    out = run_on_fake_devices("""
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        jax.config.update("jax_default_matmul_precision", "highest")
+        from hybrid_jax import HybridConfig, HybridLM
+        from sharding import make_mesh, shard_params
+        from sharding.context_parallel import prefill_context_parallel
+        cfg = HybridConfig.tiny()
+        model = HybridLM(cfg, rngs=nnx.Rngs(0))
+        head = jax.random.randint(jax.random.key(1), (2, 5), 0, 256)  # cached before the CP prefill
+        ids = jax.random.randint(jax.random.key(2), (2, 48), 0, 256)
+        nxt = jax.random.randint(jax.random.key(3), (2,), 0, 256)
+        prefill = jax.jit(lambda m, i, c: m.prefill(i, c))
+        decode = jax.jit(lambda m, i, c: m.decode_step(i, c))
+        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                                 / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
+        start = prefill(model, head, model.init_cache(2, 64))[1]
+        for cached in (False, True):
+            c0 = start if cached else model.init_cache(2, 64)
+            ref_logits, ref_cache = prefill(model, ids, c0)
+            ref_next = decode(model, nxt, ref_cache)[0]
+            for cp, tp, layout in ((2, 4, "zigzag"), (4, 2, "sequential"), (8, 1, "zigzag")):
+                mesh = make_mesh(cp=cp, tp=tp)
+                m = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
+                c = start if cached else m.init_cache(2, 64)
+                logits, cache = prefill_context_parallel(m, ids, c, mesh=mesh, layout=layout)
+                last, _ = prefill_context_parallel(m, ids, c, mesh=mesh, layout=layout, last_only=True)
+                assert int(cache.lengths[0]) == int(ref_cache.lengths[0])
+                errs = [rel(logits, ref_logits), rel(last, ref_logits[:, -1])]
+                errs += [rel(a, b) for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache), strict=True)]
+                errs.append(rel(decode(m, nxt, cache)[0], ref_next))  # decode continues from the CP-filled cache
+                assert max(errs) < 1e-5, (cached, cp, tp, layout, errs)
+        full = model.init_cache(2, 40)
+        try:
+            prefill_context_parallel(model, ids, full, mesh=make_mesh(cp=2, tp=4))
+        except ValueError as e:
+            assert "exceed the cache capacity max_len=40" in str(e), e
+        else:
+            raise AssertionError("no capacity error")
         print("OK")
     """)
     assert "OK" in out

@@ -16,6 +16,15 @@ from pallas_kernels.linear_attention.context_parallel import (
     kda_sequence_parallel,
     split_pieces,
 )
+from sharding.rules import constrain
+
+
+def _placed(state: KDAState) -> KDAState:
+    """Batch over the data axis, heads over the tensor axis (the conv tail's channels are q|k|v heads)."""
+    return KDAState(
+        conv=constrain(state.conv, ("batch", None, "kda_heads")),
+        recurrent=constrain(state.recurrent, ("batch", "kda_heads", None, None)),
+    )
 
 
 class ShortConv(nnx.Module):
@@ -91,9 +100,11 @@ class KimiDeltaAttention(nnx.Module):
 
     def init_state(self, batch_size: int, dtype) -> KDAState:
         cfg = self.cfg
-        return KDAState(
-            conv=jnp.zeros((batch_size, cfg.kda_conv_size - 1, 3 * cfg.kda_dim), dtype),
-            recurrent=jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
+        return _placed(
+            KDAState(
+                conv=jnp.zeros((batch_size, cfg.kda_conv_size - 1, 3 * cfg.kda_dim), dtype),
+                recurrent=jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
+            )
         )
 
     def _short_conv(self, xhat: jax.Array, prev: jax.Array, n_new: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -133,10 +144,12 @@ class KimiDeltaAttention(nnx.Module):
         z = self.g_proj(x) if cfg.kda_output_gate_rank is None else self.g_b_proj(self.g_a_proj(x))
         return self.o_proj(self.o_norm(o, z.reshape(b, t, n, hd)).reshape(b, t, n * hd))
 
-    def _context_parallel(self, x: jax.Array, xhat: jax.Array, info: StepInfo):
-        """Prefill of a sequence split over info.cp.axis (no cache): each piece's short conv starts from the
-        last W-1 raw inputs of the piece before it (a halo gathered over the axis), and the recurrence runs
-        state-parallel (pallas_kernels.linear_attention.context_parallel)."""
+    def _context_parallel(self, x: jax.Array, xhat: jax.Array, info: StepInfo, state: KDAState | None):
+        """Prefill of a sequence split over info.cp.axis, every row taking all its tokens: each piece's short
+        conv starts from the last W-1 raw inputs of the piece before it (a halo gathered over the axis; the
+        cached conv tail for the first piece), and the recurrence runs state-parallel from the cached state
+        (pallas_kernels.linear_attention.context_parallel). With a cache, every device returns the same new
+        state: the last W-1 raw inputs of the sequence and its final recurrent state."""
         cfg, cp = self.cfg, info.cp
         b, t, _ = x.shape
         n, hd, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
@@ -147,26 +160,38 @@ class KimiDeltaAttention(nnx.Module):
                 f"context-parallel pieces of {pieces[0].shape[1]} tokens are shorter than the conv halo {w - 1}"
             )
         tails = gather_in_sequence_order(jnp.stack([p[:, p.shape[1] - (w - 1) :] for p in pieces]), cp.axis, table)
-        tails = jnp.concatenate([jnp.zeros_like(tails[:1]), tails[:-1]])  # halo of piece p = tail of piece p - 1
+        first = jnp.zeros_like(tails[:1]) if state is None else state.conv[None].astype(tails.dtype)
+        halos = jnp.concatenate([first, tails[:-1]])  # halo of piece p = tail of piece p - 1
         mine = jnp.asarray(table)[jax.lax.axis_index(cp.axis)]
         full = jnp.full((b,), pieces[0].shape[1], jnp.int32)
-        qkv = jnp.concatenate([self._short_conv(p, tails[mine[i]], full)[0] for i, p in enumerate(pieces)], axis=1)
+        qkv = jnp.concatenate([self._short_conv(p, halos[mine[i]], full)[0] for i, p in enumerate(pieces)], axis=1)
         q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-        o, _ = kda_sequence_parallel(
-            q, k, v, self._decay(x), beta, axis=cp.axis, table=table, chunk_size=cfg.kda_chunk_size
+        o, s_final = kda_sequence_parallel(
+            q,
+            k,
+            v,
+            self._decay(x),
+            beta,
+            axis=cp.axis,
+            table=table,
+            initial_state=None if state is None else state.recurrent,
+            chunk_size=cfg.kda_chunk_size,
         )
-        return self._output(x, o), None
+        new_state = (
+            None if state is None else _placed(KDAState(conv=tails[-1].astype(state.conv.dtype), recurrent=s_final))
+        )
+        return self._output(x, o), new_state
 
     def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):
         cfg = self.cfg
         b, t, _ = x.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
-        if state is None:
-            state = self.init_state(b, x.dtype)
         xhat = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
         if info.cp is not None:
-            return self._context_parallel(x, xhat, info)
+            return self._context_parallel(x, xhat, info, state)
+        if state is None:
+            state = self.init_state(b, x.dtype)
         qkv, conv = self._short_conv(xhat, state.conv, info.n_new)
         q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
 
@@ -189,4 +214,4 @@ class KimiDeltaAttention(nnx.Module):
             chunk_size=cfg.kda_chunk_size,
         )
 
-        return self._output(x, o), KDAState(conv=conv, recurrent=s)
+        return self._output(x, o), _placed(KDAState(conv=conv, recurrent=s))

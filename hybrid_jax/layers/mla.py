@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_jax import inspect
 from hybrid_jax.cache import MLAState, Pool, StepInfo
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, linear
@@ -21,10 +24,16 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 def _store(pool: Pool | None, rows: jax.Array, info: StepInfo, fmt: str, tile: int) -> Pool:
     """Write this call's rows into the pool; without a cache the new rows *are* the (contiguous) pool.
-    Either way they pass through the pool's format, so cached and uncached runs see the same rounding."""
+    Either way they pass through the pool's format, so cached and uncached runs see the same rounding.
+    Context parallel: every device attends over the whole causal prefix, so the rows of all devices are
+    gathered over the cp axis (and, with a cache, every device writes the same full set into its pool copy,
+    which is the pool that decode then reads)."""
+    if info.cp is not None:
+        rows = info.cp.gather_sequence(rows)
+        info = dataclasses.replace(
+            info, positions=info.cp.gather_sequence(info.positions), valid=info.cp.gather_sequence(info.valid)
+        )
     if pool is None:
-        if info.cp is not None:  # context parallel: every device attends over the whole (gathered) sequence
-            rows = info.cp.gather_sequence(rows)
         return Pool.from_rows(rows, fmt, tile, rows.dtype)
     return pool.write(info, rows)
 
@@ -77,16 +86,22 @@ class LightningIndexer(nnx.Module):
         if self.fmt == "mxfp8":
             q = Pool.from_rows(q, "mxfp8", 0, q.dtype).read(q.dtype)
         pool = _store(pool, k, info, self.fmt, 0)
+        keys = pool.read(self.dt.compute)
         idx, _ = indexer_topk(
             q,
             w,
-            pool.read(self.dt.compute),
+            keys,
             info.page_table,
             q_positions=info.positions,
             kv_lengths=info.kv_lengths,
             topk=cfg.index_topk,
             scale=cfg.index_head_dim**-0.5,
         )
+        if inspect.recording():  # hybrid_jax.inspect.record_indexer(): a switch read at trace time
+            k_seq = gather_pages(keys, info.page_table)[:, : int(info.kv_lengths.max())]
+            inspect.add_record(
+                q=q, k=k_seq, weights=w, scale=cfg.index_head_dim**-0.5, positions=info.positions, indices=idx
+            )
         return idx, pool
 
 
@@ -140,6 +155,17 @@ class MultiHeadLatentAttention(nnx.Module):
             x, positions, inv, interleaved=cfg.mla_rope_interleave, factor=attention_factor(cfg.rope_scaling)
         )
 
+    def _dense_probs(self, q_lat, q_pe, pages, info: StepInfo) -> jax.Array:
+        """Causal softmax of the absorbed-form logits over every cached position: [B, N, T, S] float32."""
+        lat = self.cfg.kv_lora_rank
+        ctx = gather_pages(pages, info.page_table)[:, : int(info.kv_lengths.max())].astype(jnp.float32)
+        logits = jnp.einsum("btnl,bsl->bnts", q_lat, ctx[..., :lat], precision=HIGHEST)
+        logits = (
+            logits + jnp.einsum("btnr,bsr->bnts", q_pe, ctx[..., lat:], precision=HIGHEST)
+        ) * self.cfg.softmax_scale
+        causal = jnp.arange(ctx.shape[1])[None, None, None, :] <= info.positions[:, None, :, None]
+        return jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+
     def __call__(self, x: jax.Array, info: StepInfo, state: MLAState | None):
         cfg = self.cfg
         b, t, _ = x.shape
@@ -167,6 +193,8 @@ class MultiHeadLatentAttention(nnx.Module):
             idx, index_pages = self.indexer(x, c_q, info, None if state is None else state.index_k)
             q_lat = jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST)
             o_lat, _ = sparse_mla(q_lat, q_pe, pages, info.page_table, idx, scale=scale)
+            if inspect.recording():  # what dense attention would weigh, to compare with the indexer's choice
+                inspect.attach(attention=self._dense_probs(q_lat, q_pe, pages, info))
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         elif info.mode == "decode":
             ctx = gather_pages(pages, info.page_table)  # [B,S,L+R]

@@ -40,6 +40,18 @@ def kda_sequence_parallel(
     """Inside shard_map over `axis`: local [B, pieces*L, N, ...] -> (o local, final state of the sequence)."""
     table = np.asarray(table)
     per_dev = table.shape[1]
+    if table.size == 1:  # one piece in all (cp = 1): no summaries to exchange, the chunked pass is the answer
+        return kda_chunked(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=initial_state,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            chunk_size=chunk_size,
+        )
     kp, vp, gp, bp = (split_pieces(x, per_dev) for x in (k, v, g, beta))
     summaries = [
         kda_state_summary(kp[i], vp[i], gp[i], bp[i], use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)

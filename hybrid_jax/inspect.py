@@ -1,0 +1,71 @@
+"""Looking inside a forward pass: record what the lightning indexers select.
+
+    with record_indexer() as records:
+        model(ids)          # eagerly, not under jit
+    records[0]["indices"]   # [B, T, topk] positions chosen by the first sparse layer (-1 = none)
+
+Each record is a dict with the indexer's inputs to the Top-K: `q` [B, T, N_I, H_I] (rotated; the
+quantize-dequantize image when the indexer runs in MXFP8), `k` [B, S, H_I] keys in position order as read
+from the cache, `weights` [B, T, N_I] (already scaled by N_I^-1/2), `scale`, `positions` [B, T] and the
+chosen `indices`; the sparse MLA layer adds `attention` [B, N, T, S], the probabilities dense attention would
+give every earlier position (to measure how much of that mass the Top-K keeps). Records come in call order,
+i.e. the model's sparse layers in order. Recording is a context-local switch read while tracing: code
+outside the `with` block (and every jitted function) is unchanged. Under `jax.jit` the values would be
+tracers, so recording refuses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar("hybrid_jax_indexer_records", default=None)
+
+
+@contextlib.contextmanager
+def record_indexer():
+    """Collect one record per sparse-layer call made inside the block (in call order)."""
+    records: list[dict] = []
+    token = _RECORDS.set(records)
+    try:
+        yield records
+    finally:
+        _RECORDS.reset(token)
+
+
+def recording() -> bool:
+    return _RECORDS.get() is not None
+
+
+def add_record(**values) -> None:
+    records = _RECORDS.get()
+    if records is None:
+        return
+    if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(values)):
+        raise RuntimeError("record_indexer() records eager calls only: call the model outside jax.jit")
+    records.append({k: np.asarray(v) if isinstance(v, jax.Array) else v for k, v in values.items()})
+
+
+def attach(**values) -> None:
+    """Add values to the newest record (the sparse MLA layer adds its dense attention probabilities)."""
+    records = _RECORDS.get()
+    if records:
+        add_record(**values)
+        records[-2].update(records.pop())
+
+
+def head_scores(record: dict) -> np.ndarray:
+    """Per-head indexer scores w_h(t) * ReLU(scale * q_h(t) . k(s)), causal: [B, N_I, T, S] float32 (-inf where
+    s > t). Their sum over heads is the score that the Top-K ranks."""
+    q = jnp.asarray(record["q"], jnp.float32)
+    k = jnp.asarray(record["k"], jnp.float32)
+    w = jnp.asarray(record["weights"], jnp.float32)
+    s = jnp.einsum("btnh,bsh->bnts", q, k) * record["scale"]
+    s = jax.nn.relu(s) * jnp.moveaxis(w, 2, 1)[..., None]
+    pos = jnp.asarray(record["positions"])  # [B, T]
+    causal = jnp.arange(k.shape[1])[None, None, None, :] <= pos[:, None, :, None]
+    return np.asarray(jnp.where(causal, s, -jnp.inf))

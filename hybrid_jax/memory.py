@@ -1,0 +1,31 @@
+"""Decode-cache memory of a configuration, from shapes only (nothing is allocated)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_jax.config import HybridConfig
+from hybrid_jax.model import HybridLM
+from hybrid_jax.quant.config import QuantConfig
+
+
+def cache_bytes(cfg: HybridConfig, quant: QuantConfig | None = None, dtype=jnp.bfloat16) -> dict[str, float]:
+    """Bytes of one layer's cache by kind: "kda state / seq" (fixed per sequence), "full MLA / token" and
+    "sparse MLA / token" (per cached token, latent + rope + indexer keys with their scales); 0 for kinds
+    the model lacks. Works for any preset size: the model and cache are evaluated abstractly."""
+    page = cfg.page_size
+    model = nnx.eval_shape(lambda: HybridLM(cfg, dtype=dtype, quant=quant, rngs=nnx.Rngs(0)))
+    cache = jax.eval_shape(lambda: model.init_cache(1, page))
+
+    def nbytes(tree) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+    out = {"kda state / seq": 0.0, "full MLA / token": 0.0, "sparse MLA / token": 0.0}
+    for kind, st in zip(cfg.layer_types, cache.layers, strict=True):
+        if kind == "linear":
+            out["kda state / seq"] = float(nbytes(st))
+        else:
+            out[f"{kind} MLA / token"] = nbytes(st) / page
+    return out
