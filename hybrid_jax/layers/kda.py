@@ -10,7 +10,7 @@ from flax import nnx
 from hybrid_jax.cache import KDAState, StepInfo
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, linear
-from pallas_kernels.linear_attention import kda
+from pallas_kernels.linear_attention import kda, kda_decode_step
 from pallas_kernels.linear_attention.context_parallel import (
     gather_in_sequence_order,
     kda_sequence_parallel,
@@ -201,17 +201,22 @@ class KimiDeltaAttention(nnx.Module):
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid.reshape(valid.shape + (1,) * (g.ndim - 2)), g, 0.0)
 
-        impl = "recurrent" if info.mode == "decode" else "auto"
-        o, s = kda(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state=state.recurrent,
-            use_qk_l2norm=True,
-            impl=impl,
-            chunk_size=cfg.kda_chunk_size,
-        )
+        if info.mode == "decode":  # one token: the fused state read-modify-write (Pallas on GPU)
+            o, s = kda_decode_step(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent, use_qk_l2norm=True, impl="auto"
+            )
+            o = o[:, None]
+        else:
+            o, s = kda(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=state.recurrent,
+                use_qk_l2norm=True,
+                impl="auto",
+                chunk_size=cfg.kda_chunk_size,
+            )
 
         return self._output(x, o), _placed(KDAState(conv=conv, recurrent=s))

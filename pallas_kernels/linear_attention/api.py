@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.reference import (
     apply_summary,
     compose_summaries,
@@ -10,7 +14,7 @@ from pallas_kernels.linear_attention.reference import (
 )
 from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
 
-__all__ = ["apply_summary", "compose_summaries", "kda", "kda_state_summary"]
+__all__ = ["apply_summary", "compose_summaries", "kda", "kda_decode_step", "kda_state_summary"]
 
 IMPLS = ("auto", "recurrent", "chunked")
 
@@ -48,3 +52,73 @@ def kda_state_summary(k, v, g, beta, *, use_qk_l2norm=True, chunk_size: int = 64
     if impl not in ("auto", "reference"):
         raise ValueError(f"kda_state_summary: unknown impl={impl!r}; expected one of ('auto', 'reference')")
     return _kda_state_summary(k, v, g, beta, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+
+
+DECODE_IMPLS = ("auto", "reference", "pallas")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def kda_decode_step(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    *,
+    scale=None,
+    use_qk_l2norm=True,
+    impl: str = "auto",
+    block_v: int = 64,
+    interpret: bool | None = None,
+):
+    """One token per sequence: q, k [B,N,K]; v [B,N,V]; g [B,N,K] (per channel) or [B,N] (per head);
+    beta [B,N]; state [B,N,K,V] float32 -> (o [B,N,V] in q.dtype, new state [B,N,K,V] float32).
+
+    impl: "reference" (the jnp recurrence), "pallas" (`decode.decode_step_pallas`: one pass over the state,
+    updated in place), or "auto" (Pallas on GPU, the reference elsewhere). `block_v`: state columns per
+    Pallas program (a power of two). `interpret` runs the Pallas kernel in interpret mode (default: when the
+    default backend is the CPU)."""
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"kda_decode_step: unknown impl={impl!r}; expected one of {DECODE_IMPLS}")
+    if q.ndim != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2] or beta.shape != q.shape[:2]:
+        raise ValueError(f"kda_decode_step: inconsistent shapes q={q.shape} k={k.shape} v={v.shape} beta={beta.shape}")
+    b, n, dk = q.shape
+    dv = v.shape[-1]
+    if g.shape not in (q.shape, q.shape[:2]):
+        raise ValueError(f"kda_decode_step: g.shape={g.shape} must be {q.shape} or {q.shape[:2]}")
+    if state.shape != (b, n, dk, dv):
+        raise ValueError(f"kda_decode_step: state.shape={state.shape} != {(b, n, dk, dv)}")
+    if block_v <= 0 or block_v & (block_v - 1):
+        raise ValueError(f"kda_decode_step: block_v={block_v} must be a positive power of two")
+    backend = jax.default_backend()
+    if impl == "auto":
+        impl = "pallas" if backend == "gpu" else "reference"
+    scale = dk**-0.5 if scale is None else float(scale)
+    if g.ndim == 2:
+        g = jnp.broadcast_to(g[..., None], q.shape)
+    if impl == "reference":
+        o, s = kda_recurrent(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+            initial_state=state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        )  # fmt: skip
+        return o[:, 0], s
+    interpret = backend == "cpu" if interpret is None else interpret
+    pk, pv = _pow2(dk), _pow2(dv)
+    if (pk, pv) != (dk, dv):  # Triton blocks are powers of two; zero rows/columns leave the update unchanged
+        pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, 0), *[(0, p) for p in w]])  # noqa: E731
+        q, k, g, v, state = (
+            pad(q, pk - dk),
+            pad(k, pk - dk),
+            pad(g, pk - dk),
+            pad(v, pv - dv),
+            pad(state, pk - dk, pv - dv),
+        )
+    o, s = decode_step_pallas(
+        q, k, v, g, beta, state.astype(jnp.float32),
+        scale=scale, l2norm=use_qk_l2norm, block_v=min(pv, block_v), interpret=interpret,
+    )  # fmt: skip
+    return o[..., :dv], s[:, :, :dk, :dv]

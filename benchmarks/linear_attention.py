@@ -1,0 +1,212 @@
+"""KDA kernels on one GPU: decode step and chunked prefill, against the jnp reference, flash-linear-attention
+and the roofline. One run prints one table (and appends it to BENCHMARKS.md).
+
+Floors: FLOPs over the measured bf16 matmul rate and bytes over the measured copy bandwidth (both measured
+at the start of the run); the larger is the floor and "% of floor" is floor / time. Decode bytes: the
+float32 state read and written once (2·B·N·K·V·4) plus q, k, v, g, beta, o. Prefill bytes: q, k, v (bf16),
+g (float32), beta, o (bf16) once; prefill FLOPs: the chunked WY/UT form at chunk 64 (see `prefill_flops`).
+
+fla (`fla-core`, Triton, PyTorch) runs in the same process when importable: carry its wheel and einops to
+the GPU machine (`pip download --no-deps fla-core einops`).
+
+    python -m benchmarks.linear_attention [--only decode|prefill] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import report
+from pallas_kernels.linear_attention import kda, kda_decode_step
+
+N, DK, DV, CHUNK = 32, 128, 128, 64
+
+
+def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def torch_median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        ts.append(start.elapsed_time(end))
+    return statistics.median(ts)
+
+
+def ceilings() -> tuple[float, float]:
+    """Measured copy bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) on this device."""
+    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+    copy = jax.jit(lambda x: x * 1.5 + 1.0)
+    ms = median_ms(lambda: copy(x))
+    bw = 2 * x.nbytes / (ms * 1e-3)
+    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    ms = median_ms(lambda: mm(a))
+    return bw, 2 * 8192**3 / (ms * 1e-3)
+
+
+def prefill_flops(tokens: int) -> float:
+    """Chunked form per head and chunk of C: K Kᵀ and Q Kᵀ (2·C²K each), the UT solve (~C³/3), W = A K and
+    U = A V (C²K + C²V), the state read by q and k (2·C K V), the state update (C K V); 2 FLOPs a MAC."""
+    c = CHUNK
+    per_chunk = 2 * (2 * c * c * DK + c**3 / 3 + c * c * DK + c * c * DV + 3 * c * DK * DV)
+    return N * (tokens / c) * per_chunk
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def fla_ops():
+    try:
+        import torch
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+        return torch, chunk_kda, fused_recurrent_kda
+    except Exception as e:  # noqa: BLE001 — any import failure means "no baseline in this run"
+        print(f"fla baseline unavailable: {type(e).__name__}: {e}")
+        return None
+
+
+def row(case, shape, impl, ms, flops, nbytes, bw, rate, err=None) -> dict:
+    floor = max(flops / rate, nbytes / bw) * 1e3
+    return {
+        "case": case,
+        "shape": shape,
+        "impl": impl,
+        "median ms": f"{ms:.3f}",
+        "TFLOP/s": f"{flops / ms / 1e9:.1f}",
+        "GB/s": f"{nbytes / ms / 1e6:,.0f}",
+        "% of floor": f"{floor / ms:.0%}",
+        "rel err vs ref": "" if err is None else f"{err:.1e}",
+    }
+
+
+def _donating_loop(step, args, box):
+    """One decode step that consumes the previous state (donated) and keeps the new one for the next call."""
+    o, box["s"] = step(*args, box["s"])
+    return o
+
+
+def decode_rows(bw, rate, fla) -> list[dict]:
+    rows = []
+    for b in (1, 64, 256):
+        ks = jax.random.split(jax.random.key(b), 6)
+        q, k, v = (jax.random.normal(x, (b, N, DK), jnp.bfloat16) for x in ks[:3])
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (b, N, DK)))
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, N)))
+        s0 = jax.random.normal(ks[5], (b, N, DK, DV)) * 0.1
+        state_bytes = 2 * s0.nbytes
+        io_bytes = 3 * q.nbytes + g.nbytes + beta.nbytes + q.nbytes
+        flops = b * N * DK * DV * 8  # decay, k·S, rank-1 update, q·S
+        ref_o, ref_s = jax.jit(lambda *a: kda_decode_step(*a, impl="reference"))(q, k, v, g, beta, s0)
+        shape = f"B={b} N={N} K={DK} V={DV}"
+        variants = {"jnp reference (XLA)": dict(impl="reference")}
+        for bv in (32, 64, 128):
+            variants[f"pallas, block_v={bv}"] = dict(impl="pallas", block_v=bv)
+        for name, kw in variants.items():
+            step = jax.jit(
+                lambda q, k, v, g, beta, s, kw=kw: kda_decode_step(q, k, v, g, beta, s, **kw), donate_argnums=5
+            )
+            o, s = step(q, k, v, g, beta, s0.copy())
+            err = max(rel_err(o, ref_o), rel_err(s, ref_s))
+            run = functools.partial(_donating_loop, step, (q, k, v, g, beta), {"s": s})
+            ms = median_ms(run, iters=50)
+            rows.append(row("decode step", shape, name, ms, flops, state_bytes + io_bytes, bw, rate, err))
+        if fla is not None:
+            torch, _, fused_recurrent_kda = fla
+            tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16()[:, None] for x in (q, k, v))
+            tg = torch.from_numpy(np.asarray(g)).cuda()[:, None]
+            tb = torch.from_numpy(np.asarray(beta)).cuda()[:, None]
+            ts = torch.from_numpy(np.asarray(s0)).cuda()
+            o, _ = fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=ts.clone(), output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)  # fmt: skip
+            err = rel_err(o[:, 0].float().cpu().numpy(), ref_o)
+            call = functools.partial(
+                fused_recurrent_kda, tq, tk, tv, tg, tb, initial_state=ts.clone(), output_final_state=True,
+                use_qk_l2norm_in_kernel=True, inplace_final_state=True,
+            )  # fmt: skip
+            ms = torch_median_ms(call, iters=50)
+            rows.append(
+                row("decode step", shape, "fla fused_recurrent_kda", ms, flops, state_bytes + io_bytes, bw, rate, err)
+            )
+    return rows
+
+
+def prefill_rows(bw, rate, fla, lengths) -> list[dict]:
+    rows = []
+    for t in lengths:
+        ks = jax.random.split(jax.random.key(t), 5)
+        q, k, v = (jax.random.normal(x, (1, t, N, DK), jnp.bfloat16) for x in ks[:3])
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (1, t, N, DK))) * 0.1
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, t, N)))
+        nbytes = 4 * q.nbytes + g.nbytes + beta.nbytes
+        flops = prefill_flops(t)
+        shape = f"B=1 T={t} N={N} K={DK} V={DV}"
+        ref = jax.jit(lambda q, k, v, g, beta: kda(q, k, v, g, beta, impl="chunked", chunk_size=CHUNK))
+        ref_o, _ = ref(q, k, v, g, beta)
+        ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=5)
+        rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
+        if fla is not None:
+            torch, chunk_kda, _ = fla
+            tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16() for x in (q, k, v))
+            tg = torch.from_numpy(np.asarray(g)).cuda()
+            tb = torch.from_numpy(np.asarray(beta)).cuda()
+            o, _ = chunk_kda(tq, tk, tv, tg, tb, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            err = rel_err(o.float().cpu().numpy(), ref_o)
+            call = functools.partial(
+                chunk_kda, tq, tk, tv, tg, tb, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+            ms = torch_median_ms(call, iters=10)
+            rows.append(row("prefill", shape, "fla chunk_kda", ms, flops, nbytes, bw, rate, err))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--only", choices=("decode", "prefill"))
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[4096, 32768, 131072])
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    bw, rate = ceilings()
+    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    fla = fla_ops()
+    rows = []
+    if args.only in (None, "decode"):
+        rows += decode_rows(bw, rate, fla)
+    if args.only in (None, "prefill"):
+        rows += prefill_rows(bw, rate, fla, args.prefill_lens)
+    title = (
+        f"KDA kernels (N={N} heads, K=V={DK}); ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
+        f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    )
+    report("linear_attention.py", title, rows, record=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
