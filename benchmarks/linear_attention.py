@@ -59,13 +59,13 @@ def torch_median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
 
 def ceilings() -> tuple[float, float]:
     """Measured copy bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) on this device."""
-    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB: far past the L2
     copy = jax.jit(lambda x: x * 1.5 + 1.0)
-    ms = median_ms(lambda: copy(x))
+    ms = median_ms(lambda: copy(x), warmup=20, iters=30)  # long warm-up: the clocks ramp from idle
     bw = 2 * x.nbytes / (ms * 1e-3)
     a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
     mm = jax.jit(lambda a: a @ a)
-    ms = median_ms(lambda: mm(a))
+    ms = median_ms(lambda: mm(a), warmup=10)
     return bw, 2 * 8192**3 / (ms * 1e-3)
 
 
@@ -127,8 +127,8 @@ def decode_rows(bw, rate, fla) -> list[dict]:
         ref_o, ref_s = jax.jit(lambda *a: kda_decode_step(*a, impl="reference"))(q, k, v, g, beta, s0)
         shape = f"B={b} N={N} K={DK} V={DV}"
         variants = {"jnp reference (XLA)": dict(impl="reference")}
-        for bv in (32, 64, 128):
-            variants[f"pallas, block_v={bv}"] = dict(impl="pallas", block_v=bv)
+        for bv, nw in ((32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
+            variants[f"pallas, block_v={bv}, warps={nw}"] = dict(impl="pallas", block_v=bv, num_warps=nw)
         for name, kw in variants.items():
             step = jax.jit(
                 lambda q, k, v, g, beta, s, kw=kw: kda_decode_step(q, k, v, g, beta, s, **kw), donate_argnums=5

@@ -98,6 +98,8 @@ def prefill_context_parallel(
         raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no context-parallel axis {axis!r}")
     cp = mesh.shape[axis]
     b, t = np.shape(input_ids)
+    if cp == 1:  # one device holds everything: zigzag's two pieces would only add a state summary
+        layout = "sequential"
     layout_order(t, cp, layout)  # raises when T does not split into the layout's pieces
     if cache is None:
         start = jnp.zeros((b,), jnp.int32)

@@ -73,6 +73,7 @@ def kda_decode_step(
     use_qk_l2norm=True,
     impl: str = "auto",
     block_v: int = 64,
+    num_warps: int = 4,
     interpret: bool | None = None,
 ):
     """One token per sequence: q, k [B,N,K]; v [B,N,V]; g [B,N,K] (per channel) or [B,N] (per head);
@@ -80,7 +81,7 @@ def kda_decode_step(
 
     impl: "reference" (the jnp recurrence), "pallas" (`decode.decode_step_pallas`: one pass over the state,
     updated in place), or "auto" (Pallas on GPU, the reference elsewhere). `block_v`: state columns per
-    Pallas program (a power of two). `interpret` runs the Pallas kernel in interpret mode (default: when the
+    Pallas program (a power of two); `num_warps`: Triton warps per program. `interpret` runs the Pallas kernel in interpret mode (default: when the
     default backend is the CPU)."""
     if impl not in DECODE_IMPLS:
         raise ValueError(f"kda_decode_step: unknown impl={impl!r}; expected one of {DECODE_IMPLS}")
@@ -119,6 +120,6 @@ def kda_decode_step(
         )
     o, s = decode_step_pallas(
         q, k, v, g, beta, state.astype(jnp.float32),
-        scale=scale, l2norm=use_qk_l2norm, block_v=min(pv, block_v), interpret=interpret,
+        scale=scale, l2norm=use_qk_l2norm, block_v=min(pv, block_v), interpret=interpret, num_warps=num_warps,
     )  # fmt: skip
     return o[..., :dv], s[:, :, :dk, :dv]
