@@ -81,8 +81,8 @@ def kda_decode_step(
 
     impl: "reference" (the jnp recurrence), "pallas" (`decode.decode_step_pallas`: one pass over the state,
     updated in place), or "auto" (Pallas on GPU, the reference elsewhere). `block_v`: state columns per
-    Pallas program (a power of two); `num_warps`: Triton warps per program. `interpret` runs the Pallas kernel in interpret mode (default: when the
-    default backend is the CPU)."""
+    Pallas program (a power of two); `num_warps`: Triton warps per program. `interpret` runs the Pallas
+    kernel in interpret mode (default: when the default backend is the CPU)."""
     if impl not in DECODE_IMPLS:
         raise ValueError(f"kda_decode_step: unknown impl={impl!r}; expected one of {DECODE_IMPLS}")
     if q.ndim != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2] or beta.shape != q.shape[:2]:
