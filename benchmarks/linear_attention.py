@@ -1,10 +1,12 @@
 """KDA kernels on one GPU: decode step and chunked prefill, against the jnp reference, flash-linear-attention
 and the roofline. One run prints one table (and appends it to BENCHMARKS.md).
 
-Floors: FLOPs over the measured bf16 matmul rate and bytes over the measured copy bandwidth (both measured
-at the start of the run); the larger is the floor and "% of floor" is floor / time. Decode bytes: the
-float32 state read and written once (2·B·N·K·V·4) plus q, k, v, g, beta, o. Prefill bytes: q, k, v (bf16),
-g (float32), beta, o (bf16) once; prefill FLOPs: the chunked WY/UT form at chunk 64 (see `prefill_flops`).
+Decode steps are timed 20 at a time: inside one jitted `fori_loop` for JAX, as one replayed CUDA graph for
+fla, so neither pays a host dispatch per step. Floors: FLOPs over the measured bf16 matmul rate and bytes
+over the measured copy bandwidth (both measured at the start of the run); the larger is the floor and
+"% of floor" is floor / time. Decode bytes: the float32 state read and written once (2·B·N·K·V·4) plus
+q, k, v, g, beta, o. Prefill bytes: q, k, v (bf16), g (float32), beta, o (bf16) once; prefill FLOPs: the
+chunked WY/UT form at chunk 64 (see `prefill_flops`).
 
 fla (`fla-core`, Triton, PyTorch) runs in the same process when importable: carry its wheel and einops to
 the GPU machine (`pip download --no-deps fla-core einops`).
@@ -107,8 +109,21 @@ def row(case, shape, impl, ms, flops, nbytes, bw, rate, err=None) -> dict:
     }
 
 
+STEPS = 20
+
+
+def _decode_loop(kw, q, k, v, g, beta, state):
+    """STEPS decode steps carrying the state (inputs reused: the state traffic is what is measured)."""
+
+    def body(_, carry):
+        o, s = kda_decode_step(q, k, v, g, beta, carry[1], **kw)
+        return o, s
+
+    return jax.lax.fori_loop(0, STEPS, body, (jnp.zeros(v.shape, q.dtype), state))
+
+
 def _donating_loop(step, args, box):
-    """One decode step that consumes the previous state (donated) and keeps the new one for the next call."""
+    """A call that consumes the previous state (donated) and keeps the new one for the next call."""
     o, box["s"] = step(*args, box["s"])
     return o
 
@@ -130,13 +145,12 @@ def decode_rows(bw, rate, fla) -> list[dict]:
         for bv, nw in ((32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
             variants[f"pallas, block_v={bv}, warps={nw}"] = dict(impl="pallas", block_v=bv, num_warps=nw)
         for name, kw in variants.items():
-            step = jax.jit(
-                lambda q, k, v, g, beta, s, kw=kw: kda_decode_step(q, k, v, g, beta, s, **kw), donate_argnums=5
-            )
-            o, s = step(q, k, v, g, beta, s0.copy())
+            o, s = jax.jit(lambda *a, kw=kw: kda_decode_step(*a, **kw))(q, k, v, g, beta, s0)
             err = max(rel_err(o, ref_o), rel_err(s, ref_s))
-            run = functools.partial(_donating_loop, step, (q, k, v, g, beta), {"s": s})
-            ms = median_ms(run, iters=50)
+            # STEPS steps inside one executable (as generate's loop runs them): no host dispatch in the time.
+            loop = jax.jit(functools.partial(_decode_loop, kw), donate_argnums=5)
+            box = {"s": s0.copy()}
+            ms = median_ms(functools.partial(_donating_loop, loop, (q, k, v, g, beta), box), iters=10) / STEPS
             rows.append(row("decode step", shape, name, ms, flops, state_bytes + io_bytes, bw, rate, err))
         if fla is not None:
             torch, _, fused_recurrent_kda = fla
@@ -151,7 +165,13 @@ def decode_rows(bw, rate, fla) -> list[dict]:
                 fused_recurrent_kda, tq, tk, tv, tg, tb, initial_state=ts.clone(), output_final_state=True,
                 use_qk_l2norm_in_kernel=True, inplace_final_state=True,
             )  # fmt: skip
-            ms = torch_median_ms(call, iters=50)
+            graph = torch.cuda.CUDAGraph()  # STEPS launches replayed as one graph: no launch gaps either
+            call()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                for _ in range(STEPS):
+                    call()
+            ms = torch_median_ms(graph.replay, iters=10) / STEPS
             rows.append(
                 row("decode step", shape, "fla fused_recurrent_kda", ms, flops, state_bytes + io_bytes, bw, rate, err)
             )
