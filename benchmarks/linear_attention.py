@@ -192,6 +192,14 @@ def prefill_rows(bw, rate, fla, lengths) -> list[dict]:
         ref_o, _ = ref(q, k, v, g, beta)
         ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=5)
         rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
+        for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)):
+            fn = jax.jit(functools.partial(kda, impl="pallas", block_v=bv, num_warps=nw))
+            o, _ = fn(q, k, v, g, beta)
+            err = rel_err(o, ref_o)
+            ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
+            rows.append(
+                row("prefill", shape, f"pallas chunked, block_v={bv}, warps={nw}", ms, flops, nbytes, bw, rate, err)
+            )
         if fla is not None:
             torch, chunk_kda, _ = fla
             tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16() for x in (q, k, v))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.reference import (
     apply_summary,
@@ -16,19 +17,36 @@ from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_
 
 __all__ = ["apply_summary", "compose_summaries", "kda", "kda_decode_step", "kda_state_summary"]
 
-IMPLS = ("auto", "recurrent", "chunked")
+IMPLS = ("auto", "recurrent", "chunked", "pallas")
 
 
 def kda(
-    q, k, v, g, beta, *, initial_state=None, scale=None, use_qk_l2norm=True, impl: str = "auto", chunk_size: int = 64
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    initial_state=None,
+    scale=None,
+    use_qk_l2norm=True,
+    impl: str = "auto",
+    chunk_size: int = 64,
+    block_v: int = 64,
+    precision: str | None = None,
+    num_warps: int = 4,
+    interpret: bool | None = None,
 ):
     """Gated delta rule with per-channel (g [B,T,N,K]) or per-head (g [B,T,N]) log decay.
 
     q, k [B,T,N,K]; v [B,T,N,V]; beta [B,T,N]; initial_state [B,N,K,V] float32 or None.
     Returns (o [B,T,N,V] in q.dtype, final_state [B,N,K,V] float32). q and k are L2-normalised inside
     (eps 1e-6 under the root) when use_qk_l2norm; q is scaled by `scale` (default K^-1/2).
-    impl: "recurrent" (token scan), "chunked" (WY/UT chunks of `chunk_size`), or "auto"
-    (recurrent for a single token, chunked otherwise).
+    impl: "recurrent" (token scan), "chunked" (WY/UT chunks of `chunk_size`, jnp), "pallas" (the chunked
+    Pallas kernel, `chunked.kda_chunked_pallas`: chunks of 16, state on chip, one pass over the inputs), or
+    "auto" (recurrent for a single token; otherwise Pallas on GPU and the jnp chunked form elsewhere).
+    Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32", the
+    default, or "ieee"), `num_warps` per program, `interpret` (default: when the default backend is the CPU).
     """
     if impl not in IMPLS:
         raise ValueError(f"kda: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -38,12 +56,46 @@ def kda(
         raise ValueError(f"kda: g.shape={g.shape} must be {q.shape} (per channel) or {q.shape[:3]} (per head)")
     if chunk_size <= 0:
         raise ValueError(f"kda: chunk_size={chunk_size} must be positive")
+    if precision not in (None, "tf32", "ieee"):
+        raise ValueError(f"kda: precision={precision!r} must be 'tf32' or 'ieee'")
     if impl == "auto":
-        impl = "recurrent" if q.shape[1] == 1 else "chunked"
+        gpu = jax.default_backend() == "gpu"
+        impl = "recurrent" if q.shape[1] == 1 else "pallas" if gpu else "chunked"
+    if impl == "pallas":
+        return _kda_pallas(
+            q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision or "tf32", interpret, num_warps
+        )
     kw = dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     if impl == "recurrent":
         return kda_recurrent(q, k, v, g, beta, **kw)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+
+
+def _kda_pallas(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps):
+    """Pads to the kernel's constraints (T a multiple of 16; K, V powers of two >= 16), runs, unpads.
+    Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged."""
+    b, t, n, dk = q.shape
+    dv = v.shape[-1]
+    if block_v <= 0 or block_v & (block_v - 1):
+        raise ValueError(f"kda: block_v={block_v} must be a positive power of two")
+    scale = dk**-0.5 if scale is None else float(scale)
+    if g.ndim == 3:
+        g = jnp.broadcast_to(g[..., None], q.shape)
+    pk, pv = max(16, _pow2(dk)), max(16, _pow2(dv))
+    tp = -(-t // CHUNK) * CHUNK
+    pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, tp - t), *[(0, p) for p in w]])  # noqa: E731
+    q, k, g = pad(q, 0, pk - dk), pad(k, 0, pk - dk), pad(g.astype(jnp.float32), 0, pk - dk)
+    v, beta = pad(v, 0, pv - dv), pad(beta.astype(jnp.float32), 0)
+    if initial_state is None:
+        s0 = jnp.zeros((b, n, pk, pv), jnp.float32)
+    else:
+        s0 = jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, pk - dk), (0, pv - dv)])
+    o, s = kda_chunked_pallas(
+        q, k, v, g, beta, s0,
+        scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
+        interpret=jax.default_backend() == "cpu" if interpret is None else interpret, num_warps=num_warps,
+    )  # fmt: skip
+    return o[:, :t, :, :dv], s[:, :, :dk, :dv]
 
 
 def kda_state_summary(k, v, g, beta, *, use_qk_l2norm=True, chunk_size: int = 64, impl: str = "auto"):
