@@ -44,7 +44,7 @@ def kda(
     (eps 1e-6 under the root) when use_qk_l2norm; q is scaled by `scale` (default K^-1/2).
     impl: "recurrent" (token scan), "chunked" (WY/UT chunks of `chunk_size`, jnp), "pallas" (the chunked
     Pallas kernel, `chunked.kda_chunked_pallas`: chunks of 16, state on chip, one pass over the inputs), or
-    "auto" (recurrent for a single token; otherwise Pallas on GPU and the jnp chunked form elsewhere).
+    "auto" (recurrent for a single token, the jnp chunked form otherwise; Pallas is opt-in for now).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32", the
     default, or "ieee"), `num_warps` per program, `interpret` (default: when the default backend is the CPU).
     """
@@ -59,8 +59,9 @@ def kda(
     if precision not in (None, "tf32", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32' or 'ieee'")
     if impl == "auto":
-        gpu = jax.default_backend() == "gpu"
-        impl = "recurrent" if q.shape[1] == 1 else "pallas" if gpu else "chunked"
+        # The Pallas prefill kernel is correct but, as measured (BENCHMARKS.md, commit 634095a), still slower
+        # than the jnp chunked form under XLA: it stays opt-in until it is faster.
+        impl = "recurrent" if q.shape[1] == 1 else "chunked"
     if impl == "pallas":
         return _kda_pallas(
             q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision or "tf32", interpret, num_warps
