@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged import slot_index
+from pallas_kernels.sparse_attention.kernel import sparse_mla_pallas
 from pallas_kernels.sparse_attention.reference import sparse_mla_reference
 
-IMPLS = ("auto", "reference")
+IMPLS = ("auto", "reference", "pallas")
 
 
-def sparse_mla(q_latent, q_rope, kv_pages, page_table, indices, *, scale: float, impl: str = "auto"):
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def sparse_mla(
+    q_latent,
+    q_rope,
+    kv_pages,
+    page_table,
+    indices,
+    *,
+    scale: float,
+    impl: str = "auto",
+    block_h: int = 16,
+    block_k: int = 32,
+    precision: str = "tf32",
+    interpret: bool | None = None,
+):
     """Absorbed-form MLA over selected positions.
 
     q_latent [B,T,N,L] (W_UK already absorbed), q_rope [B,T,N,R], kv_pages [P,G,L+R] latent pool,
     page_table [B,n], indices [B,T,K] int32 positions (-1 = unused).
     Returns (out [B,T,N,L] in q_latent.dtype, natural-log LSE [B,T,N] float32, -inf where nothing is selected).
+    impl: "reference" (jnp), "pallas" (`kernel.sparse_mla_pallas`: rows gathered from the pool inside the
+    kernel, online softmax; L and R powers of two; `block_h` heads and `block_k` rows per step, `precision`
+    "tf32" or "ieee" for its products, `interpret` default on CPU), or "auto" (the reference: the kernel is
+    not yet measured on the GPU).
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -20,4 +46,25 @@ def sparse_mla(q_latent, q_rope, kv_pages, page_table, indices, *, scale: float,
         raise ValueError(
             f"sparse_mla: kv_pages width {kv_pages.shape[-1]} != latent {q_latent.shape[-1]} + rope {q_rope.shape[-1]}"
         )
-    return sparse_mla_reference(q_latent, q_rope, kv_pages, page_table, indices, scale=scale)
+    if impl != "pallas":
+        return sparse_mla_reference(q_latent, q_rope, kv_pages, page_table, indices, scale=scale)
+    b, t, n, lat = q_latent.shape
+    rope = q_rope.shape[-1]
+    if lat != _pow2(lat) or rope != _pow2(rope) or rope < 16:
+        raise ValueError(f"sparse_mla(impl='pallas'): latent {lat} and rope {rope} must be powers of two (rope >= 16)")
+    k = indices.shape[-1]
+    kp = -(-k // block_k) * block_k
+    np_ = -(-n // block_h) * block_h
+    # Pool rows of the selected positions; -1 stays -1 (and padding adds more of them).
+    slots = jnp.where(indices >= 0, slot_index(page_table, jnp.maximum(indices, 0), kv_pages.shape[1]), -1)
+    slots = jnp.pad(slots.reshape(b * t, k), [(0, 0), (0, kp - k)], constant_values=-1)
+    heads = [(0, 0), (0, np_ - n), (0, 0)]
+    out, lse = sparse_mla_pallas(
+        jnp.pad(q_latent.reshape(b * t, n, lat), heads),
+        jnp.pad(q_rope.reshape(b * t, n, rope), heads),
+        slots.astype(jnp.int32),
+        kv_pages.reshape(-1, kv_pages.shape[-1]),
+        scale=float(scale), block_h=block_h, block_k=block_k, precision=precision,
+        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+    )  # fmt: skip
+    return out[:, :n].reshape(b, t, n, lat), lse[:, :n].reshape(b, t, n)

@@ -1,0 +1,96 @@
+"""Pallas kernel: index-based sparse MLA (absorbed form) over a paged latent pool, with an online softmax.
+
+One program per (query, block of BH heads). It walks the query's selected positions in blocks of BK rows:
+gathers the rows `[c | k_rope]` straight from the flat pool by their pool row numbers (no gathered copy in
+HBM), scores them for its heads, and folds them into a running max / sum / output (flash-attention
+style). Returns the latent-space output and the natural-log LSE (so partial results over disjoint index
+sets merge exactly). All heads of a query read the same rows, so the head blocks of one query share them
+through L2.
+
+Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). Loaded tiles must have power-of-two
+sizes, so the latent (L) and rope (R) parts are gathered as two tiles; `sparse_mla(impl="pallas")` pads
+heads to a multiple of BH and the index list to a multiple of BK.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+def _kernel(ql_ref, qr_ref, slots_ref, kv_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, rope, precision):
+    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    ql = ql_ref[...].astype(jnp.float32)  # [BH, L]
+    qr = qr_ref[...].astype(jnp.float32)  # [BH, R]
+    bh = ql.shape[0]
+
+    def body(j, carry):
+        m, l_sum, acc = carry
+        slots = slots_ref[pl.ds(j * block_k, block_k)]  # [BK] pool rows, -1 = unused
+        valid = slots >= 0
+        rows = jnp.maximum(slots, 0)
+        c = kv_ref[rows, pl.ds(0, lat)].astype(jnp.float32)  # [BK, L]
+        kr = kv_ref[rows, pl.ds(lat, rope)].astype(jnp.float32)  # [BK, R]
+        contract = (((1,), (1,)), ((), ()))
+        s = jax.lax.dot_general(ql, c, contract, precision=prec, preferred_element_type=jnp.float32)
+        s = s + jax.lax.dot_general(qr, kr, contract, precision=prec, preferred_element_type=jnp.float32)
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)  # [BH, BK]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: keep exp() away from inf - inf
+        p = jnp.exp(s - safe[:, None])
+        alpha = jnp.exp(m - safe)
+        l_sum = l_sum * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p, c, precision=prec, preferred_element_type=jnp.float32)
+        return m_new, l_sum, acc
+
+    init = (
+        jnp.full((bh,), -jnp.inf, jnp.float32),
+        jnp.zeros((bh,), jnp.float32),
+        jnp.zeros((bh, lat), jnp.float32),
+    )
+    m, l_sum, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    empty = l_sum == 0.0
+    o_ref[...] = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, l_sum)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l_sum)))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages")
+)
+def sparse_mla_pallas(
+    q_latent, q_rope, slots, kv_rows, *, scale, block_h, block_k, precision, interpret, num_warps=4, num_stages=2
+):
+    """q_latent [Q, N, L], q_rope [Q, N, R] (N a multiple of block_h), slots [Q, K] int32 pool rows (-1 =
+    none; K a multiple of block_k), kv_rows [rows, L + R] -> (out [Q, N, L] in q_latent.dtype, lse [Q, N])."""
+    nq, n, lat = q_latent.shape
+    rope = q_rope.shape[-1]
+    k = slots.shape[1]
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    kernel = functools.partial(
+        _kernel, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, rope=rope, precision=precision
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(nq, n // block_h),
+        in_specs=[
+            pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, block_h, rope), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, k), lambda i, h: (i, 0)),
+            pl.BlockSpec(kv_rows.shape, lambda i, h: (0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, block_h), lambda i, h: (i, h)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype), jax.ShapeDtypeStruct((nq, n), jnp.float32)],
+        interpret=interpret,
+        name="sparse_mla",
+        **params,
+    )(q_latent, q_rope, slots, kv_rows)
