@@ -1,4 +1,4 @@
-"""Pallas sparse MLA kernel (interpret mode on CPU) against the float32 jnp reference."""
+"""Pallas sparse MLA and lightning-indexer kernels (interpret mode on CPU) against the float32 jnp references."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_mla
 from tests.conftest import rel_err
 
@@ -63,3 +64,55 @@ def test_sparse_mla_kernel_rejects_odd_widths():
     ql, qr, pool, table, idx = _case(0, 1, 1, 4, 24, 16, 8, 4, [8], jnp.float32)
     with pytest.raises(ValueError, match="latent 24"):
         sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", interpret=True)
+
+
+def _indexer_case(seed, b, t, n, h, page, lengths):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    pages_per_seq = -(-max(lengths) // page)
+    num_pages = b * pages_per_seq + 2
+    table = jax.random.permutation(ks[0], num_pages)[: b * pages_per_seq].reshape(b, pages_per_seq)
+    pool = jax.random.normal(ks[1], (num_pages, page, h))
+    q = jax.random.normal(ks[2], (b, t, n, h))
+    w = jax.random.normal(ks[3], (b, t, n))
+    kv = jnp.asarray(lengths, jnp.int32)
+    # decode-like positions: the last t tokens of each row (ragged rows)
+    pos = jnp.maximum(kv[:, None] - t + jnp.arange(t)[None, :], 0)
+    return q, w, pool, table.astype(jnp.int32), pos, kv
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    t=st.integers(1, 3),
+    n=st.sampled_from([4, 16, 20]),
+    topk=st.sampled_from([1, 8, 50]),  # 50 > every available position count
+    page=st.sampled_from([4, 8]),
+    short=st.integers(1, 37),
+)
+def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short):
+    q, w, pool, table, pos, kv = _indexer_case(seed, b, t, n, 32, page, [37, short][:b])
+    kw = dict(q_positions=pos, kv_lengths=kv, topk=topk, scale=32**-0.5)
+    ref_i, ref_v = indexer_topk(q, w, pool, table, impl="reference", **kw)
+    got_i, got_v = indexer_topk(q, w, pool, table, impl="pallas", precision="ieee", interpret=True, block_s=16, **kw)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))  # same positions, same order, -1 pads
+    fin = np.isfinite(np.asarray(ref_v))
+    assert (np.isfinite(np.asarray(got_v)) == fin).all()
+    np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_kernel_reads_mxfp8_pool():
+    from hybrid_jax.quant.formats import dequantize_mxfp8, quantize_mxfp8
+
+    q, w, pool, table, pos, kv = _indexer_case(1, 2, 2, 16, 64, 8, [29, 40])
+    values, scales = quantize_mxfp8(pool * 7.0)
+    kw = dict(q_positions=pos, kv_lengths=kv, topk=16, scale=0.125)
+    ref_i, ref_v = indexer_topk(q, w, dequantize_mxfp8(values, scales), table, impl="reference", **kw)
+    got_i, got_v = indexer_topk(
+        q, w, values, table, impl="pallas", k_scales=scales, precision="ieee", interpret=True, **kw
+    )
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))
+    fin = np.isfinite(np.asarray(ref_v))
+    np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs impl='pallas'"):
+        indexer_topk(q, w, values, table, impl="reference", k_scales=scales, **kw)

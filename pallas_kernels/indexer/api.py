@@ -2,22 +2,80 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._blocking import over_query_blocks, query_block_size
+from pallas_kernels.indexer.kernel import indexer_scores_pallas
 from pallas_kernels.indexer.reference import indexer_topk_reference
+from pallas_kernels.paged import slot_index
 
-IMPLS = ("auto", "reference")
+IMPLS = ("auto", "reference", "pallas")
 
 
-def indexer_topk(q, w, k_pages, page_table, *, q_positions, kv_lengths, topk: int, scale: float, impl: str = "auto"):
+def indexer_topk(
+    q,
+    w,
+    k_pages,
+    page_table,
+    *,
+    q_positions,
+    kv_lengths,
+    topk: int,
+    scale: float,
+    impl: str = "auto",
+    k_scales=None,
+    block_s: int = 64,
+    precision: str = "tf32",
+    interpret: bool | None = None,
+):
     """Top-K key positions per query from the paged indexer key cache.
 
     q [B,T,N,H] indexer queries; w [B,T,N] head weights; k_pages [P,G,H] key pool; page_table [B,n];
     q_positions [B,T]; kv_lengths [B]. Returns (indices [B,T,topk] int32, -1 = none; scores [B,T,topk]
     float32, -inf where none), best first, ties to the lower position.
+    impl: "reference" (jnp), "pallas" (`kernel.indexer_scores_pallas` scores straight from the pool, then
+    `lax.top_k` per block of queries; with `k_scales` [P,G,H/32] E8M0 the pool holds MXFP8 E4M3 values,
+    dequantized in the kernel), or "auto" (the reference: the kernel is not yet measured on the GPU).
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
     if topk <= 0:
         raise ValueError(f"indexer_topk: topk={topk} must be positive")
-    return indexer_topk_reference(
-        q, w, k_pages, page_table, q_positions=q_positions, kv_lengths=kv_lengths, topk=topk, scale=scale
-    )
+    if impl != "pallas":
+        if k_scales is not None:
+            raise ValueError("indexer_topk: k_scales (an MXFP8 pool) needs impl='pallas'")
+        return indexer_topk_reference(
+            q, w, k_pages, page_table, q_positions=q_positions, kv_lengths=kv_lengths, topk=topk, scale=scale
+        )
+    b, t, n, h = q.shape
+    g = k_pages.shape[1]
+    s_len = page_table.shape[1] * g
+    s_pad = -(-s_len // block_s) * block_s
+    slots = slot_index(page_table, jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (b, s_pad)), g)
+    slots = jnp.where(jnp.arange(s_pad)[None, :] < s_len, slots, -1)
+    n_pad = max(16, n)  # the tensor-core product needs 16 rows; zero heads with zero weight add nothing
+    q = jnp.pad(q, [(0, 0), (0, 0), (0, n_pad - n), (0, 0)])
+    w = jnp.pad(w.astype(jnp.float32), [(0, 0), (0, 0), (0, n_pad - n)])
+    rows = k_pages.reshape(-1, h)
+    scales = None
+    if k_scales is not None:
+        scales = jax.lax.bitcast_convert_type(k_scales, jnp.uint8).reshape(-1, h // 32)
+    k_eff = min(topk, s_len)
+    interp = jax.default_backend() == "cpu" if interpret is None else interpret
+
+    def block(qb, wb, pb):
+        scores = indexer_scores_pallas(
+            qb, wb, pb.astype(jnp.int32), kv_lengths.astype(jnp.int32), slots, rows, scales,
+            scale=float(scale), block_s=block_s, precision=precision, interpret=interp,
+        )[..., :s_len]  # fmt: skip
+        vals, idx = jax.lax.top_k(scores, k_eff)  # ties: the lower position first
+        return jnp.where(jnp.isneginf(vals), -1, idx).astype(jnp.int32), vals
+
+    # Queries in blocks: the [T, S] scores are never all in memory (prefill memory grows as T x topk).
+    idx, vals = over_query_blocks(block, query_block_size(t, b * s_pad), q, w, q_positions)
+    if k_eff < topk:
+        extra = [(0, 0), (0, 0), (0, topk - k_eff)]
+        idx = jnp.pad(idx, extra, constant_values=-1)
+        vals = jnp.pad(vals, extra, constant_values=-jnp.inf)
+    return idx, vals

@@ -1,0 +1,96 @@
+"""Pallas kernel: lightning-indexer scores for one key block, straight from the paged key pool.
+
+One program per (sequence b, query t, block of BS key positions). It gathers the block's key rows from the
+flat pool by their pool row numbers, dequantizes MXFP8 rows in the kernel when the pool is quantized (E4M3
+values times 2^(e − 127) per 32-value block, one product per block), scores all indexer heads on the tensor
+cores and reduces over heads with their weights, applying the causal / length mask:
+    I[t, s] = Σ_h w_h(t) ReLU(scale · q_h(t) · k(s))     (−inf where s > pos(t) or s ≥ kv_length)
+Only the head-weighted scores [B, T, S] leave the kernel (never the per-head [B, T, N, S]); the Top-K over
+them is `lax.top_k` in `indexer_topk(impl="pallas")`, done block of queries by block of queries.
+
+Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MX_BLOCK = 32
+
+
+def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, head_dim, mx, precision):
+    if mx:
+        ks_ref, out_ref = rest
+    else:
+        (out_ref,) = rest
+    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    j = pl.program_id(2)
+    rows = slots_ref[pl.ds(j * block_s, block_s)]  # [BS] pool rows of positions j*BS ...
+    valid_row = rows >= 0
+    rows = jnp.maximum(rows, 0)
+    contract = (((1,), (1,)), ((), ()))
+    if mx:
+        s = None
+        for c in range(head_dim // MX_BLOCK):  # one scale per 32 values: scale the block's partial product
+            cols = pl.ds(c * MX_BLOCK, MX_BLOCK)
+            part = jax.lax.dot_general(
+                q_ref[:, cols].astype(jnp.float32), kv_ref[rows, cols].astype(jnp.float32), contract,
+                precision=prec, preferred_element_type=jnp.float32,
+            )  # fmt: skip
+            e = ks_ref[rows, c].astype(jnp.float32)  # [BS] E8M0 bits
+            part = part * jnp.exp2(e - 127.0)[None, :]
+            s = part if s is None else s + part
+    else:
+        s = jax.lax.dot_general(
+            q_ref[...].astype(jnp.float32), kv_ref[rows, :].astype(jnp.float32), contract,
+            precision=prec, preferred_element_type=jnp.float32,
+        )  # fmt: skip
+    w = w_ref[...].astype(jnp.float32)  # [N]
+    score = jnp.sum(w[:, None] * jnp.maximum(s * scale, 0.0), axis=0)  # [BS]
+    pos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+    ok = valid_row & (pos <= pos_ref[...]) & (pos < len_ref[...])
+    out_ref[...] = jnp.where(ok, score, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_s", "precision", "interpret", "num_warps"))
+def indexer_scores_pallas(
+    q, w, q_positions, kv_lengths, slots, kv_rows, kv_scales, *, scale, block_s, precision, interpret, num_warps=4
+):
+    """q [B, T, N, H] (N >= 16), w [B, T, N], q_positions [B, T], kv_lengths [B], slots [B, S] int32 pool row
+    of each position (-1 = none; S a multiple of block_s), kv_rows [rows, H] (dense, or E4M3 values with
+    kv_scales [rows, H/32] uint8 E8M0 bits) -> scores [B, T, S] float32, -inf where masked."""
+    b, t, n, h = q.shape
+    s_len = slots.shape[1]
+    mx = kv_scales is not None
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+    in_specs = [
+        pl.BlockSpec((None, None, n, h), lambda i, tt, j: (i, tt, 0, 0)),
+        pl.BlockSpec((None, None, n), lambda i, tt, j: (i, tt, 0)),
+        pl.BlockSpec((None, None, 1), lambda i, tt, j: (i, tt, 0)),
+        pl.BlockSpec((None, 1), lambda i, tt, j: (i, 0)),
+        pl.BlockSpec((None, s_len), lambda i, tt, j: (i, 0)),
+        pl.BlockSpec(kv_rows.shape, lambda i, tt, j: (0, 0)),
+    ]
+    args = [q, w, q_positions[..., None], kv_lengths[:, None], slots, kv_rows]
+    if mx:
+        in_specs.append(pl.BlockSpec(kv_scales.shape, lambda i, tt, j: (0, 0)))
+        args.append(kv_scales)
+    kernel = functools.partial(_kernel, scale=scale, block_s=block_s, head_dim=h, mx=mx, precision=precision)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, t, s_len // block_s),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, block_s), lambda i, tt, j: (i, tt, j)),
+        out_shape=jax.ShapeDtypeStruct((b, t, s_len), jnp.float32),
+        interpret=interpret,
+        name="indexer_scores",
+        **params,
+    )(*args)
