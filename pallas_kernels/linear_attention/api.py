@@ -42,9 +42,9 @@ def kda(
     q, k [B,T,N,K]; v [B,T,N,V]; beta [B,T,N]; initial_state [B,N,K,V] float32 or None.
     Returns (o [B,T,N,V] in q.dtype, final_state [B,N,K,V] float32). q and k are L2-normalised inside
     (eps 1e-6 under the root) when use_qk_l2norm; q is scaled by `scale` (default K^-1/2).
-    impl: "recurrent" (token scan), "chunked" (WY/UT chunks of `chunk_size`, jnp), "pallas" (the chunked
-    Pallas kernel, `chunked.kda_chunked_pallas`: chunks of 16, state on chip, one pass over the inputs), or
-    "auto" (recurrent for a single token, the jnp chunked form otherwise; Pallas is opt-in for now).
+    impl: "recurrent" (token scan), "chunked" (WY/UT chunks of `chunk_size`, jnp), "pallas" (the Pallas
+    kernels of `chunked.kda_chunked_pallas`: intra-chunk work parallel over chunks of 64, then the state
+    pass), or "auto" (recurrent for a single token, the jnp chunked form otherwise; Pallas is opt-in).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32", the
     default, or "ieee"), `num_warps` per program, `interpret` (default: when the default backend is the CPU).
     """
@@ -59,8 +59,9 @@ def kda(
     if precision not in (None, "tf32", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32' or 'ieee'")
     if impl == "auto":
-        # The Pallas prefill kernel is correct but, as measured (BENCHMARKS.md, commit 634095a), still slower
-        # than the jnp chunked form under XLA: it stays opt-in until it is faster.
+        # The Pallas prefill stays opt-in until measured faster than the jnp chunked form under XLA: the first
+        # (one-phase, 16-token chunks) version was slower (BENCHMARKS.md, 634095a); the two-phase version
+        # has not been timed on the GPU yet.
         impl = "recurrent" if q.shape[1] == 1 else "chunked"
     if impl == "pallas":
         return _kda_pallas(
@@ -73,7 +74,7 @@ def kda(
 
 
 def _kda_pallas(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps):
-    """Pads to the kernel's constraints (T a multiple of 16; K, V powers of two >= 16), runs, unpads.
+    """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16), runs, unpads.
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]

@@ -1,19 +1,21 @@
-"""Pallas kernel: chunked KDA prefill, one program per (sequence, head, tile of V columns).
+"""Pallas kernels: chunked KDA prefill in two phases, the intra-chunk work parallel over all chunks and the
+inter-chunk recurrence sequential per (sequence, head, tile of V columns).
 
-Each program walks its sequence in chunks of C tokens (C = 16) with the state tile S [K, BV] (float32) held
-on chip, and per chunk computes, in the WY / UT form of the reference (`reference.kda_chunked`):
-    G = cumsum(g) within the chunk;  q, k ← L2-normalised, q ← q · scale
-    A_qk[i, j] = Σ_k q_ik k_jk exp(G_ik − G_jk)   (i ≥ j),   A_kk[i, j] = β_i Σ_k k_ik k_jk exp(G_ik − G_jk)   (i > j)
-    T = (I + A_kk)⁻¹ Diag(β)  (Neumann product: A_kk is nilpotent, (I+N)⁻¹ = (I−N)(I+N²)(I+N⁴)(I+N⁸))
-    W = T (exp(G) ⊙ k),  U = T v,  V' = U − W S
-    o = (exp(G) ⊙ q) S + A_qk V',   S ← Diag(exp(G_C)) S + (k ⊙ exp(G_C − G))ᵀ V'
-The pairwise decays are formed per element in K-slices and masked before the exponential, exactly as the
-reference does (no factorisation exp(G_i)·exp(−G_j) that could overflow for strong gates). Every state and
-gate quantity is float32; the matrix products run on the tensor cores at `precision` ("tf32" by default
-on GPU, "ieee" for exact float32).
+Chunks of C = 64 tokens, handled as four sub-blocks of 16 rows. With G the within-chunk running sum of the
+log decays (G ≤ 0, decreasing), q, k L2-normalised and q scaled:
 
-Bytes: q, k, v, g, β read once and o written once; FLOPs ≈ the chunked form's (see
-benchmarks/linear_attention.py). Varlen batches (cumulative sequence offsets) are not supported yet.
+Phase 1 (`_intra_kernel`, grid (B, N, chunks)), per chunk:
+    A_qk[a, b] = Σ_k q_ak k_bk exp(G_ak − G_bk)  (a ≥ b),   A_kk[a, b] = β_a Σ_k k_ak k_bk exp(G_ak − G_bk)  (a > b)
+  For a in sub-block i and b in an earlier sub-block j, with P_i = G at the row before sub-block i,
+  exp(G_a − G_b) = exp(G_a − P_i) · exp(P_i − G_b): both factors are ≤ 1, so the block is one tensor-core
+  product of two rescaled tiles and nothing can overflow however strong the gates. Diagonal sub-blocks are
+  formed per element (masked before the exponential) in K-slices. Then the UT transform
+  T = (I + A_kk)⁻¹ Diag(β) by block forward substitution (diagonal 16x16 inverses by the Neumann product
+  (I − N)(I + N²)(I + N⁴)(I + N⁸)), and W = T (exp(G) ⊙ k), U = T v, q_g = exp(G) ⊙ q,
+  k_g = exp(G_C − G) ⊙ k, exp(G_C).
+Phase 2 (`_state_kernel`, grid (B, N, V/BV)), chunk after chunk with S [K, BV] on chip:
+    V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
+Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk).
 """
 
 from __future__ import annotations
@@ -24,64 +26,121 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-CHUNK = 16  # the exact per-element decay costs C² K per chunk: C = 16 keeps it in registers
+CHUNK = 64
+SUB = 16  # sub-block rows: the smallest tensor-core tile
+CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a @ bᵀ
+CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, s_ref, *, nc, scale, l2norm, precision, kslice):
-    c_, dk = CHUNK, q_ref.shape[-1]
+def _products(precision: str):
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
-    dot = functools.partial(jnp.dot, precision=prec, preferred_element_type=jnp.float32)
 
-    def dot_t(a, b):  # aᵀ b
-        return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+    def dot(a, b, dims=None):
+        if dims is None:
+            return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
-    row = jax.lax.broadcasted_iota(jnp.int32, (c_, c_), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (c_, c_), 1)
+    return dot
+
+
+def _intra_kernel(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, aqk_ref, w_ref, u_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm,
+    precision, kslice,
+):  # fmt: skip
+    dot = _products(precision)
+    dk = q_ref.shape[-1]
+    nb = q_ref.shape[0] // SUB
+    row = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     eye = (row == col).astype(jnp.float32)
     lower_incl, lower_strict = row >= col, row > col
 
-    def body(c, s):
-        rows = pl.ds(c * c_, c_)
-        qr = q_ref[rows, :].astype(jnp.float32)  # [C, K]
-        kr = k_ref[rows, :].astype(jnp.float32)
-        q_scale = jnp.full((c_, 1), scale, jnp.float32)
-        k_scale = jnp.ones((c_, 1), jnp.float32)
-        if l2norm:  # kept per row: the K-slices below reread the raw q, k
+    blocks = []
+    offset = jnp.zeros((dk,), jnp.float32)  # P_i: G at the row before sub-block i
+    for i in range(nb):
+        r = pl.ds(i * SUB, SUB)
+        qr, kr = q_ref[r, :].astype(jnp.float32), k_ref[r, :].astype(jnp.float32)
+        q_scale = jnp.full((SUB, 1), scale, jnp.float32)
+        k_scale = jnp.ones((SUB, 1), jnp.float32)
+        if l2norm:
             q_scale = q_scale * jax.lax.rsqrt(jnp.sum(qr * qr, axis=1, keepdims=True) + 1e-6)
             k_scale = jax.lax.rsqrt(jnp.sum(kr * kr, axis=1, keepdims=True) + 1e-6)
-        q, k = qr * q_scale, kr * k_scale
-        v = v_ref[rows, :].astype(jnp.float32)  # [C, BV]
-        g = g_ref[rows, :].astype(jnp.float32)  # [C, K]
-        gcum = jnp.cumsum(g, axis=0)
-        g_total = jnp.sum(g, axis=0)  # [K] = the last row of gcum
-        beta = beta_ref[rows].astype(jnp.float32)  # [C]
-        a_qk = jnp.zeros((c_, c_), jnp.float32)
-        a_kk = jnp.zeros((c_, c_), jnp.float32)
-        for j in range(dk // kslice):  # exact pairwise decays, [C, C, kslice] at a time
-            cols = pl.ds(j * kslice, kslice)
-            qs = q_ref[rows, cols].astype(jnp.float32) * q_scale
-            ks = k_ref[rows, cols].astype(jnp.float32) * k_scale
-            gs = jnp.cumsum(g_ref[rows, cols].astype(jnp.float32), axis=0)
-            diff = jnp.where(lower_incl[:, :, None], gs[:, None, :] - gs[None, :, :], -jnp.inf)
-            decay = jnp.exp(diff)  # [C, C, kslice], 0 above the diagonal
+        g = g_ref[r, :].astype(jnp.float32)
+        blocks.append(
+            dict(
+                q=qr * q_scale, k=kr * k_scale, q_scale=q_scale, k_scale=k_scale,
+                G=offset[None, :] + jnp.cumsum(g, axis=0), P=offset,
+                v=v_ref[r, :].astype(jnp.float32), beta=beta_ref[r].astype(jnp.float32),
+            )
+        )  # fmt: skip
+        offset = offset + jnp.sum(g, axis=0)
+    g_total = offset  # G at the chunk's last row
+
+    a_kk = {}
+    for i, bi in enumerate(blocks):
+        r = pl.ds(i * SUB, SUB)
+        # diagonal sub-block: exact per-element decays, masked before the exponential
+        aqk_ii = jnp.zeros((SUB, SUB), jnp.float32)
+        akk_ii = jnp.zeros((SUB, SUB), jnp.float32)
+        for s in range(dk // kslice):
+            cols = pl.ds(s * kslice, kslice)
+            qs = q_ref[r, cols].astype(jnp.float32) * bi["q_scale"]
+            ks = k_ref[r, cols].astype(jnp.float32) * bi["k_scale"]
+            gl = jnp.cumsum(g_ref[r, cols].astype(jnp.float32), axis=0)  # the offset cancels in G_a - G_b
+            decay = jnp.exp(jnp.where(lower_incl[:, :, None], gl[:, None, :] - gl[None, :, :], -jnp.inf))
             kd = ks[None, :, :] * decay
-            a_qk += jnp.sum(qs[:, None, :] * kd, axis=2)
-            a_kk += jnp.sum(ks[:, None, :] * kd, axis=2)
-        a_kk = jnp.where(lower_strict, a_kk * beta[:, None], 0.0)
-        # (I + N)^-1 for strictly lower N (N^16 = 0): (I - N)(I + N^2)(I + N^4)(I + N^8)
-        n2 = dot(a_kk, a_kk)
+            aqk_ii += jnp.sum(qs[:, None, :] * kd, axis=2)
+            akk_ii += jnp.sum(ks[:, None, :] * kd, axis=2)
+        a_kk[i, i] = jnp.where(lower_strict, akk_ii * bi["beta"][:, None], 0.0)
+        aqk_ref[r, pl.ds(i * SUB, SUB)] = aqk_ii
+        # earlier sub-blocks: exp(G_a - G_b) = exp(G_a - P_i) exp(P_i - G_b), both factors <= 1
+        q_left = bi["q"] * jnp.exp(bi["G"] - bi["P"][None, :])
+        k_left = bi["k"] * jnp.exp(bi["G"] - bi["P"][None, :])
+        for j in range(i):
+            right = blocks[j]["k"] * jnp.exp(bi["P"][None, :] - blocks[j]["G"])
+            aqk_ref[r, pl.ds(j * SUB, SUB)] = dot(q_left, right, CONTRACT_LAST)
+            a_kk[i, j] = dot(k_left, right, CONTRACT_LAST) * bi["beta"][:, None]
+        for j in range(i + 1, nb):
+            aqk_ref[r, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
+
+    # (I + A_kk)^-1 by block forward substitution; diagonal blocks by the Neumann product (N^16 = 0)
+    inv = {}
+    for i in range(nb):
+        n1 = a_kk[i, i]
+        n2 = dot(n1, n1)
         n4 = dot(n2, n2)
         n8 = dot(n4, n4)
-        inv = dot(dot(dot(eye - a_kk, eye + n2), eye + n4), eye + n8)
-        t_mat = inv * beta[None, :]  # (I + A_kk)^-1 Diag(beta)
-        eg = jnp.exp(gcum)  # <= 1: G is a running sum of log decays from the chunk start
-        w = dot(t_mat, eg * k)  # [C, K]
-        u = dot(t_mat, v)  # [C, BV]
-        v_new = u - dot(w, s)
-        o = dot(eg * q, s) + dot(a_qk, v_new)
+        inv[i, i] = dot(dot(dot(eye - n1, eye + n2), eye + n4), eye + n8)
+        for j in range(i):
+            acc = dot(a_kk[i, j], inv[j, j])
+            for m in range(j + 1, i):
+                acc += dot(a_kk[i, m], inv[m, j])
+            inv[i, j] = -dot(inv[i, i], acc)
+    rhs_k = [b["beta"][:, None] * jnp.exp(b["G"]) * b["k"] for b in blocks]
+    rhs_v = [b["beta"][:, None] * b["v"] for b in blocks]
+    for i, bi in enumerate(blocks):
+        r = pl.ds(i * SUB, SUB)
+        w = dot(inv[i, 0], rhs_k[0])
+        u = dot(inv[i, 0], rhs_v[0])
+        for j in range(1, i + 1):
+            w += dot(inv[i, j], rhs_k[j])
+            u += dot(inv[i, j], rhs_v[j])
+        w_ref[r, :] = w
+        u_ref[r, :] = u
+        qg_ref[r, :] = jnp.exp(bi["G"]) * bi["q"]
+        kg_ref[r, :] = jnp.exp(g_total[None, :] - bi["G"]) * bi["k"]
+    gl_ref[...] = jnp.exp(g_total)[:, None]
+
+
+def _state_kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *, nc, precision):
+    dot = _products(precision)
+
+    def body(c, s):
+        rows = pl.ds(c * CHUNK, CHUNK)
+        v_new = u_ref[rows, :] - dot(w_ref[rows, :], s)  # [C, BV]
+        o = dot(qg_ref[rows, :], s) + dot(aqk_ref[rows, :], v_new)
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        kg = k * jnp.exp(g_total[None, :] - gcum)
-        return jnp.exp(g_total)[:, None] * s + dot_t(kg, v_new)
+        return gl_ref[c] * s + dot(kg_ref[rows, :], v_new, CONTRACT_FIRST)
 
     s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
@@ -92,27 +151,59 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, s_ref, *, nc, s
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2
 ):
-    """q, k, g [B, T, N, K] (T a multiple of 16, K a power of two); v [B, T, N, V]; beta [B, T, N];
+    """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32)."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
-    seq_k = pl.BlockSpec((None, t, None, dk), lambda i, h, j: (i, 0, h, 0))
-    seq_v = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h, j))
-    state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
+    f32 = jnp.float32
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
         params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    kernel = functools.partial(_kernel, nc=nc, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 16))
-    return pl.pallas_call(
-        kernel,
-        grid=(b, n, dv // block_v),
-        in_specs=[seq_k, seq_k, seq_v, seq_k, pl.BlockSpec((None, t, None), lambda i, h, j: (i, 0, h)), state],
-        out_specs=[seq_v, state],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)],
+
+    def chunk_spec(width):
+        return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
+
+    intra = functools.partial(_intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 16))
+    aqk, w, u, qg, kg, gl = pl.pallas_call(
+        intra,
+        grid=(b, n, nc),
+        in_specs=[
+            chunk_spec(dk), chunk_spec(dk), chunk_spec(dv), chunk_spec(dk),
+            pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h)),
+        ],
+        out_specs=[
+            chunk_spec(CHUNK), chunk_spec(dk), chunk_spec(dv), chunk_spec(dk), chunk_spec(dk),
+            pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, t, n, CHUNK), f32), jax.ShapeDtypeStruct((b, t, n, dk), f32),
+            jax.ShapeDtypeStruct((b, t, n, dv), f32), jax.ShapeDtypeStruct((b, t, n, dk), f32),
+            jax.ShapeDtypeStruct((b, t, n, dk), f32), jax.ShapeDtypeStruct((b, nc, n, dk, 1), f32),
+        ],
         interpret=interpret,
-        name="kda_chunked_prefill",
+        name="kda_chunk_intra",
         **params,
-    )(q, k, v, g, beta, s0)
+    )(q, k, v, g, beta)  # fmt: skip
+
+    def seq_spec(width, tile=False):
+        if tile:
+            return pl.BlockSpec((None, t, None, width), lambda i, h, j: (i, 0, h, j))
+        return pl.BlockSpec((None, t, None, width), lambda i, h, j: (i, 0, h, 0))
+
+    state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
+    return pl.pallas_call(
+        functools.partial(_state_kernel, nc=nc, precision=precision),
+        grid=(b, n, dv // block_v),
+        in_specs=[
+            seq_spec(dk), seq_spec(block_v, tile=True), seq_spec(dk), seq_spec(dk), seq_spec(CHUNK),
+            pl.BlockSpec((None, nc, None, dk, 1), lambda i, h, j: (i, 0, h, 0, 0)), state,
+        ],
+        out_specs=[seq_spec(block_v, tile=True), state],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, f32)],
+        interpret=interpret,
+        name="kda_chunk_state",
+        **params,
+    )(w, u, qg, kg, aqk, gl, s0)  # fmt: skip
