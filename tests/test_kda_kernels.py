@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.linear_attention import kda, kda_decode_step
+from pallas_kernels.linear_attention import kda, kda_decode_step, kda_state_summary
 from tests.conftest import rel_err
 
 
@@ -98,3 +98,22 @@ def test_chunked_prefill_kernel_strong_gates_and_bf16():
     o, s = kda(q, k, v, g, beta, initial_state=s0, impl="pallas", precision="ieee", interpret=True)
     assert o.dtype == jnp.bfloat16
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    t=st.sampled_from([7, 64, 100]),
+    dk=st.sampled_from([16, 24]),
+    dv=st.sampled_from([16, 32]),
+    scalar=st.booleans(),
+)
+def test_state_summary_kernel_matches_reference(seed, t, dk, dv, scalar):
+    (q, k, v, g, beta), s0 = _prefill_inputs(seed, 2, t, 2, dk, dv, scalar, jnp.float32, True)
+    ref_m, ref_e = kda_state_summary(k, v, g, beta, impl="reference", chunk_size=16)
+    m, e = kda_state_summary(k, v, g, beta, impl="pallas", precision="ieee", interpret=True)
+    assert rel_err(m, ref_m) < 1e-5 and rel_err(e, ref_e) < 1e-5
+    # the summary reproduces the shard's final state from any start state
+    _, s_end = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    s_from_summary = jnp.einsum("bnkj,bnjv->bnkv", m, s0, precision="highest") + e
+    assert rel_err(s_from_summary, s_end) < 1e-5

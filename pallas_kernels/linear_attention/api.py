@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas
+from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.reference import (
     apply_summary,
@@ -100,12 +100,42 @@ def _kda_pallas(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, 
     return o[:, :t, :, :dv], s[:, :, :dk, :dv]
 
 
-def kda_state_summary(k, v, g, beta, *, use_qk_l2norm=True, chunk_size: int = 64, impl: str = "auto"):
+def kda_state_summary(
+    k,
+    v,
+    g,
+    beta,
+    *,
+    use_qk_l2norm=True,
+    chunk_size: int = 64,
+    impl: str = "auto",
+    block_v: int = 64,
+    precision: str | None = None,
+    interpret: bool | None = None,
+):
     """Context-parallel state summary of one sequence shard: (M [B,N,K,K], E [B,N,K,V]) float32 with
-    S_end = M S_start + E. impl: "reference" (chunk-wise jnp) or "auto"."""
-    if impl not in ("auto", "reference"):
-        raise ValueError(f"kda_state_summary: unknown impl={impl!r}; expected one of ('auto', 'reference')")
-    return _kda_state_summary(k, v, g, beta, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    S_end = M S_start + E. impl: "reference" (chunk-wise jnp), "pallas" (`chunked.kda_state_summary_pallas`,
+    the prefill's two phases on the augmented state [M | E]) or "auto" (the reference; Pallas is opt-in
+    like the prefill)."""
+    if impl not in ("auto", "reference", "pallas"):
+        raise ValueError(f"kda_state_summary: unknown impl={impl!r}; expected one of ('auto', 'reference', 'pallas')")
+    if impl != "pallas":
+        return _kda_state_summary(k, v, g, beta, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    b, t, n, dk = k.shape
+    dv = v.shape[-1]
+    if g.ndim == 3:
+        g = jnp.broadcast_to(g[..., None], k.shape)
+    pk, pv = max(16, _pow2(dk)), max(16, _pow2(dv))
+    tp = -(-t // CHUNK) * CHUNK
+    pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, tp - t), *[(0, p) for p in w]])  # noqa: E731
+    width = pk + pv
+    m, e = kda_state_summary_pallas(
+        pad(k, 0, pk - dk), pad(v, 0, pv - dv), pad(g.astype(jnp.float32), 0, pk - dk),
+        pad(beta.astype(jnp.float32), 0),
+        l2norm=use_qk_l2norm, block_v=min(block_v, width & -width), precision=precision or "tf32",
+        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+    )  # fmt: skip
+    return m[:, :, :dk, :dk], e[:, :, :dk, :dv]
 
 
 DECODE_IMPLS = ("auto", "reference", "pallas")

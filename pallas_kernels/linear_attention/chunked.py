@@ -145,29 +145,38 @@ def _state_kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, 
     s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages")
-)
-def kda_chunked_pallas(
-    q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2
-):
-    """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
-    s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32)."""
+def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precision):
+    """The state pass without outputs, on the augmented state [M | E] (see `kda_state_summary_pallas`)."""
+    dot = _products(precision)
+
+    def body(c, s):
+        rows = pl.ds(c * CHUNK, CHUNK)
+        v_new = u_ref[rows, :] - dot(w_ref[rows, :], s)
+        return gl_ref[c] * s + dot(kg_ref[rows, :], v_new, CONTRACT_FIRST)
+
+    s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
+
+
+def _params(interpret, num_warps, num_stages):
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as pltriton
+
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
+def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, params):
+    """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1])."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
     f32 = jnp.float32
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
     def chunk_spec(width):
         return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
 
     intra = functools.partial(_intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 16))
-    aqk, w, u, qg, kg, gl = pl.pallas_call(
+    return pl.pallas_call(
         intra,
         grid=(b, n, nc),
         in_specs=[
@@ -188,22 +197,77 @@ def kda_chunked_pallas(
         **params,
     )(q, k, v, g, beta)  # fmt: skip
 
-    def seq_spec(width, tile=False):
-        if tile:
-            return pl.BlockSpec((None, t, None, width), lambda i, h, j: (i, 0, h, j))
-        return pl.BlockSpec((None, t, None, width), lambda i, h, j: (i, 0, h, 0))
 
+def _seq_spec(t, width, tile=False):
+    if tile:
+        return pl.BlockSpec((None, t, None, width), lambda i, h, j: (i, 0, h, j))
+    return pl.BlockSpec((None, t, None, width), lambda i, h, j: (i, 0, h, 0))
+
+
+def _gate_spec(nc, dk):
+    return pl.BlockSpec((None, nc, None, dk, 1), lambda i, h, j: (i, 0, h, 0, 0))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages")
+)
+def kda_chunked_pallas(
+    q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2
+):
+    """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
+    s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32)."""
+    b, t, n, dk = q.shape
+    dv = v.shape[-1]
+    nc = t // CHUNK
+    params = _params(interpret, num_warps, num_stages)
+    aqk, w, u, qg, kg, gl = _intra(
+        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, params=params
+    )
     state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     return pl.pallas_call(
         functools.partial(_state_kernel, nc=nc, precision=precision),
         grid=(b, n, dv // block_v),
         in_specs=[
-            seq_spec(dk), seq_spec(block_v, tile=True), seq_spec(dk), seq_spec(dk), seq_spec(CHUNK),
-            pl.BlockSpec((None, nc, None, dk, 1), lambda i, h, j: (i, 0, h, 0, 0)), state,
+            _seq_spec(t, dk), _seq_spec(t, block_v, tile=True), _seq_spec(t, dk), _seq_spec(t, dk),
+            _seq_spec(t, CHUNK), _gate_spec(nc, dk), state,
         ],
-        out_specs=[seq_spec(block_v, tile=True), state],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, f32)],
+        out_specs=[_seq_spec(t, block_v, tile=True), state],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)],
         interpret=interpret,
         name="kda_chunk_state",
         **params,
     )(w, u, qg, kg, aqk, gl, s0)  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages"))
+def kda_state_summary_pallas(
+    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2
+):
+    """The affine map of a sequence shard, S_end = M S_start + E (ARCH_SPEC §2), from the same two phases.
+
+    The state pass is affine in S: S ← M_c S + k_gᵀ U with M_c S = exp(G_C) ⊙ S − k_gᵀ (W S). Running it on
+    the augmented state [M | E] [K, K + V], started from [I | 0], with U replaced by [0 | U], leaves
+    [M | E] at the end. k, g [B, T, N, K]; v [B, T, N, V]; beta [B, T, N] (same constraints as
+    `kda_chunked_pallas`, K + V a multiple of block_v) -> (M [B, N, K, K], E [B, N, K, V]) float32."""
+    b, t, n, dk = k.shape
+    dv = v.shape[-1]
+    nc = t // CHUNK
+    params = _params(interpret, num_warps, num_stages)
+    _, w, u, _, kg, gl = _intra(
+        k, k, v, g, beta, scale=1.0, l2norm=l2norm, precision=precision, interpret=interpret, params=params
+    )
+    u_aug = jnp.concatenate([jnp.zeros((b, t, n, dk), jnp.float32), u], axis=-1)
+    eye = jnp.eye(dk, dk + dv, dtype=jnp.float32)
+    s0 = jnp.broadcast_to(eye, (b, n, dk, dk + dv))
+    state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
+    s = pl.pallas_call(
+        functools.partial(_summary_kernel, nc=nc, precision=precision),
+        grid=(b, n, (dk + dv) // block_v),
+        in_specs=[_seq_spec(t, dk), _seq_spec(t, block_v, tile=True), _seq_spec(t, dk), _gate_spec(nc, dk), state],
+        out_specs=state,
+        out_shape=jax.ShapeDtypeStruct(s0.shape, jnp.float32),
+        interpret=interpret,
+        name="kda_chunk_summary",
+        **params,
+    )(w, u_aug, kg, gl, s0)
+    return s[..., :dk], s[..., dk:]
