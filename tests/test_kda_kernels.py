@@ -117,3 +117,22 @@ def test_state_summary_kernel_matches_reference(seed, t, dk, dv, scalar):
     _, s_end = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
     s_from_summary = jnp.einsum("bnkj,bnjv->bnkv", m, s0, precision="highest") + e
     assert rel_err(s_from_summary, s_end) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+def test_variable_length_batch_equals_separate_sequences(impl):
+    lengths = [5, 0, 70, 33]  # an empty sequence too
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    (q, k, v, g, beta), _ = _prefill_inputs(11, 1, int(cu[-1]), 2, 16, 16, False, jnp.float32, False)
+    s0 = jax.random.normal(jax.random.key(5), (len(lengths), 2, 16, 16))
+    kw = dict(impl=impl, precision="ieee", interpret=True) if impl == "pallas" else dict(impl=impl, chunk_size=16)
+    o, s = kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, **kw)
+    assert o.shape == v.shape and s.shape == s0.shape
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        if a == b:
+            assert rel_err(s[i], s0[i]) == 0  # nothing to run: the state is unchanged
+            continue
+        ref_o, ref_s = kda(*(x[:, a:b] for x in (q, k, v, g, beta)), initial_state=s0[i : i + 1], impl="recurrent")
+        assert rel_err(o[:, a:b], ref_o) < 1e-5 and rel_err(s[i : i + 1], ref_s) < 1e-5
+    with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 3\]"):
+        kda(q, k, v, g, beta, cu_seqlens=[0, 3])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
@@ -36,6 +37,7 @@ def kda(
     precision: str | None = None,
     num_warps: int = 4,
     interpret: bool | None = None,
+    cu_seqlens=None,
 ):
     """Gated delta rule with per-channel (g [B,T,N,K]) or per-head (g [B,T,N]) log decay.
 
@@ -47,7 +49,16 @@ def kda(
     pass), or "auto" (recurrent for a single token, the jnp chunked form otherwise; Pallas is opt-in).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32", the
     default, or "ieee"), `num_warps` per program, `interpret` (default: when the default backend is the CPU).
+    Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
+    time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
+    The sequences run as one padded batch (pads at each row's end change no state).
     """
+    if cu_seqlens is not None:
+        return _varlen(
+            q, k, v, g, beta, cu_seqlens, initial_state,
+            dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, chunk_size=chunk_size, block_v=block_v,
+                 precision=precision, num_warps=num_warps, interpret=interpret),
+        )  # fmt: skip
     if impl not in IMPLS:
         raise ValueError(f"kda: unknown impl={impl!r}; expected one of {IMPLS}")
     if q.ndim != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
@@ -71,6 +82,34 @@ def kda(
     if impl == "recurrent":
         return kda_recurrent(q, k, v, g, beta, **kw)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+
+
+def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
+    """Packed sequences [1, T, ...] -> a padded batch [S, T_max, ...] -> kda -> packed outputs."""
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        raise ValueError("kda: cu_seqlens must be concrete host values (they fix the padded shapes)")
+    cu = np.asarray(cu_seqlens, np.int64)
+    t = q.shape[1]
+    if q.shape[0] != 1 or cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or (np.diff(cu) < 0).any():
+        raise ValueError(
+            f"kda: cu_seqlens={cu.tolist()} must rise from 0 to T={t} over a batch of one (got batch {q.shape[0]})"
+        )
+    lengths = np.diff(cu)
+    t_max = max(1, int(lengths.max()))
+    steps = np.arange(t_max)
+    inside = steps[None, :] < lengths[:, None]  # [S, T_max]
+    src = np.where(inside, cu[:-1, None] + steps[None, :], 0)
+
+    def unpack(x, fill=0.0):
+        rows = x[0][src]  # [S, T_max, ...]
+        mask = inside.reshape(inside.shape + (1,) * (rows.ndim - 2))
+        return jnp.where(mask, rows, jnp.asarray(fill, rows.dtype))
+
+    o, s = kda(
+        unpack(q), unpack(k), unpack(v), unpack(g), unpack(beta), initial_state=initial_state, **kw
+    )  # padded steps: g = 0 and beta = 0 leave each state as it was
+    flat = np.nonzero(inside.reshape(-1))[0]  # packed order = row-major over the valid entries
+    return o.reshape(-1, *o.shape[2:])[flat][None], s
 
 
 def _kda_pallas(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps):
