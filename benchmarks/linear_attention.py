@@ -215,10 +215,47 @@ def prefill_rows(bw, rate, fla, lengths) -> list[dict]:
     return rows
 
 
+def varlen_rows(bw, rate, fla, total: int, seqs: int = 8) -> list[dict]:
+    """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all."""
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, total), seqs - 1, replace=False))
+    cu = np.concatenate([[0], cuts, [total]])
+    ks = jax.random.split(jax.random.key(total + 1), 5)
+    q, k, v = (jax.random.normal(x, (1, total, N, DK), jnp.bfloat16) for x in ks[:3])
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (1, total, N, DK))) * 0.1
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, total, N)))
+    nbytes = 4 * q.nbytes + g.nbytes + beta.nbytes
+    flops = prefill_flops(total)
+    shape = f"{seqs} seqs, {total} tokens (longest {int(np.diff(cu).max())}), N={N} K={DK} V={DV}"
+    rows = []
+    ref = jax.jit(functools.partial(kda, impl="chunked", chunk_size=CHUNK, cu_seqlens=cu))
+    ref_o, _ = ref(q, k, v, g, beta)
+    ms = median_ms(functools.partial(ref, q, k, v, g, beta), warmup=1, iters=5)
+    rows.append(row("prefill varlen", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
+    fn = jax.jit(functools.partial(kda, impl="pallas", num_warps=8, cu_seqlens=cu))
+    err = rel_err(fn(q, k, v, g, beta)[0], ref_o)
+    ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
+    rows.append(row("prefill varlen", shape, "pallas chunked, warps=8", ms, flops, nbytes, bw, rate, err))
+    if fla is not None:
+        torch, chunk_kda, _ = fla
+        tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16() for x in (q, k, v))
+        tg = torch.from_numpy(np.asarray(g)).cuda()
+        tb = torch.from_numpy(np.asarray(beta)).cuda()
+        tcu = torch.from_numpy(cu).cuda()
+        call = functools.partial(
+            chunk_kda, tq, tk, tv, tg, tb, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=tcu
+        )
+        err = rel_err(call()[0].float().cpu().numpy(), ref_o)
+        ms = torch_median_ms(call, iters=10)
+        rows.append(row("prefill varlen", shape, "fla chunk_kda", ms, flops, nbytes, bw, rate, err))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--only", choices=("decode", "prefill"))
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[4096, 32768, 131072])
+    p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
@@ -229,6 +266,7 @@ def main() -> None:
         rows += decode_rows(bw, rate, fla)
     if args.only in (None, "prefill"):
         rows += prefill_rows(bw, rate, fla, args.prefill_lens)
+        rows += varlen_rows(bw, rate, fla, args.varlen_total)
     title = (
         f"KDA kernels (N={N} heads, K=V={DK}); ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"

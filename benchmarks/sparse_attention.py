@@ -1,0 +1,189 @@
+"""Sparse-attention kernels on one GPU: the lightning indexer (scores + Top-K) and index-based sparse MLA,
+Pallas against the jnp reference (materialised scores + `lax.top_k`; gathered rows) in the same run.
+
+Floors: bytes that must move over the measured copy bandwidth and FLOPs over the measured bf16 matmul rate
+(the larger). Indexer: the key cache read once (BF16, or MXFP8 values + E8M0 scales) plus the queries;
+FLOPs 2·N·H per query-key pair. Sparse MLA: the selected rows [c | k_rope] read once per query; FLOPs
+2·N·K·(2L + R) per query.
+
+    python -m benchmarks.sparse_attention [--contexts 32768 131072] [--batches 1 16 64] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import report
+from benchmarks.linear_attention import ceilings, median_ms, rel_err
+from hybrid_jax.quant.formats import quantize_mxfp8
+from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.sparse_attention import sparse_mla
+
+PAGE = 64
+
+
+def row(case, shape, impl, ms, flops, nbytes, bw, rate, check="") -> dict:
+    floor = max(flops / rate, nbytes / bw) * 1e3
+    return {
+        "case": case,
+        "shape": shape,
+        "impl": impl,
+        "median ms": f"{ms:.3f}",
+        "TFLOP/s": f"{flops / ms / 1e9:.1f}",
+        "GB/s": f"{nbytes / ms / 1e6:,.0f}",
+        "% of floor": f"{floor / ms:.0%}",
+        "check vs reference": check,
+    }
+
+
+def _pool(key, b, s, width, dtype):
+    pages = b * (s // PAGE)
+    pool = jax.random.normal(key, (pages, PAGE, width), jnp.float32).astype(dtype)
+    table = jnp.arange(pages, dtype=jnp.int32).reshape(b, s // PAGE)
+    return pool, table
+
+
+def _same_topk(got, ref) -> str:
+    got, ref = np.asarray(got), np.asarray(ref)
+    overlap = np.mean(
+        [
+            len(np.intersect1d(a[a >= 0], r[r >= 0])) / max(1, (r >= 0).sum())
+            for a, r in zip(got.reshape(-1, got.shape[-1]), ref.reshape(-1, ref.shape[-1]), strict=True)
+        ]
+    )
+    return f"Top-K overlap {overlap:.4f}"
+
+
+def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len) -> list[dict]:
+    rows = []
+    for s in contexts:
+        for b in batches:
+            ks = jax.random.split(jax.random.key(s + b), 3)
+            pool, table = _pool(ks[0], b, s, dim, jnp.bfloat16)
+            q = jax.random.normal(ks[1], (b, 1, heads, dim), jnp.bfloat16)
+            w = jax.random.normal(ks[2], (b, 1, heads), jnp.float32)
+            pos = jnp.full((b, 1), s - 1, jnp.int32)
+            lens = jnp.full((b,), s, jnp.int32)
+            kw = dict(q_positions=pos, kv_lengths=lens, topk=topk, scale=dim**-0.5)
+            flops = 2 * b * s * heads * dim
+            shape = f"decode B={b} S={s} heads={heads}x{dim} top-{topk}"
+            ref = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="reference", **kw))
+            ref_i, _ = ref(q, w, pool, table)
+            ms = median_ms(functools.partial(ref, q, w, pool, table), iters=10)
+            rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
+            fn = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", **kw))
+            got_i, _ = fn(q, w, pool, table)
+            ms = median_ms(functools.partial(fn, q, w, pool, table), iters=10)
+            check = _same_topk(got_i, ref_i)
+            rows.append(
+                row("indexer", shape, "pallas scores (bf16 pool) + top_k", ms, flops, pool.nbytes, bw, rate, check)
+            )
+            values, scales = quantize_mxfp8(pool)
+            fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
+            ms = median_ms(functools.partial(fn8, q, w, values, scales, table), iters=10)
+            mx_bytes = values.nbytes + scales.nbytes
+            check = _same_topk(fn8(q, w, values, scales, table)[0], ref_i)
+            rows.append(
+                row("indexer", shape, "pallas scores (MXFP8 pool) + top_k", ms, flops, mx_bytes, bw, rate, check)
+            )
+    if prefill_len:
+        t = prefill_len
+        ks = jax.random.split(jax.random.key(t), 3)
+        pool, table = _pool(ks[0], 1, t, dim, jnp.bfloat16)
+        q = jax.random.normal(ks[1], (1, t, heads, dim), jnp.bfloat16)
+        w = jax.random.normal(ks[2], (1, t, heads), jnp.float32)
+        kw = dict(q_positions=jnp.arange(t, dtype=jnp.int32)[None], kv_lengths=jnp.array([t], jnp.int32), topk=topk,
+                  scale=dim**-0.5)  # fmt: skip
+        flops = 2 * t * (t + 1) / 2 * heads * dim
+        shape = f"prefill T={t} heads={heads}x{dim} top-{topk}"
+        for impl in ("reference", "pallas"):
+            fn = jax.jit(lambda q, w, p, tb, impl=impl, kw=kw: indexer_topk(q, w, p, tb, impl=impl, **kw))
+            ms = median_ms(functools.partial(fn, q, w, pool, table), warmup=1, iters=3)
+            rows.append(row("indexer", shape, impl, ms, flops, q.nbytes + pool.nbytes, bw, rate))
+    return rows
+
+
+def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_len) -> list[dict]:
+    rows = []
+    for case, b, t, s in (
+        ("sparse MLA decode", batch, 1, context),
+        ("sparse MLA prefill", 1, prefill_len, prefill_len),
+    ):
+        if not t:
+            continue
+        ks = jax.random.split(jax.random.key(b * t), 4)
+        pool, table = _pool(ks[0], b, s, lat + rope, jnp.bfloat16)
+        ql = jax.random.normal(ks[1], (b, t, heads, lat), jnp.bfloat16)
+        qr = jax.random.normal(ks[2], (b, t, heads, rope), jnp.bfloat16)
+        # distinct causal positions per query (the last `topk` visible ones, scrambled)
+        last = (s - t) + jnp.arange(t)[None, :, None]  # position of each query
+        idx = last - jax.random.permutation(ks[3], jnp.arange(topk))[None, None, :]
+        idx = jnp.where(idx >= 0, idx, -1).astype(jnp.int32)
+        idx = jnp.broadcast_to(idx, (b, t, topk))
+        flops = 2 * b * t * heads * topk * (2 * lat + rope)
+        nbytes = b * t * topk * (lat + rope) * 2
+        shape = f"B={b} T={t} heads={heads} L={lat} R={rope} top-{topk}"
+        ref = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="reference"))
+        ref_o, _ = ref(ql, qr, pool, table, idx)
+        ms = median_ms(functools.partial(ref, ql, qr, pool, table, idx), warmup=1, iters=5)
+        rows.append(row(case, shape, "jnp reference", ms, flops, nbytes, bw, rate))
+        for bh, bk in ((16, 32), (16, 64), (32, 32)):
+            fn = jax.jit(
+                lambda a, c, p, tb, i, bh=bh, bk=bk: sparse_mla(
+                    a, c, p, tb, i, scale=0.1, impl="pallas", block_h=bh, block_k=bk
+                )
+            )
+            err = rel_err(fn(ql, qr, pool, table, idx)[0], ref_o)
+            ms = median_ms(functools.partial(fn, ql, qr, pool, table, idx), warmup=1, iters=5)
+            rows.append(
+                row(
+                    case,
+                    shape,
+                    f"pallas, block_h={bh}, block_k={bk}",
+                    ms,
+                    flops,
+                    nbytes,
+                    bw,
+                    rate,
+                    f"rel err {err:.1e}",
+                )
+            )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--index-heads", type=int, default=64)
+    p.add_argument("--index-dim", type=int, default=128)
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--indexer-prefill", type=int, default=32768, help="0 skips the indexer prefill row")
+    p.add_argument("--mla-batch", type=int, default=64)
+    p.add_argument("--mla-heads", type=int, default=128)
+    p.add_argument("--mla-context", type=int, default=8192)
+    p.add_argument("--mla-prefill", type=int, default=4096, help="0 skips the sparse MLA prefill row")
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    bw, rate = ceilings()
+    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    rows = indexer_rows(
+        bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill
+    )
+    rows += sparse_mla_rows(
+        bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill
+    )
+    title = (
+        f"Sparse-attention kernels; ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
+        f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    )
+    report("sparse_attention.py", title, rows, record=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
