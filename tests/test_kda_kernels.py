@@ -100,7 +100,7 @@ def test_chunked_prefill_kernel_strong_gates_and_bf16():
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     t=st.sampled_from([7, 64, 100]),
@@ -110,6 +110,7 @@ def test_chunked_prefill_kernel_strong_gates_and_bf16():
 )
 def test_state_summary_kernel_matches_reference(seed, t, dk, dv, scalar):
     (q, k, v, g, beta), s0 = _prefill_inputs(seed, 2, t, 2, dk, dv, scalar, jnp.float32, True)
+    g = g * 0.02  # mild decay: over 100 tokens the transition M must stay far from zero to be compared
     ref_m, ref_e = kda_state_summary(k, v, g, beta, impl="reference", chunk_size=16)
     m, e = kda_state_summary(k, v, g, beta, impl="pallas", precision="ieee", interpret=True)
     assert rel_err(m, ref_m) < 1e-5 and rel_err(e, ref_e) < 1e-5
