@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.common import report
 from benchmarks.linear_attention import ceilings, median_ms, rel_err
-from hybrid_jax.quant.formats import quantize_mxfp8
+from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_mla
 
@@ -153,6 +153,18 @@ def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_le
                     f"rel err {err:.1e}",
                 )
             )
+        values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
+        fp8 = jax.jit(
+            lambda a, c, v8, sc, rp, tb, i: sparse_mla(
+                a, c, v8, tb, i, scale=0.1, impl="pallas", latent_scales=sc, rope_pages=rp
+            )
+        )
+        args = (ql, qr, values, scales, pool[..., lat:], table, idx)
+        err = rel_err(fp8(*args)[0], ref_o)
+        ms = median_ms(functools.partial(fp8, *args), warmup=1, iters=5)
+        fp8_bytes = b * t * topk * (lat + 4 * lat // 128 + 2 * rope)  # E4M3 latent + f32 scales + bf16 rope
+        check = f"rel err {err:.1e} (FP8 rounding)"
+        rows.append(row(case, shape, "pallas, FP8 latent rows", ms, flops, fp8_bytes, bw, rate, check))
     return rows
 
 

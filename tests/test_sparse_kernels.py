@@ -116,3 +116,20 @@ def test_indexer_kernel_reads_mxfp8_pool():
     np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs impl='pallas'"):
         indexer_topk(q, w, values, table, impl="reference", k_scales=scales, **kw)
+
+
+def test_sparse_mla_kernel_fp8_latent_pool():
+    from hybrid_jax.quant.formats import quantize_kv_fp8
+
+    lat, rope, tile = 64, 16, 32
+    ql, qr, pool, table, idx = _case(9, 2, 2, 16, lat, rope, 8, 24, [29, 17], jnp.float32)
+    values, scales = quantize_kv_fp8(pool[..., :lat] * 30.0, tile)  # FP8 latents, float32 scale per 32
+    rope_pages = pool[..., lat:]
+    kw = dict(scale=0.1, latent_scales=scales, rope_pages=rope_pages)
+    ref_o, ref_lse = sparse_mla(ql, qr, values, table, idx, impl="reference", **kw)
+    o, lse = sparse_mla(ql, qr, values, table, idx, impl="pallas", precision="ieee", interpret=True, **kw)
+    assert rel_err(o, ref_o) < 1e-5
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="come together"):
+        sparse_mla(ql, qr, values, table, idx, scale=0.1, latent_scales=scales)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged import slot_index
-from pallas_kernels.sparse_attention.kernel import sparse_mla_pallas
+from pallas_kernels.sparse_attention.kernel import sparse_mla_fp8_pallas, sparse_mla_pallas
 from pallas_kernels.sparse_attention.reference import sparse_mla_reference
 
 IMPLS = ("auto", "reference", "pallas")
@@ -29,6 +29,8 @@ def sparse_mla(
     block_k: int = 32,
     precision: str = "tf32",
     interpret: bool | None = None,
+    latent_scales=None,
+    rope_pages=None,
 ):
     """Absorbed-form MLA over selected positions.
 
@@ -39,10 +41,21 @@ def sparse_mla(
     kernel, online softmax; L and R powers of two; `block_h` heads and `block_k` rows per step, `precision`
     "tf32" or "ieee" for its products, `interpret` default on CPU), or "auto" (the reference: the kernel is
     not yet measured on the GPU).
+    FP8 latent cache: pass `kv_pages` = the E4M3 latent pool [P,G,L], `latent_scales` [P,G,L/tile] float32
+    and `rope_pages` [P,G,R]; the Pallas kernel dequantizes the selected rows in the kernel, the reference
+    dequantizes the pool first.
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
-    if kv_pages.shape[-1] != q_latent.shape[-1] + q_rope.shape[-1]:
+    if (latent_scales is None) != (rope_pages is None):
+        raise ValueError("sparse_mla: latent_scales and rope_pages come together (an FP8 latent pool)")
+    if latent_scales is not None and impl != "pallas":
+        p, g, lat = kv_pages.shape
+        tile = lat // latent_scales.shape[-1]
+        dense = kv_pages.astype(jnp.float32).reshape(p, g, -1, tile) * latent_scales[..., None].astype(jnp.float32)
+        kv_pages = jnp.concatenate([dense.reshape(p, g, lat), rope_pages.astype(jnp.float32)], axis=-1)
+        latent_scales = rope_pages = None
+    if latent_scales is None and kv_pages.shape[-1] != q_latent.shape[-1] + q_rope.shape[-1]:
         raise ValueError(
             f"sparse_mla: kv_pages width {kv_pages.shape[-1]} != latent {q_latent.shape[-1]} + rope {q_rope.shape[-1]}"
         )
@@ -59,12 +72,17 @@ def sparse_mla(
     slots = jnp.where(indices >= 0, slot_index(page_table, jnp.maximum(indices, 0), kv_pages.shape[1]), -1)
     slots = jnp.pad(slots.reshape(b * t, k), [(0, 0), (0, kp - k)], constant_values=-1)
     heads = [(0, 0), (0, np_ - n), (0, 0)]
-    out, lse = sparse_mla_pallas(
-        jnp.pad(q_latent.reshape(b * t, n, lat), heads),
-        jnp.pad(q_rope.reshape(b * t, n, rope), heads),
-        slots.astype(jnp.int32),
-        kv_pages.reshape(-1, kv_pages.shape[-1]),
+    kw = dict(
         scale=float(scale), block_h=block_h, block_k=block_k, precision=precision,
         interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
     )  # fmt: skip
+    ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
+    qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)
+    if latent_scales is None:
+        out, lse = sparse_mla_pallas(ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, kv_pages.shape[-1]), **kw)
+    else:
+        out, lse = sparse_mla_fp8_pallas(
+            ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, lat),
+            latent_scales.reshape(-1, latent_scales.shape[-1]).astype(jnp.float32), rope_pages.reshape(-1, rope), **kw,
+        )  # fmt: skip
     return out[:, :n].reshape(b, t, n, lat), lse[:, :n].reshape(b, t, n)

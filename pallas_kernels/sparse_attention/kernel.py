@@ -57,6 +57,101 @@ def _kernel(ql_ref, qr_ref, slots_ref, kv_ref, o_ref, lse_ref, *, scale, block_k
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l_sum)))
 
 
+def _kernel_fp8(
+    ql_ref, qr_ref, slots_ref, lat_ref, sc_ref, rope_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, tile,
+    precision,
+):  # fmt: skip
+    """FP8 latent rows (E4M3 values, one float32 scale per `tile` values) dequantized in the kernel: each
+    tile's scores and output contributions are scaled by the row's tile scale."""
+    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    nt = lat // tile
+    ql = [ql_ref[:, pl.ds(c * tile, tile)].astype(jnp.float32) for c in range(nt)]  # [BH, tile] each
+    qr = qr_ref[...].astype(jnp.float32)
+    bh = qr.shape[0]
+    contract = (((1,), (1,)), ((), ()))
+
+    def body(j, carry):
+        m, l_sum, accs = carry
+        slots = slots_ref[pl.ds(j * block_k, block_k)]
+        valid = slots >= 0
+        rows = jnp.maximum(slots, 0)
+        s = jax.lax.dot_general(
+            qr, rope_ref[rows, :].astype(jnp.float32), contract, precision=prec, preferred_element_type=jnp.float32
+        )
+        vals, scales = [], []
+        for c in range(nt):
+            vals.append(lat_ref[rows, pl.ds(c * tile, tile)].astype(jnp.float32))  # [BK, tile]
+            scales.append(sc_ref[rows, c].astype(jnp.float32))  # [BK]
+            part = jax.lax.dot_general(ql[c], vals[c], contract, precision=prec, preferred_element_type=jnp.float32)
+            s = s + part * scales[c][None, :]
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - safe[:, None])
+        alpha = jnp.exp(m - safe)
+        l_sum = l_sum * alpha + jnp.sum(p, axis=1)
+        accs = tuple(
+            acc * alpha[:, None]
+            + jnp.dot(p * scales[c][None, :], vals[c], precision=prec, preferred_element_type=jnp.float32)
+            for c, acc in enumerate(accs)
+        )
+        return m_new, l_sum, accs
+
+    init = (
+        jnp.full((bh,), -jnp.inf, jnp.float32),
+        jnp.zeros((bh,), jnp.float32),
+        tuple(jnp.zeros((bh, tile), jnp.float32) for _ in range(nt)),
+    )
+    m, l_sum, accs = jax.lax.fori_loop(0, n_blocks, body, init)
+    empty = l_sum == 0.0
+    denom = jnp.where(empty, 1.0, l_sum)[:, None]
+    for c, acc in enumerate(accs):
+        o_ref[:, pl.ds(c * tile, tile)] = jnp.where(empty[:, None], 0.0, acc / denom).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l_sum)))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages")
+)
+def sparse_mla_fp8_pallas(
+    q_latent, q_rope, slots, lat_rows, lat_scales, rope_rows, *, scale, block_h, block_k, precision, interpret,
+    num_warps=4, num_stages=2,
+):  # fmt: skip
+    """As `sparse_mla_pallas` with the latent rows in FP8: lat_rows [rows, L] E4M3, lat_scales [rows, L / tile]
+    float32, rope_rows [rows, R]."""
+    nq, n, lat = q_latent.shape
+    rope = q_rope.shape[-1]
+    k = slots.shape[1]
+    tile = lat // lat_scales.shape[1]
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    kernel = functools.partial(
+        _kernel_fp8, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, tile=tile, precision=precision
+    )
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0, 0))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=(nq, n // block_h),
+        in_specs=[
+            pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, block_h, rope), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, k), lambda i, h: (i, 0)),
+            whole(lat_rows), whole(lat_scales), whole(rope_rows),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, block_h), lambda i, h: (i, h)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype), jax.ShapeDtypeStruct((nq, n), jnp.float32)],
+        interpret=interpret,
+        name="sparse_mla_fp8",
+        **params,
+    )(q_latent, q_rope, slots, lat_rows, lat_scales, rope_rows)  # fmt: skip
+
+
 @functools.partial(
     jax.jit, static_argnames=("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages")
 )
