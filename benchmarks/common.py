@@ -33,6 +33,21 @@ def commit() -> str:
         return "unknown"
 
 
+def roofline_row(case, shape, impl, ms, flops, nbytes, bw, rate, check="") -> dict:
+    """One timed row: rates achieved and the share of the floor max(FLOPs / rate, bytes / bandwidth)."""
+    floor = max(flops / rate, nbytes / bw) * 1e3
+    return {
+        "case": case,
+        "shape": shape,
+        "impl": impl,
+        "median ms": f"{ms:.3f}",
+        "TFLOP/s": f"{flops / ms / 1e9:.1f}",
+        "GB/s": f"{nbytes / ms / 1e6:,.0f}",
+        "% of floor": f"{floor / ms:.0%}",
+        "check vs reference": check,
+    }
+
+
 def format_table(rows: list[dict]) -> str:
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

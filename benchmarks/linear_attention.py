@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import report
+from benchmarks.common import report, roofline_row
 from pallas_kernels.linear_attention import kda, kda_decode_step
 
 N, DK, DV, CHUNK = 32, 128, 128, 64
@@ -96,17 +96,8 @@ def fla_ops():
 
 
 def row(case, shape, impl, ms, flops, nbytes, bw, rate, err=None) -> dict:
-    floor = max(flops / rate, nbytes / bw) * 1e3
-    return {
-        "case": case,
-        "shape": shape,
-        "impl": impl,
-        "median ms": f"{ms:.3f}",
-        "TFLOP/s": f"{flops / ms / 1e9:.1f}",
-        "GB/s": f"{nbytes / ms / 1e6:,.0f}",
-        "% of floor": f"{floor / ms:.0%}",
-        "rel err vs ref": "" if err is None else f"{err:.1e}",
-    }
+    check = "" if err is None else f"rel err {err:.1e}"
+    return roofline_row(case, shape, impl, ms, flops, nbytes, bw, rate, check)
 
 
 STEPS = 20

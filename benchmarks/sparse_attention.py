@@ -19,26 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import report
+from benchmarks.common import roofline_row as row
 from benchmarks.linear_attention import ceilings, median_ms, rel_err
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_mla
 
 PAGE = 64
-
-
-def row(case, shape, impl, ms, flops, nbytes, bw, rate, check="") -> dict:
-    floor = max(flops / rate, nbytes / bw) * 1e3
-    return {
-        "case": case,
-        "shape": shape,
-        "impl": impl,
-        "median ms": f"{ms:.3f}",
-        "TFLOP/s": f"{flops / ms / 1e9:.1f}",
-        "GB/s": f"{nbytes / ms / 1e6:,.0f}",
-        "% of floor": f"{floor / ms:.0%}",
-        "check vs reference": check,
-    }
 
 
 def _pool(key, b, s, width, dtype):

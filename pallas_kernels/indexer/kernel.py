@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._pallas import triton_params
+
 MX_BLOCK = 32
 
 
@@ -66,11 +68,7 @@ def indexer_scores_pallas(
     b, t, n, h = q.shape
     s_len = slots.shape[1]
     mx = kv_scales is not None
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+    params = triton_params(interpret, num_warps, 2)
     in_specs = [
         pl.BlockSpec((None, None, n, h), lambda i, tt, j: (i, tt, 0, 0)),
         pl.BlockSpec((None, None, n), lambda i, tt, j: (i, tt, 0)),

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._pallas import pow2
 from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.reference import (
@@ -122,7 +123,7 @@ def _kda_pallas(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, 
     scale = dk**-0.5 if scale is None else float(scale)
     if g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], q.shape)
-    pk, pv = max(16, _pow2(dk)), max(16, _pow2(dv))
+    pk, pv = max(16, pow2(dk)), max(16, pow2(dv))
     tp = -(-t // CHUNK) * CHUNK
     pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, tp - t), *[(0, p) for p in w]])  # noqa: E731
     q, k, g = pad(q, 0, pk - dk), pad(k, 0, pk - dk), pad(g.astype(jnp.float32), 0, pk - dk)
@@ -164,7 +165,7 @@ def kda_state_summary(
     dv = v.shape[-1]
     if g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], k.shape)
-    pk, pv = max(16, _pow2(dk)), max(16, _pow2(dv))
+    pk, pv = max(16, pow2(dk)), max(16, pow2(dv))
     tp = -(-t // CHUNK) * CHUNK
     pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, tp - t), *[(0, p) for p in w]])  # noqa: E731
     width = pk + pv
@@ -178,10 +179,6 @@ def kda_state_summary(
 
 
 DECODE_IMPLS = ("auto", "reference", "pallas")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def kda_decode_step(
@@ -231,7 +228,7 @@ def kda_decode_step(
         )  # fmt: skip
         return o[:, 0], s
     interpret = backend == "cpu" if interpret is None else interpret
-    pk, pv = _pow2(dk), _pow2(dv)
+    pk, pv = pow2(dk), pow2(dv)
     if (pk, pv) != (dk, dv):  # Triton blocks are powers of two; zero rows/columns leave the update unchanged
         pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, 0), *[(0, p) for p in w]])  # noqa: E731
         q, k, g, v, state = (

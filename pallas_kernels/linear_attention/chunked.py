@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._pallas import triton_params
+
 CHUNK = 64
 SUB = 16  # sub-block rows: the smallest tensor-core tile
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a @ bᵀ
@@ -157,14 +159,6 @@ def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precisio
     s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
 
-def _params(interpret, num_warps, num_stages):
-    if interpret:
-        return {}
-    from jax.experimental.pallas import triton as pltriton
-
-    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
-
-
 def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, params):
     """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1])."""
     b, t, n, dk = q.shape
@@ -219,7 +213,7 @@ def kda_chunked_pallas(
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
-    params = _params(interpret, num_warps, num_stages)
+    params = triton_params(interpret, num_warps, num_stages)
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, params=params
     )
@@ -252,7 +246,7 @@ def kda_state_summary_pallas(
     b, t, n, dk = k.shape
     dv = v.shape[-1]
     nc = t // CHUNK
-    params = _params(interpret, num_warps, num_stages)
+    params = triton_params(interpret, num_warps, num_stages)
     _, w, u, _, kg, gl = _intra(
         k, k, v, g, beta, scale=1.0, l2norm=l2norm, precision=precision, interpret=interpret, params=params
     )

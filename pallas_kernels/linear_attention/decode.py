@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._pallas import triton_params
+
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale: float, l2norm: bool):
     q = q_ref[...].astype(jnp.float32)  # [K]
@@ -47,11 +49,7 @@ def decode_step_pallas(q, k, v, g, beta, state, *, scale, l2norm, block_v, inter
     vec_k = pl.BlockSpec((None, None, dk), lambda i, h, j: (i, h, 0))
     vec_v = pl.BlockSpec((None, None, block_v), lambda i, h, j: (i, h, j))
     state_spec = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    params = triton_params(interpret, num_warps, 1)
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, l2norm=l2norm),
         grid=grid,

@@ -5,15 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._pallas import pow2
 from pallas_kernels.paged import slot_index
 from pallas_kernels.sparse_attention.kernel import sparse_mla_fp8_pallas, sparse_mla_pallas
 from pallas_kernels.sparse_attention.reference import sparse_mla_reference
 
 IMPLS = ("auto", "reference", "pallas")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def sparse_mla(
@@ -63,7 +60,7 @@ def sparse_mla(
         return sparse_mla_reference(q_latent, q_rope, kv_pages, page_table, indices, scale=scale)
     b, t, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
-    if lat != _pow2(lat) or rope != _pow2(rope) or rope < 16:
+    if lat != pow2(lat) or rope != pow2(rope) or rope < 16:
         raise ValueError(f"sparse_mla(impl='pallas'): latent {lat} and rope {rope} must be powers of two (rope >= 16)")
     k = indices.shape[-1]
     kp = -(-k // block_k) * block_k

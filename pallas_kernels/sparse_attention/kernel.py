@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._pallas import triton_params
+
 
 def _kernel(ql_ref, qr_ref, slots_ref, kv_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, rope, precision):
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
@@ -123,11 +125,7 @@ def sparse_mla_fp8_pallas(
     rope = q_rope.shape[-1]
     k = slots.shape[1]
     tile = lat // lat_scales.shape[1]
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = triton_params(interpret, num_warps, num_stages)
     kernel = functools.partial(
         _kernel_fp8, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, tile=tile, precision=precision
     )
@@ -163,11 +161,7 @@ def sparse_mla_pallas(
     nq, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
     k = slots.shape[1]
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = triton_params(interpret, num_warps, num_stages)
     kernel = functools.partial(
         _kernel, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, rope=rope, precision=precision
     )
