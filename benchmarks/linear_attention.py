@@ -169,7 +169,10 @@ def decode_rows(bw, rate, fla) -> list[dict]:
     return rows
 
 
-def prefill_rows(bw, rate, fla, lengths) -> list[dict]:
+PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
+
+
+def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS) -> list[dict]:
     rows = []
     for t in lengths:
         ks = jax.random.split(jax.random.key(t), 5)
@@ -183,9 +186,11 @@ def prefill_rows(bw, rate, fla, lengths) -> list[dict]:
         ref_o, _ = ref(q, k, v, g, beta)
         ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=5)
         rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
-        for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)):
+        for bv, nw in variants:
             fn = jax.jit(functools.partial(kda, impl="pallas", block_v=bv, num_warps=nw))
-            o, _ = fn(q, k, v, g, beta)
+            t0 = time.perf_counter()
+            o, _ = jax.block_until_ready(fn(q, k, v, g, beta))
+            print(f"  (T={t} pallas {bv}x{nw}: compile + first call {time.perf_counter() - t0:.1f} s)", flush=True)
             err = rel_err(o, ref_o)
             ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
             rows.append(
@@ -246,7 +251,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--only", choices=("decode", "prefill"))
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[4096, 32768, 131072])
-    p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch")
+    p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
+    p.add_argument(
+        "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
+        help="Pallas prefill variants as block_v x num_warps, e.g. 64x4",
+    )  # fmt: skip
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
@@ -256,8 +265,10 @@ def main() -> None:
     if args.only in (None, "decode"):
         rows += decode_rows(bw, rate, fla)
     if args.only in (None, "prefill"):
-        rows += prefill_rows(bw, rate, fla, args.prefill_lens)
-        rows += varlen_rows(bw, rate, fla, args.varlen_total)
+        variants = [tuple(int(x) for x in v.split("x")) for v in args.variants]
+        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants)
+        if args.varlen_total:
+            rows += varlen_rows(bw, rate, fla, args.varlen_total)
     title = (
         f"KDA kernels (N={N} heads, K=V={DK}); ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
