@@ -1,6 +1,39 @@
-"""Helpers shared by the Pallas kernels: compiler parameters and the power-of-two shape rule."""
+"""Helpers shared by the Pallas kernels: compiler parameters, the power-of-two shape rule and what
+`impl="auto"` resolves to."""
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+
+_PREFER_PALLAS = contextvars.ContextVar("prefer_pallas", default=False)
+
+
+@contextlib.contextmanager
+def use_pallas():
+    """Inside this block every op's `impl="auto"` picks its Pallas kernel wherever the shapes allow, on any
+    backend (interpret mode on CPU), including kernels that "auto" does not pick by default (the KDA
+    prefill). Read at trace time and not part of jit's cache key: a function already traced outside the
+    block keeps its trace, so make the `jax.jit` (or `jax.make_jaxpr`) of a fresh function inside the block.
+
+        with pallas_kernels.use_pallas():
+            logits, cache = model.prefill(ids, cache)   # the model's ops through their kernels
+    """
+    token = _PREFER_PALLAS.set(True)
+    try:
+        yield
+    finally:
+        _PREFER_PALLAS.reset(token)
+
+
+def auto_impl(supported: bool, *, default_on_gpu: bool = True) -> bool:
+    """Whether `impl="auto"` runs the Pallas kernel: the shapes must be `supported`, and either `use_pallas()`
+    is active or the backend is a GPU and the kernel is the measured default there."""
+    if not supported:
+        return False
+    return _PREFER_PALLAS.get() or (default_on_gpu and jax.default_backend() == "gpu")
 
 
 def pow2(n: int) -> int:

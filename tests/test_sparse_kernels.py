@@ -58,6 +58,14 @@ def test_sparse_mla_kernel_bf16_pool():
     ref_o, _ = sparse_mla(ql, qr, pool.astype(jnp.float32), table, idx, scale=0.1, impl="reference")
     o, _ = sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", precision="ieee", interpret=True)
     assert rel_err(o, ref_o) < 1e-5  # the kernel reads the bf16 rows exactly
+    # the model's layout: latent and rope pools kept apart (nothing concatenates them)
+    split = dict(scale=0.1, rope_pages=pool[..., 64:])
+    kernel = dict(impl="pallas", precision="ieee", interpret=True)
+    o_split, _ = sparse_mla(ql, qr, pool[..., :64], table, idx, **kernel, **split)
+    ref_split, _ = sparse_mla(ql, qr, pool[..., :64], table, idx, impl="reference", **split)
+    assert rel_err(o_split, ref_o) < 1e-5 and rel_err(ref_split, ref_o) < 1e-6
+    with pytest.raises(ValueError, match="pool width"):
+        sparse_mla(ql, qr, pool, table, idx, **split)
 
 
 def test_sparse_mla_kernel_rejects_odd_widths():
@@ -114,8 +122,11 @@ def test_indexer_kernel_reads_mxfp8_pool():
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))
     fin = np.isfinite(np.asarray(ref_v))
     np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="needs impl='pallas'"):
-        indexer_topk(q, w, values, table, impl="reference", k_scales=scales, **kw)
+    # the reference reads the same quantized pool by dequantizing it first
+    ref2_i, _ = indexer_topk(q, w, values, table, impl="reference", k_scales=scales, **kw)
+    np.testing.assert_array_equal(np.asarray(ref2_i), np.asarray(ref_i))
+    with pytest.raises(ValueError, match="k_scales width"):
+        indexer_topk(q, w, values, table, impl="reference", k_scales=scales[..., :1], **kw)
 
 
 def test_sparse_mla_kernel_fp8_latent_pool():
@@ -131,5 +142,5 @@ def test_sparse_mla_kernel_fp8_latent_pool():
     assert rel_err(o, ref_o) < 1e-5
     fin = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="come together"):
+    with pytest.raises(ValueError, match="needs its rope pool"):
         sparse_mla(ql, qr, values, table, idx, scale=0.1, latent_scales=scales)

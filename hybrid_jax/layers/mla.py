@@ -86,19 +86,19 @@ class LightningIndexer(nnx.Module):
         if self.fmt == "mxfp8":
             q = Pool.from_rows(q, "mxfp8", 0, q.dtype).read(q.dtype)
         pool = _store(pool, k, info, self.fmt, 0)
-        keys = pool.read(self.dt.compute)
-        idx, _ = indexer_topk(
+        idx, _ = indexer_topk(  # reads the pool as stored (MXFP8 values + E8M0 scales when quantized)
             q,
             w,
-            keys,
+            pool.values,
             info.page_table,
             q_positions=info.positions,
             kv_lengths=info.kv_lengths,
             topk=cfg.index_topk,
             scale=cfg.index_head_dim**-0.5,
+            k_scales=pool.scales,
         )
         if inspect.recording():  # hybrid_jax.inspect.record_indexer(): a switch read at trace time
-            k_seq = gather_pages(keys, info.page_table)[:, : int(info.kv_lengths.max())]
+            k_seq = gather_pages(pool.read(self.dt.compute), info.page_table)[:, : int(info.kv_lengths.max())]
             inspect.add_record(
                 q=q, k=k_seq, weights=w, scale=cfg.index_head_dim**-0.5, positions=info.positions, indices=idx
             )
@@ -183,7 +183,9 @@ class MultiHeadLatentAttention(nnx.Module):
         k_pe = self._rope(kv[..., lat:], info.positions)
         latent = _store(None if state is None else state.latent, c, info, self.latent_fmt, self.tile)
         rope = _store(None if state is None else state.rope, k_pe, info, "dense", 0)
-        pages = jnp.concatenate([latent.read(self.dt.compute), rope.read(self.dt.compute)], axis=-1)  # [P,G,L+R]
+
+        def pages():  # [P,G,L+R] dequantized; the sparse path reads the pools as stored instead
+            return jnp.concatenate([latent.read(self.dt.compute), rope.read(self.dt.compute)], axis=-1)
 
         w_kv = dense_kernel(self.kv_b_proj, self.dt.compute).reshape(lat, n, nope + vd)
         w_uk, w_uv = w_kv[..., :nope], w_kv[..., nope:]  # [L,N,nope], [L,N,V]
@@ -192,12 +194,15 @@ class MultiHeadLatentAttention(nnx.Module):
         if self.sparse:
             idx, index_pages = self.indexer(x, c_q, info, None if state is None else state.index_k)
             q_lat = jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST)
-            o_lat, _ = sparse_mla(q_lat, q_pe, pages, info.page_table, idx, scale=scale)
+            o_lat, _ = sparse_mla(
+                q_lat, q_pe, latent.values, info.page_table, idx, scale=scale, rope_pages=rope.values,
+                latent_scales=latent.scales if self.latent_fmt == "fp8" else None,
+            )  # fmt: skip
             if inspect.recording():  # what dense attention would weigh, to compare with the indexer's choice
-                inspect.attach(attention=self._dense_probs(q_lat, q_pe, pages, info))
+                inspect.attach(attention=self._dense_probs(q_lat, q_pe, pages(), info))
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         elif info.mode == "decode":
-            ctx = gather_pages(pages, info.page_table)  # [B,S,L+R]
+            ctx = gather_pages(pages(), info.page_table)  # [B,S,L+R]
             q_lat = jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST)
             o_lat, _ = attention(
                 jnp.concatenate([q_lat, q_pe], axis=-1),
@@ -209,7 +214,7 @@ class MultiHeadLatentAttention(nnx.Module):
             )
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         else:
-            ctx = gather_pages(pages, info.page_table)  # [B,S,L+R]
+            ctx = gather_pages(pages(), info.page_table)  # [B,S,L+R]
             s = ctx.shape[1]
             kvx = self.kv_b_proj(ctx[..., :lat]).reshape(b, s, n, nope + vd)
             k_rope = jnp.broadcast_to(ctx[:, :, None, lat:], (b, s, n, cfg.qk_rope_head_dim))

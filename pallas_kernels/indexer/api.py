@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._blocking import over_query_blocks, query_block_size
-from pallas_kernels.indexer.kernel import indexer_scores_pallas
+from pallas_kernels._pallas import auto_impl, pow2
+from pallas_kernels.indexer.kernel import MX_BLOCK, indexer_scores_pallas
 from pallas_kernels.indexer.reference import indexer_topk_reference
 from pallas_kernels.paged import slot_index
 
@@ -35,16 +36,24 @@ def indexer_topk(
     q_positions [B,T]; kv_lengths [B]. Returns (indices [B,T,topk] int32, -1 = none; scores [B,T,topk]
     float32, -inf where none), best first, ties to the lower position.
     impl: "reference" (jnp), "pallas" (`kernel.indexer_scores_pallas` scores straight from the pool, then
-    `lax.top_k` per block of queries; with `k_scales` [P,G,H/32] E8M0 the pool holds MXFP8 E4M3 values,
-    dequantized in the kernel), or "auto" (the reference: the kernel is not yet measured on the GPU).
+    `lax.top_k` per block of queries), or "auto" (Pallas on GPU when H is a power of two >= 32, else the
+    reference). With `k_scales` [P,G,H/32] E8M0 the pool holds MXFP8 E4M3 values: the kernel dequantizes the
+    rows it reads, the reference dequantizes the pool first.
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
     if topk <= 0:
         raise ValueError(f"indexer_topk: topk={topk} must be positive")
+    h = q.shape[-1]
+    if k_scales is not None and k_scales.shape[-1] * MX_BLOCK != h:
+        raise ValueError(f"indexer_topk: k_scales width {k_scales.shape[-1]} is not head dim {h} / {MX_BLOCK}")
+    if impl == "auto":
+        impl = "pallas" if auto_impl(h == pow2(h) and h >= MX_BLOCK) else "reference"
     if impl != "pallas":
-        if k_scales is not None:
-            raise ValueError("indexer_topk: k_scales (an MXFP8 pool) needs impl='pallas'")
+        if k_scales is not None:  # E8M0: a power of two 2^(bits - 127) per 32 values
+            exp = jax.lax.bitcast_convert_type(k_scales, jnp.uint8).astype(jnp.float32) - 127.0
+            blocks = k_pages.astype(jnp.float32).reshape(*k_pages.shape[:-1], -1, MX_BLOCK)
+            k_pages = (blocks * jnp.exp2(exp)[..., None]).reshape(k_pages.shape)
         return indexer_topk_reference(
             q, w, k_pages, page_table, q_positions=q_positions, kv_lengths=kv_lengths, topk=topk, scale=scale
         )

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._pallas import pow2
+from pallas_kernels._pallas import auto_impl, pow2
 from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.reference import (
@@ -75,6 +75,8 @@ def kda(
         # (one-phase, 16-token chunks) version was slower (BENCHMARKS.md, 634095a); the two-phase version
         # has not been timed on the GPU yet.
         impl = "recurrent" if q.shape[1] == 1 else "chunked"
+        if q.shape[1] > 1 and auto_impl(True, default_on_gpu=False):  # inside use_pallas()
+            impl = "pallas"
     if impl == "pallas":
         return _kda_pallas(
             q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision or "tf32", interpret, num_warps
@@ -217,7 +219,7 @@ def kda_decode_step(
         raise ValueError(f"kda_decode_step: block_v={block_v} must be a positive power of two")
     backend = jax.default_backend()
     if impl == "auto":
-        impl = "pallas" if backend == "gpu" else "reference"
+        impl = "pallas" if auto_impl(True) else "reference"
     scale = dk**-0.5 if scale is None else float(scale)
     if g.ndim == 2:
         g = jnp.broadcast_to(g[..., None], q.shape)

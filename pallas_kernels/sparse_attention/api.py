@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._pallas import pow2
+from pallas_kernels._pallas import auto_impl, pow2
 from pallas_kernels.paged import slot_index
 from pallas_kernels.sparse_attention.kernel import sparse_mla_fp8_pallas, sparse_mla_pallas
 from pallas_kernels.sparse_attention.reference import sparse_mla_reference
@@ -36,31 +36,37 @@ def sparse_mla(
     Returns (out [B,T,N,L] in q_latent.dtype, natural-log LSE [B,T,N] float32, -inf where nothing is selected).
     impl: "reference" (jnp), "pallas" (`kernel.sparse_mla_pallas`: rows gathered from the pool inside the
     kernel, online softmax; L and R powers of two; `block_h` heads and `block_k` rows per step, `precision`
-    "tf32" or "ieee" for its products, `interpret` default on CPU), or "auto" (the reference: the kernel is
-    not yet measured on the GPU).
-    FP8 latent cache: pass `kv_pages` = the E4M3 latent pool [P,G,L], `latent_scales` [P,G,L/tile] float32
-    and `rope_pages` [P,G,R]; the Pallas kernel dequantizes the selected rows in the kernel, the reference
-    dequantizes the pool first.
+    "tf32" or "ieee" for its products, `interpret` default on CPU), or "auto" (Pallas on GPU when L and R
+    are powers of two with R >= 16 — 4-6x the reference on the H200, BENCHMARKS.md — else the reference).
+    Split pools: pass `kv_pages` = the latent pool [P,G,L] and `rope_pages` [P,G,R] (the model's cache keeps
+    them apart; the kernel reads both, so no step concatenates the pools). FP8 latent cache: in addition
+    `latent_scales` [P,G,L/tile] float32 with `kv_pages` in E4M3; the Pallas kernel dequantizes the selected
+    rows in the kernel, the reference dequantizes the pool first.
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
-    if (latent_scales is None) != (rope_pages is None):
-        raise ValueError("sparse_mla: latent_scales and rope_pages come together (an FP8 latent pool)")
-    if latent_scales is not None and impl != "pallas":
-        p, g, lat = kv_pages.shape
-        tile = lat // latent_scales.shape[-1]
-        dense = kv_pages.astype(jnp.float32).reshape(p, g, -1, tile) * latent_scales[..., None].astype(jnp.float32)
-        kv_pages = jnp.concatenate([dense.reshape(p, g, lat), rope_pages.astype(jnp.float32)], axis=-1)
-        latent_scales = rope_pages = None
-    if latent_scales is None and kv_pages.shape[-1] != q_latent.shape[-1] + q_rope.shape[-1]:
-        raise ValueError(
-            f"sparse_mla: kv_pages width {kv_pages.shape[-1]} != latent {q_latent.shape[-1]} + rope {q_rope.shape[-1]}"
-        )
-    if impl != "pallas":
-        return sparse_mla_reference(q_latent, q_rope, kv_pages, page_table, indices, scale=scale)
+    if latent_scales is not None and rope_pages is None:
+        raise ValueError("sparse_mla: an FP8 latent pool (latent_scales) needs its rope pool (rope_pages)")
     b, t, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
-    if lat != pow2(lat) or rope != pow2(rope) or rope < 16:
+    want = (lat,) if rope_pages is not None else (lat + rope,)
+    if kv_pages.shape[-1:] != want or (rope_pages is not None and rope_pages.shape[-1] != rope):
+        got = kv_pages.shape[-1] if rope_pages is None else (kv_pages.shape[-1], rope_pages.shape[-1])
+        raise ValueError(f"sparse_mla: pool width {got} does not match latent {lat} + rope {rope}")
+    supported = lat == pow2(lat) and rope == pow2(rope) and rope >= 16
+    if impl == "auto":
+        impl = "pallas" if auto_impl(supported) else "reference"
+    if impl != "pallas":
+        if latent_scales is not None:
+            p, g, _ = kv_pages.shape
+            tile = lat // latent_scales.shape[-1]
+            dense = kv_pages.astype(jnp.float32).reshape(p, g, -1, tile) * latent_scales[..., None].astype(jnp.float32)
+            kv_pages = dense.reshape(p, g, lat)
+        if rope_pages is not None:
+            dt = jnp.promote_types(kv_pages.dtype, rope_pages.dtype)
+            kv_pages = jnp.concatenate([kv_pages.astype(dt), rope_pages.astype(dt)], axis=-1)
+        return sparse_mla_reference(q_latent, q_rope, kv_pages, page_table, indices, scale=scale)
+    if not supported:
         raise ValueError(f"sparse_mla(impl='pallas'): latent {lat} and rope {rope} must be powers of two (rope >= 16)")
     k = indices.shape[-1]
     kp = -(-k // block_k) * block_k
@@ -76,7 +82,10 @@ def sparse_mla(
     ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
     qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)
     if latent_scales is None:
-        out, lse = sparse_mla_pallas(ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, kv_pages.shape[-1]), **kw)
+        rope_rows = None if rope_pages is None else rope_pages.reshape(-1, rope)
+        out, lse = sparse_mla_pallas(
+            ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, kv_pages.shape[-1]), rope_rows, **kw
+        )  # fmt: skip
     else:
         out, lse = sparse_mla_fp8_pallas(
             ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, lat),

@@ -23,7 +23,10 @@ from jax.experimental import pallas as pl
 from pallas_kernels._pallas import triton_params
 
 
-def _kernel(ql_ref, qr_ref, slots_ref, kv_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, rope, precision):
+def _kernel(
+    ql_ref, qr_ref, slots_ref, lat_ref, rope_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, rope, rope_off,
+    precision,
+):  # fmt: skip
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
     ql = ql_ref[...].astype(jnp.float32)  # [BH, L]
     qr = qr_ref[...].astype(jnp.float32)  # [BH, R]
@@ -34,8 +37,8 @@ def _kernel(ql_ref, qr_ref, slots_ref, kv_ref, o_ref, lse_ref, *, scale, block_k
         slots = slots_ref[pl.ds(j * block_k, block_k)]  # [BK] pool rows, -1 = unused
         valid = slots >= 0
         rows = jnp.maximum(slots, 0)
-        c = kv_ref[rows, pl.ds(0, lat)].astype(jnp.float32)  # [BK, L]
-        kr = kv_ref[rows, pl.ds(lat, rope)].astype(jnp.float32)  # [BK, R]
+        c = lat_ref[rows, pl.ds(0, lat)].astype(jnp.float32)  # [BK, L]
+        kr = rope_ref[rows, pl.ds(rope_off, rope)].astype(jnp.float32)  # [BK, R]
         contract = (((1,), (1,)), ((), ()))
         s = jax.lax.dot_general(ql, c, contract, precision=prec, preferred_element_type=jnp.float32)
         s = s + jax.lax.dot_general(qr, kr, contract, precision=prec, preferred_element_type=jnp.float32)
@@ -154,17 +157,24 @@ def sparse_mla_fp8_pallas(
     jax.jit, static_argnames=("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages")
 )
 def sparse_mla_pallas(
-    q_latent, q_rope, slots, kv_rows, *, scale, block_h, block_k, precision, interpret, num_warps=4, num_stages=2
-):
+    q_latent, q_rope, slots, kv_rows, rope_rows=None, *, scale, block_h, block_k, precision, interpret, num_warps=4,
+    num_stages=2,
+):  # fmt: skip
     """q_latent [Q, N, L], q_rope [Q, N, R] (N a multiple of block_h), slots [Q, K] int32 pool rows (-1 =
-    none; K a multiple of block_k), kv_rows [rows, L + R] -> (out [Q, N, L] in q_latent.dtype, lse [Q, N])."""
+    none; K a multiple of block_k), kv_rows [rows, L + R], or kv_rows [rows, L] and rope_rows [rows, R] (the
+    latent and rope pools kept apart, so nothing concatenates the pools) -> (out [Q, N, L] in q_latent.dtype,
+    lse [Q, N])."""
     nq, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
     k = slots.shape[1]
     params = triton_params(interpret, num_warps, num_stages)
+    rope_off = 0
+    if rope_rows is None:  # one pool [c | k_rope]: the rope columns follow the latent ones
+        rope_rows, rope_off = kv_rows, lat
     kernel = functools.partial(
-        _kernel, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, rope=rope, precision=precision
-    )
+        _kernel, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, rope=rope, rope_off=rope_off,
+        precision=precision,
+    )  # fmt: skip
     return pl.pallas_call(
         kernel,
         grid=(nq, n // block_h),
@@ -173,6 +183,7 @@ def sparse_mla_pallas(
             pl.BlockSpec((None, block_h, rope), lambda i, h: (i, h, 0)),
             pl.BlockSpec((None, k), lambda i, h: (i, 0)),
             pl.BlockSpec(kv_rows.shape, lambda i, h: (0, 0)),
+            pl.BlockSpec(rope_rows.shape, lambda i, h: (0, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
@@ -182,4 +193,4 @@ def sparse_mla_pallas(
         interpret=interpret,
         name="sparse_mla",
         **params,
-    )(q_latent, q_rope, slots, kv_rows)
+    )(q_latent, q_rope, slots, kv_rows, rope_rows)

@@ -1,0 +1,36 @@
+"""The model through its Pallas kernels (interpret mode on CPU, switched on by `use_pallas()`) against the
+model through the jnp references: the wiring of pools, scales and states into the kernels."""
+
+import jax
+import pytest
+from flax import nnx
+
+from hybrid_jax import HybridLM
+from pallas_kernels import use_pallas
+from tests.conftest import prefill_then_decode, random_ids, rel_err
+from tests.test_quant import _quant
+
+
+def _fresh_jits():
+    # use_pallas() is read at trace time, so each side traces its own functions
+    return {
+        "prefill": jax.jit(lambda m, ids, c, n: m.prefill(ids, c, n)),
+        "decode": jax.jit(lambda m, ids, c: m.decode_step(ids, c)),
+    }
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16-pools", "fp8-latent+mxfp8-indexer"])
+def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized):
+    cfg = tiny_cfg.replace(qk_rope_head_dim=16)  # the sparse MLA kernel reads rope tiles of >= 16 values
+    model = HybridLM(cfg, quant=_quant() if quantized else None, rngs=nnx.Rngs(3))
+    ids = random_ids(41, (2, 12))
+    ref, ref_cache = prefill_then_decode(model, ids, _fresh_jits(), 9, 16)
+    with use_pallas():
+        jits = _fresh_jits()
+        kernels = str(jax.make_jaxpr(lambda m, i, c: m.decode_step(i, c))(model, ids[:, 0], model.init_cache(2, 16)))
+        got, cache = prefill_then_decode(model, ids, jits, 9, 16)
+    for name in ("sparse_mla", "indexer_scores", "kda_decode"):  # the decode step really runs the kernels
+        assert f"name={name}" in kernels, name
+    assert rel_err(got, ref) < 1e-4
+    for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(ref_cache), strict=True):
+        assert rel_err(a.astype("float32"), b.astype("float32")) < 1e-4
