@@ -23,19 +23,15 @@ def _load_config(name_or_path: str):
     raise SystemExit(f"--config {name_or_path!r}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
 
 
-def _enable_compilation_cache(path: str) -> None:
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from sharding.launch import initialize, spec_from
 
     initialize(spec_from(args))  # multi-host: join the job before JAX touches a device
+    from hybrid_jax.compilation import CompileCounter, enable_persistent_cache
+
     if args.compile_cache:
-        _enable_compilation_cache(args.compile_cache)
+        enable_persistent_cache(args.compile_cache)
+    counter = CompileCounter().__enter__()  # everything this command compiles or loads from the cache
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -109,6 +105,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"generated: {tok.decode(out.tokens[0, :n])!r}")
     print(f"tokens: {out.tokens[0, :n].tolist()}")
     print(f"{n} tokens in {steady:.3f} s: {n / steady:.1f} tokens/s (first call incl. compilation {first:.2f} s)")
+    where = f" (persistent cache: {args.compile_cache})" if args.compile_cache else " (persistent cache off)"
+    print(f"XLA compilations: {counter.compiled}, loaded from the persistent cache: {counter.cache_hits}{where}")
     return 0
 
 

@@ -1,0 +1,395 @@
+"""End-to-end on one GPU: time to first token, decode step, peak memory, start-up; against transformers + fla
+and against floors counted from the model. One run prints one table and appends it to BENCHMARKS.md.
+
+Models: `hybrid_small` (random weights, 3 KDA : 1 sparse MLA, MoE, AttnRes) and `kimi` — a Kimi-Linear-shaped
+`KimiLinearForCausalLM` (the 48B model's widths, `--kimi-layers` layers, `--kimi-experts` experts) that
+`benchmarks/e2e_transformers.py` builds with random weights and saves as a Hugging Face folder once; this
+engine loads that folder with `from_pretrained` and transformers loads the same folder in its own process
+(the baseline; it uses fla's KDA kernels when the `fla` package imports). The first-token logits of both
+engines on the same 64-token prompt are compared (the row "parity").
+
+- TTFT: one jitted call = cache allocation + prefill (last position only) + argmax, batch 1.
+- Decode: after a `--context`-token prefill of each batch, the jitted `decode_step` (one executable per step,
+  cache donated, as `generate`'s loop runs it); the table says how many XLA compilations happened during the
+  timed steps (should be 0).
+- Floors: decode = bytes one step must move (weights read — routed experts scaled by the expected share a
+  batch touches — plus recurrent states read and written and cache rows read) over the measured copy
+  bandwidth; prefill = counted FLOPs (2 x active matmul parameters per token plus attention) over the
+  measured bf16 matmul rate (or the weight bytes over bandwidth, if larger).
+- Peak memory: the device's peak bytes in use after the row (process-wide, so it only grows).
+- Start-up: `python -m hybrid_jax generate` in a fresh process, to the first generated token, with an empty
+  persistent compilation cache and again with the cache it filled.
+
+    python -m benchmarks.e2e [--models hybrid_small kimi] [--quant none hierarchical] [--ttft 4096 32768 131072]
+        [--batches 1 16 64] [--context 2048] [--no-baseline] [--no-startup] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = 64
+
+
+def _torch_side(python: str, cmd: list[str], timeout: float) -> tuple[list[dict], str]:
+    """Run benchmarks.e2e_transformers in its own process; RESULT lines parsed, the rest returned as a log."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.run(
+        [python, "-m", "benchmarks.e2e_transformers", *cmd],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    results = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    log = (p.stdout + p.stderr)[-3000:]
+    if p.returncode:
+        print(f"transformers side `{' '.join(cmd[:2])}` failed (rc {p.returncode}):\n{log}", flush=True)
+    return results, log
+
+
+def _median_ms(fn, warmup: int, iters: int) -> float:
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def _peak_gib() -> float | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
+# ---------------------------------------------------------------- floors counted from the model
+
+
+def _param_bytes(model):
+    """(bytes of the weights every step reads, [(routed-expert bytes, experts) per MoE layer],
+    matmul parameters a token uses outside the routed experts, [(routed params, experts) per layer])."""
+    from flax import nnx
+
+    fixed_bytes, routed, dense_params, routed_params = 0, {}, 0, {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        x = var[...]
+        names = [str(p) for p in path]
+        if names[0] == "embed_tokens":
+            continue  # a step reads B rows of the table, not the table
+        if "experts" in names and "shared_experts" not in names:
+            key = names[1]
+            b, p = routed.get(key, (0, 0)), routed_params.get(key, (0, 0))
+            routed[key] = (b[0] + x.nbytes, x.shape[0])
+            routed_params[key] = (p[0] + x.size, x.shape[0])
+            continue
+        fixed_bytes += x.nbytes
+        if x.ndim >= 2 and names[0] != "lm_head":
+            dense_params += x.size
+    return fixed_bytes, list(routed.values()), dense_params, list(routed_params.values())
+
+
+def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
+    """Bytes one decode step must move: weights (routed experts: the expected number of distinct experts
+    that `batch` tokens choose under uniform routing), KDA states read + written, cache rows read."""
+    from hybrid_jax.cache import KDAState, MLAState
+
+    cfg = model.config
+    fixed, routed, _, _ = _param_bytes(model)
+    k = cfg.num_experts_per_tok
+    total = float(fixed)
+    for nbytes, e in routed:
+        touched = e * (1 - (1 - k / e) ** batch)
+        total += nbytes * touched / e
+    for kind, state in zip(cfg.layer_types, cache.layers, strict=True):
+        if isinstance(state, KDAState):
+            total += 2 * (state.recurrent.nbytes + state.conv.nbytes)
+        elif isinstance(state, MLAState):
+            per_token = lambda pool: (  # noqa: E731
+                (pool.values.nbytes + (0 if pool.scales is None else pool.scales.nbytes))
+                / (pool.values.shape[0] * pool.values.shape[1])
+            )
+            row = per_token(state.latent) + per_token(state.rope)
+            if kind == "sparse":
+                total += batch * context * per_token(state.index_k) + batch * min(cfg.index_topk, context) * row
+            else:
+                total += batch * context * row
+    return total
+
+
+def prefill_flops(model, tokens: int) -> float:
+    """Counted FLOPs of a batch-1 prefill of `tokens` (last position's logits only): 2 x the matmul
+    parameters each token uses (routed experts: k of E) plus attention — KDA chunked form at chunk 64,
+    dense MLA causal (expanded heads), sparse layers' indexer (causal, all heads) and sparse MLA (absorbed,
+    top-k rows), and the lm_head once."""
+    cfg = model.config
+    _, _, dense, routed = _param_bytes(model)
+    per_token = dense + sum(p * cfg.num_experts_per_tok / e for p, e in routed)
+    flops = 2.0 * per_token * tokens + 2.0 * cfg.hidden_size * cfg.vocab_size
+    pairs = tokens * (tokens + 1) / 2
+    c = 64
+    for kind in cfg.layer_types:
+        if kind == "linear":
+            n, dk = cfg.kda_num_heads, cfg.kda_head_dim
+            chunk = 2 * (2 * c * c * dk + c**3 / 3 + 2 * c * c * dk + 3 * c * dk * dk)
+            flops += n * tokens / c * chunk
+        elif kind == "full":
+            flops += 2 * pairs * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+        else:
+            lat, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+            flops += 2 * pairs * cfg.index_num_heads * cfg.index_head_dim
+            rows = min(cfg.index_topk, tokens)
+            flops += 2 * tokens * rows * cfg.num_heads * (2 * lat + r)
+            flops += 2 * tokens * cfg.num_heads * lat * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return flops
+
+
+# ---------------------------------------------------------------- this engine
+
+
+def _build(name: str, quant_name: str, kimi_dir: Path):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hybrid_jax import PRESETS, HybridLM
+    from hybrid_jax.quant.config import QuantConfig
+
+    quant = QuantConfig.hierarchical() if quant_name == "hierarchical" else None
+    if name == "kimi":
+        from checkpoints import from_pretrained
+
+        return from_pretrained(kimi_dir, dtype=jnp.bfloat16, quant=quant, progress=False)
+    cfg = PRESETS[name]()
+    param_dtype = None if quant and quant.projection.param_dtype is not None else jnp.bfloat16
+    return HybridLM(cfg, dtype=jnp.bfloat16, param_dtype=param_dtype, quant=quant, rngs=nnx.Rngs(0))
+
+
+def measure_model(name, quant_name, args, bw, rate, emit) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hybrid_jax.compilation import CompileCounter
+
+    t0 = time.perf_counter()
+    model = _build(name, quant_name, args.kimi_dir)
+    cfg = model.config
+    print(f"[{name}, quant {quant_name}] built/loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    base = dict(model=name, quant=quant_name)
+    page = cfg.page_size
+
+    if name == "kimi" and (args.kimi_dir / "e2e_reference.npz").is_file():
+        ref = np.load(args.kimi_dir / "e2e_reference.npz")
+        lg = np.asarray(jax.jit(lambda m, i: m(i)[0, -1])(model, jnp.asarray(ref["ids"])), np.float32)
+        err = float(np.linalg.norm(lg - ref["logits"]) / np.linalg.norm(ref["logits"]))
+        note = f"rel err {err:.1e}, same argmax: {int(lg.argmax()) == int(ref['logits'].argmax())}"
+        emit(dict(base, case="parity vs transformers", batch=1, tokens=PROMPT, note=note + " (both bf16)"))
+
+    @jax.jit
+    def first_token(m, ids):
+        cache = m.init_cache(ids.shape[0], -(-(ids.shape[1] + 1) // page) * page)
+        logits, _ = m.prefill(ids, cache, last_only=True)  # [B, vocab]
+        return jnp.argmax(logits, axis=-1)
+
+    for t in args.ttft:
+        if t > cfg.max_position_embeddings:
+            continue
+        ids = jax.random.randint(jax.random.key(t), (1, t), 0, cfg.vocab_size - 8, jnp.int32)
+        long = t >= 65536  # one compile-and-run call, one timed call: a 128K prefill takes seconds
+        try:
+            ms = _median_ms(lambda ids=ids: first_token(model, ids), warmup=1, iters=1 if long else 3)
+        except Exception as e:  # noqa: BLE001 — an OOM is a result of this benchmark, not a crash
+            emit(dict(base, case="TTFT", batch=1, tokens=t, note=f"failed: {type(e).__name__}: {str(e)[:150]}"))
+            continue
+        floor = max(prefill_flops(model, t) / rate, _param_bytes(model)[0] / bw) * 1e3
+        emit(dict(base, case="TTFT", batch=1, tokens=t, ms=ms, tok_s=t / ms * 1e3, floor_ms=floor, peak=_peak_gib()))
+
+    prefill = jax.jit(lambda m, ids, c: m.prefill(ids, c, last_only=True), donate_argnums=2)
+    decode = jax.jit(lambda m, ids, c: m.decode_step(ids, c), donate_argnums=2)
+    steps = 20
+    for b in args.batches:
+        ctx = args.context
+        ids = jax.random.randint(jax.random.key(b), (b, ctx), 0, cfg.vocab_size - 8, jnp.int32)
+        try:
+            logits, cache = prefill(model, ids, model.init_cache(b, -(-(ctx + steps + 8) // page) * page))
+            nbytes = decode_floor_bytes(model, cache, b, ctx)
+            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # logits [B, vocab]
+            box = {"cache": cache, "tok": tok}
+
+            def step(box=box):
+                lg, box["cache"] = decode(model, box["tok"], box["cache"])
+                return lg
+
+            jax.block_until_ready(step())  # compile
+            jax.block_until_ready(step())
+            times = []
+            with CompileCounter() as cc:
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(step())
+                    times.append((time.perf_counter() - t0) * 1e3)
+            ms = statistics.median(times)
+        except Exception as e:  # noqa: BLE001
+            emit(
+                dict(base, case="decode step", batch=b, tokens=ctx, note=f"failed: {type(e).__name__}: {str(e)[:150]}")
+            )
+            continue
+        emit(
+            dict(
+                base, case="decode step", batch=b, tokens=ctx, ms=ms, tok_s=b / ms * 1e3, floor_ms=nbytes / bw * 1e3,
+                peak=_peak_gib(), note=f"{cc.compiled} compilations in {steps} timed steps",
+            )
+        )  # fmt: skip
+        del box, cache, logits
+
+
+def measure_startup(config: str, emit) -> None:
+    """`python -m hybrid_jax generate` twice in fresh processes sharing a new persistent cache folder."""
+    with tempfile.TemporaryDirectory(prefix="hybrid_jax_jit_") as cache_dir:
+        for label in ("cold (empty persistent cache)", "warm (persistent cache from the run before)"):
+            cmd = [sys.executable, "-m", "hybrid_jax", "generate", "--config", config, "--max-new-tokens", "1",
+                   "--compile-cache", cache_dir]  # fmt: skip
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            wall = time.perf_counter() - t0
+            out = p.stdout + p.stderr
+            comp = next((ln for ln in out.splitlines() if ln.startswith("XLA compilations")), "")
+            comp = comp.split(" (persistent cache")[0]
+            first = next((ln for ln in out.splitlines() if "first call incl. compilation" in ln), "")
+            first_s = first.rsplit("compilation", 1)[-1].strip(" s)") if first else "?"
+            note = (
+                f"process start to exit {wall:.1f} s (first generate call {first_s} s); {comp}"
+                if p.returncode == 0
+                else f"failed rc {p.returncode}: {out[-300:]}"
+            )
+            emit(dict(model=config, quant="none", case=f"start-up, {label}", batch=1, tokens=0,
+                      ms=wall * 1e3, note=note))  # fmt: skip
+
+
+def _fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["hybrid_small", "kimi"])
+    p.add_argument("--quant", nargs="+", default=["none", "hierarchical"], choices=["none", "hierarchical"])
+    p.add_argument("--quant-models", nargs="+", default=["hybrid_small"], help="models also run with --quant")
+    p.add_argument("--ttft", type=int, nargs="+", default=[4096, 32768, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument(
+        "--quant-ttft", type=int, nargs="*", default=None, help="TTFT lengths of quantized runs (default --ttft)"
+    )
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--kimi-dir", type=Path, default=Path(tempfile.gettempdir()) / "hybrid_jax_e2e_kimi")
+    p.add_argument("--kimi-layers", type=int, default=8)
+    p.add_argument("--kimi-experts", type=int, default=32)
+    p.add_argument("--kimi-vocab", type=int, default=163840)
+    p.add_argument("--tiny", action="store_true", help="the Kimi-shaped model at widths / 16 (CPU smoke tests)")
+    p.add_argument("--baseline-ttft", type=int, nargs="*", default=None, help="default: --ttft up to 32K")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers (+ fla)")
+    p.add_argument("--startup-config", default="hybrid_small", help="preset the start-up rows generate with")
+    p.add_argument("--no-startup", action="store_true")
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+
+    rows: list[dict] = []
+
+    def emit(r: dict) -> None:
+        rows.append(r)
+        shown = {k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()}
+        print("  " + " | ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+
+    # The transformers side first, in its own processes, before JAX takes the GPU's memory.
+    torch_rows = []
+    if "kimi" in args.models:
+        if not args.kimi_dir.is_dir():
+            make = ["make", str(args.kimi_dir), "--layers", str(args.kimi_layers), "--experts", str(args.kimi_experts),
+                    "--vocab", str(args.kimi_vocab)] + (["--tiny"] if args.tiny else [])  # fmt: skip
+            _, log = _torch_side(args.torch_python, make, timeout=900)
+            print(log.strip().splitlines()[-1] if log.strip() else "", flush=True)
+        if not args.no_baseline:
+            ttft = args.baseline_ttft if args.baseline_ttft is not None else [t for t in args.ttft if t <= 32768]
+            cmd = ["bench", str(args.kimi_dir), "--ttft", *map(str, ttft), "--batches", *map(str, args.batches),
+                   "--context", str(args.context)]  # fmt: skip
+            torch_rows, _ = _torch_side(args.torch_python, cmd, timeout=1800)
+
+    import jax
+
+    from benchmarks.common import report
+    from benchmarks.linear_attention import ceilings
+
+    bw, rate = ceilings()
+    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    for r in torch_rows:
+        case = {"ttft": "TTFT", "decode": "decode step"}[r["case"]]
+        fla = "fla kernels" if r.get("fla") else "no fla (torch fallback)"
+        row = dict(
+            model="kimi", quant="none", case=case, batch=r["batch"], tokens=r["tokens"], engine=f"transformers, {fla}"
+        )
+        if "error" in r:
+            emit(dict(row, note=r["error"]))
+        else:
+            tok = r["tokens"] if case == "TTFT" else r["batch"]
+            emit(dict(row, ms=r["ms"], tok_s=tok / r["ms"] * 1e3, peak=r.get("peak_gib")))
+    for name in args.models:
+        for q in args.quant if name in args.quant_models else ["none"]:
+            if q != "none" and args.quant_ttft is not None:
+                args_q = argparse.Namespace(**dict(vars(args), ttft=args.quant_ttft))
+                measure_model(name, q, args_q, bw, rate, lambda r: emit(dict(r, engine="hybrid-jax")))
+                jax.clear_caches()
+                continue
+            measure_model(name, q, args, bw, rate, lambda r: emit(dict(r, engine="hybrid-jax")))
+            jax.clear_caches()
+    if not args.no_startup:
+        measure_startup(args.startup_config, lambda r: emit(dict(r, engine="hybrid-jax CLI")))
+
+    theirs = {
+        (r["case"], r["batch"], r["tokens"]): r["ms"]
+        for r in rows
+        if r["engine"].startswith("transformers") and "ms" in r
+    }
+    table = []
+    for r in rows:
+        key = (r["case"], r["batch"], r["tokens"])
+        speedup = ""
+        if (
+            r["engine"] == "hybrid-jax"
+            and r["model"] == "kimi"
+            and r["quant"] == "none"
+            and key in theirs
+            and "ms" in r
+        ):
+            speedup = f"{theirs[key] / r['ms']:.2f}x"
+        table.append(
+            {
+                "model": r["model"], "quant": r["quant"], "engine": r["engine"], "case": r["case"],
+                "batch": r["batch"], "tokens": r["tokens"] or "",
+                "median ms": _fmt(r.get("ms"), ".2f"), "tokens/s": _fmt(r.get("tok_s"), ",.0f"),
+                "floor ms": _fmt(r.get("floor_ms"), ".2f"),
+                "% of floor": f"{r['floor_ms'] / r['ms']:.0%}" if r.get("floor_ms") and r.get("ms") else "",
+                "peak GiB": _fmt(r.get("peak"), ".1f"), "vs transformers": speedup, "note": r.get("note", ""),
+            }
+        )  # fmt: skip
+    title = (
+        f"End to end ({', '.join(args.models)}; Kimi-shaped = {args.kimi_layers} layers, {args.kimi_experts} experts"
+        f"{', tiny widths' if args.tiny else ''}); decode after {args.context} tokens; ceilings: copy "
+        f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    )
+    report("e2e.py", title, table, record=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
