@@ -8,20 +8,21 @@ import contextvars
 
 import jax
 
-_PREFER_PALLAS = contextvars.ContextVar("prefer_pallas", default=False)
+_PREFER_PALLAS = contextvars.ContextVar("prefer_pallas", default=None)
 
 
 @contextlib.contextmanager
-def use_pallas():
+def use_pallas(enabled: bool = True):
     """Inside this block every op's `impl="auto"` picks its Pallas kernel wherever the shapes allow, on any
     backend (interpret mode on CPU), including kernels that "auto" does not pick by default (the KDA
-    prefill). Read at trace time and not part of jit's cache key: a function already traced outside the
-    block keeps its trace, so make the `jax.jit` (or `jax.make_jaxpr`) of a fresh function inside the block.
+    prefill); with enabled=False it picks the jnp references everywhere (e.g. to compare on a GPU). Read at
+    trace time and not part of jit's cache key: a function already traced outside the block keeps its
+    trace, so make the `jax.jit` (or `jax.make_jaxpr`) of a fresh function inside the block.
 
         with pallas_kernels.use_pallas():
             logits, cache = model.prefill(ids, cache)   # the model's ops through their kernels
     """
-    token = _PREFER_PALLAS.set(True)
+    token = _PREFER_PALLAS.set(bool(enabled))
     try:
         yield
     finally:
@@ -29,11 +30,14 @@ def use_pallas():
 
 
 def auto_impl(supported: bool, *, default_on_gpu: bool = True) -> bool:
-    """Whether `impl="auto"` runs the Pallas kernel: the shapes must be `supported`, and either `use_pallas()`
-    is active or the backend is a GPU and the kernel is the measured default there."""
+    """Whether `impl="auto"` runs the Pallas kernel: the shapes must be `supported`, and `use_pallas()` is
+    active, or no `use_pallas(False)` is and the backend is a GPU where the kernel is the measured default."""
     if not supported:
         return False
-    return _PREFER_PALLAS.get() or (default_on_gpu and jax.default_backend() == "gpu")
+    forced = _PREFER_PALLAS.get()
+    if forced is not None:
+        return forced
+    return default_on_gpu and jax.default_backend() == "gpu"
 
 
 def pow2(n: int) -> int:
