@@ -222,7 +222,12 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
         ctx = args.context
         ids = jax.random.randint(jax.random.key(b), (b, ctx), 0, cfg.vocab_size - 8, jnp.int32)
         try:
-            logits, cache = prefill(model, ids, model.init_cache(b, -(-(ctx + steps + 8) // page) * page))
+            # the context goes in pieces of <= 32K tokens over the batch: one 64 x 2048 call would hand
+            # XLA's ragged_dot lowering a [B*T*k, E*D] operand (144 GiB at Kimi widths: it ran out of memory)
+            cache = model.init_cache(b, -(-(ctx + steps + 8) // page) * page)
+            piece = max(page, (32768 // b) // page * page)
+            for s0 in range(0, ctx, piece):
+                logits, cache = prefill(model, ids[:, s0 : s0 + piece], cache)
             nbytes = decode_floor_bytes(model, cache, b, ctx)
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # logits [B, vocab]
             box = {"cache": cache, "tok": tok}

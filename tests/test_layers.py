@@ -10,8 +10,9 @@ from flax import nnx
 
 from hybrid_jax import HybridConfig
 from hybrid_jax.layers.common import DTypes
-from hybrid_jax.layers.moe import MoE, grouped_experts, route
+from hybrid_jax.layers.moe import MoE, route
 from hybrid_jax.layers.rope import apply_rope, inv_frequencies
+from pallas_kernels.moe import moe_experts
 from tests.conftest import rel_err
 
 
@@ -56,7 +57,8 @@ def test_route_matches_numpy(n_group, topk_group, scoring):
         np.testing.assert_allclose([got[j] for j in ref], list(ref.values()), rtol=1e-5)
 
 
-def test_grouped_experts_equal_per_token_loop():
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_grouped_experts_equal_per_token_loop(impl):
     n, d, f, e, k = 19, 8, 6, 5, 3
     ks = jax.random.split(jax.random.key(2), 5)
     x = jax.random.normal(ks[0], (n, d))
@@ -64,7 +66,7 @@ def test_grouped_experts_equal_per_token_loop():
     down = jax.random.normal(ks[3], (e, f, d))
     idx = jnp.asarray(np.stack([np.random.default_rng(i).permutation(e)[:k] for i in range(n)]), jnp.int32)
     w = jax.random.uniform(ks[4], (n, k))
-    out = grouped_experts(x, idx, w, gate, up, down)
+    out = moe_experts(x, idx, w, gate, up, down, impl=impl, block_m=16, block_n=16, block_k=16, precision="ieee")
     xn, gn, un, dn = (np.asarray(a, np.float64) for a in (x, gate, up, down))
     ref = np.zeros((n, d))
     for i in range(n):

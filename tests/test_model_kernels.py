@@ -29,7 +29,7 @@ def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized
         jits = _fresh_jits()
         kernels = str(jax.make_jaxpr(lambda m, i, c: m.decode_step(i, c))(model, ids[:, 0], model.init_cache(2, 16)))
         got, cache = prefill_then_decode(model, ids, jits, 9, 16)
-    for name in ("sparse_mla", "indexer_scores", "kda_decode"):  # the decode step really runs the kernels
+    for name in ("sparse_mla", "indexer_scores", "kda_decode", "moe_grouped_matmul"):  # the kernels really run
         assert f"name={name}" in kernels, name
     assert rel_err(got, ref) < 1e-4
     for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(ref_cache), strict=True):

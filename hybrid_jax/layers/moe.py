@@ -8,6 +8,7 @@ from flax import nnx
 
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, SwiGLU, _normal
+from pallas_kernels.moe import moe_experts
 
 
 def route(logits: jax.Array, bias: jax.Array, cfg: HybridConfig) -> tuple[jax.Array, jax.Array]:
@@ -31,27 +32,6 @@ def route(logits: jax.Array, bias: jax.Array, cfg: HybridConfig) -> tuple[jax.Ar
     if cfg.norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
-
-
-def grouped_experts(x, idx, w, gate_proj, up_proj, down_proj):
-    """Σ_k w_k E_{idx_k}(x) with E(x) = W_down(SiLU(W_gate x) ⊙ W_up x).
-
-    x [N,D], idx/w [N,k], gate/up [E,D,F], down [E,F,D] -> [N,D] float32. Token-expert pairs are sorted by
-    expert and run as grouped matmuls (`lax.ragged_dot`), so work scales with k, not with E.
-    """
-    n, k = idx.shape
-    e = gate_proj.shape[0]
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    xs = x[token]  # [N*k, D], grouped by expert
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    h_gate = jax.lax.ragged_dot(xs, gate_proj.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
-    h_up = jax.lax.ragged_dot(xs, up_proj.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
-    y = jax.lax.ragged_dot(h, down_proj.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
-    y = y * w.reshape(-1)[order][:, None].astype(jnp.float32)
-    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y)
 
 
 class Router(nnx.Module):
@@ -91,7 +71,7 @@ class MoE(nnx.Module):
             x2.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
         )
         w, idx = route(logits, self.gate.e_score_correction_bias[...], self.cfg)
-        y = grouped_experts(
+        y = moe_experts(  # routed experts as grouped matmuls (pallas_kernels/moe)
             x2, idx, w, self.experts.gate_proj[...], self.experts.up_proj[...], self.experts.down_proj[...]
         )
         if self.cfg.num_shared_experts:

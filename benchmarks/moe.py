@@ -1,0 +1,73 @@
+"""MoE routed experts on one GPU: `lax.ragged_dot` (what XLA makes of it: a dense product over all experts)
+against the Pallas grouped matmul, for decode-sized and prefill-sized token counts. One table, appended to
+BENCHMARKS.md.
+
+Floors: the weights of the experts the tokens touch (expected count under uniform routing) read once plus
+x and y, over the measured copy bandwidth; 2·3·D·F FLOPs per token-expert pair over the measured bf16
+matmul rate; the larger.
+
+    python -m benchmarks.moe [--shape kimi|hybrid_small] [--tokens 1 16 64 4096 32768] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import report, roofline_row
+from benchmarks.linear_attention import ceilings, median_ms, rel_err
+from pallas_kernels.moe import moe_experts
+
+SHAPES = {  # D, F, E, k
+    "kimi": (2304, 1024, 256, 8),
+    "kimi32": (2304, 1024, 32, 8),
+    "hybrid_small": (1536, 512, 32, 4),
+    "tiny": (64, 32, 8, 2),
+}
+VARIANTS = ((64, 128, 64), (128, 128, 64), (64, 64, 64), (16, 128, 64))
+
+
+def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
+    d, f, e, k = SHAPES[shape]
+    ks = jax.random.split(jax.random.key(tokens), 6)
+    x = jax.random.normal(ks[0], (tokens, d), jnp.bfloat16)
+    idx = jax.lax.top_k(jax.random.normal(ks[1], (tokens, e)), k)[1].astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(ks[2], (tokens, k)), axis=-1)
+    gate, up = (jax.random.normal(kk, (e, d, f), jnp.bfloat16) * d**-0.5 for kk in ks[3:5])
+    down = jax.random.normal(ks[5], (e, f, d), jnp.bfloat16) * f**-0.5
+    touched = e * (1 - (1 - k / e) ** tokens)
+    nbytes = touched * 3 * d * f * 2 + 2 * tokens * d * 2
+    flops = 2 * 3 * d * f * tokens * k
+    label = f"{shape}: {tokens} tokens, D={d} F={f} E={e} k={k}"
+    ref_fn = jax.jit(functools.partial(moe_experts, impl="reference"))
+    ref = ref_fn(x, idx, w, gate, up, down)
+    out = []
+    big = tokens >= 4096
+    ms = median_ms(functools.partial(ref_fn, x, idx, w, gate, up, down), warmup=1, iters=3 if big else 10)
+    out.append(roofline_row("moe experts", label, "lax.ragged_dot (XLA)", ms, flops, nbytes, bw, rate))
+    for bm, bn, bk in VARIANTS:
+        fn = jax.jit(functools.partial(moe_experts, impl="pallas", block_m=bm, block_n=bn, block_k=bk))
+        err = rel_err(fn(x, idx, w, gate, up, down), ref)
+        ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=3 if big else 10)
+        impl = f"pallas grouped matmul, block_m={bm} n={bn} k={bk}"
+        out.append(roofline_row("moe experts", label, impl, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", nargs="+", default=["kimi32", "hybrid_small"], choices=sorted(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 4096, 32768])
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    bw, rate = ceilings()
+    rows = [r for s in args.shape for t in args.tokens for r in rows_for(s, t, bw, rate)]
+    title = f"MoE routed experts; ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    report("moe.py", title, rows, record=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Public entry point of an MoE layer's routed experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._pallas import auto_impl, pow2
+from pallas_kernels.moe.kernel import grouped_matmul_pallas
+from pallas_kernels.moe.reference import moe_experts_reference, sort_by_expert
+
+IMPLS = ("auto", "reference", "pallas")
+
+
+def _tile(dim: int, cap: int) -> tuple[int, int]:
+    """(tile, padded dim): a power-of-two tile <= cap and dim padded to a multiple of it."""
+    t = min(cap, pow2(dim))
+    return t, -(-dim // t) * t
+
+
+def moe_experts(
+    x,
+    idx,
+    w,
+    gate_proj,
+    up_proj,
+    down_proj,
+    *,
+    impl: str = "auto",
+    block_m: int = 64,
+    block_n: int = 128,
+    block_k: int = 64,
+    precision: str = "tf32",
+    interpret: bool | None = None,
+):
+    """Σ_j w_tj E_{idx_tj}(x_t) with E(x) = W_down(SiLU(W_gate x) ⊙ W_up x).
+
+    x [N,D]; idx [N,k] int expert ids; w [N,k] weights; gate/up [E,D,F]; down [E,F,D] -> [N,D] float32.
+    impl: "reference" (`lax.ragged_dot` grouped matmuls), "pallas" (`kernel.grouped_matmul_pallas` on rows
+    sorted by expert and padded per expert to whole blocks of `block_m`; `block_n` / `block_k` output and
+    contraction tiles, powers of two), or "auto" (the reference: the kernel is not yet timed on the GPU;
+    `pallas_kernels.use_pallas()` picks it).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"moe_experts: unknown impl={impl!r}; expected one of {IMPLS}")
+    n, d = x.shape
+    e, d2, f = gate_proj.shape
+    if idx.shape != w.shape or idx.shape[0] != n or d2 != d or up_proj.shape != gate_proj.shape:
+        raise ValueError(
+            f"moe_experts: inconsistent shapes x={x.shape} idx={idx.shape} w={w.shape} gate={gate_proj.shape}"
+        )
+    if down_proj.shape != (e, f, d):
+        raise ValueError(f"moe_experts: down_proj.shape={down_proj.shape} != {(e, f, d)}")
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
+    if impl == "auto":
+        impl = "pallas" if auto_impl(True, default_on_gpu=False) else "reference"
+    if impl == "reference":
+        return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
+
+    k = idx.shape[1]
+    order, sizes = sort_by_expert(idx, e)
+    # Each expert's rows padded to whole blocks: static bound N*k + E*(block_m - 1) rows in all.
+    padded = -(-sizes // block_m) * block_m
+    start = jnp.cumsum(padded) - padded  # first padded row of each expert
+    unpadded_start = jnp.cumsum(sizes) - sizes
+    flat_sorted = idx.reshape(-1)[order]
+    rank = jnp.arange(n * k) - unpadded_start[flat_sorted]
+    dest = start[flat_sorted] + rank  # padded row of each sorted pair
+    rows = -(-(n * k + e * (block_m - 1)) // block_m) * block_m
+    nb = rows // block_m
+    ends = jnp.cumsum(padded)
+    block_expert = jnp.searchsorted(ends, jnp.arange(nb) * block_m, side="right")
+    block_expert = jnp.where(block_expert < e, block_expert, -1).astype(jnp.int32)  # -1: past all rows
+
+    bk_d, d_pad = _tile(d, block_k)
+    bn_f, f_pad = _tile(f, block_n)
+    bk_f, f_pad2 = _tile(f_pad, block_k)
+    bn_d, d_pad2 = _tile(d_pad, block_n)
+    d_pad, f_pad = max(d_pad, d_pad2), max(f_pad, f_pad2)
+    token = order // k
+    xs = jnp.zeros((rows, d_pad), x.dtype).at[dest, :d].set(x[token])
+    kw = dict(
+        block_m=block_m, precision=precision,
+        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+    )  # fmt: skip
+    pad3 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, 0), (0, p1 - a.shape[1]), (0, p2 - a.shape[2])])  # noqa: E731
+    gate = grouped_matmul_pallas(xs, pad3(gate_proj, d_pad, f_pad), block_expert, block_n=bn_f, block_k=bk_d, **kw)
+    up = grouped_matmul_pallas(xs, pad3(up_proj, d_pad, f_pad), block_expert, block_n=bn_f, block_k=bk_d, **kw)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    y = grouped_matmul_pallas(h, pad3(down_proj, f_pad, d_pad), block_expert, block_n=bn_d, block_k=bk_f, **kw)
+    y = y[dest, :d] * w.reshape(-1)[order][:, None].astype(jnp.float32)
+    return jnp.zeros((n, d), jnp.float32).at[token].add(y)
