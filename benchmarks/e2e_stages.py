@@ -1,0 +1,153 @@
+"""Where the time of a prefill or a decode step goes: each stage of the model timed alone on the shapes the
+full call gives it, multiplied by how many layers run it, beside the full call. One table, BENCHMARKS.md.
+
+Stages: the mixer of one layer of each kind (KDA, dense MLA, sparse MLA with its indexer) through the
+cache path, the FFN (MoE or dense SwiGLU), the final norm + lm_head. The per-layer numbers exclude the
+norms and AttnRes mixes, so the sum is a little under the full call; what is left shows in the last row.
+
+    python -m benchmarks.e2e_stages [--model hybrid_small | --hf-dir FOLDER] [--prefill 32768] [--decode-batch 16]
+        [--context 2048] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks.common import report
+from hybrid_jax.cache import StepInfo
+from pallas_kernels import use_pallas
+
+
+def _median_ms(fn, warmup: int = 2, iters: int = 5) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def _info(cache, b: int, t: int, context: int, mode: str) -> StepInfo:
+    lengths = jnp.full((b,), context, jnp.int32)
+    return StepInfo(
+        positions=lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :],
+        valid=jnp.ones((b, t), bool),
+        n_new=jnp.full((b,), t, jnp.int32),
+        page_table=cache.page_table,
+        kv_lengths=lengths + t,
+        mode=mode,
+    )
+
+
+def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> list[dict]:
+    """Times of one call of each stage on [b, t] new tokens after `context` cached ones (the cache holds
+    zeros: the cost does not depend on the values)."""
+    cfg = model.config
+    page = cfg.page_size
+    cache = model.init_cache(b, -(-(context + t) // page) * page)
+    info = _info(cache, b, t, context, "decode" if t == 1 else "prefill")
+    x = jax.random.normal(jax.random.key(0), (b, t, cfg.hidden_size), model.dtypes.compute)
+
+    mixer = jax.jit(lambda mod, x, info, st: mod(x, info, st))
+    ffn = jax.jit(lambda mod, x: mod(x))
+    counts = collections.Counter()
+    first = {}
+    for i, layer in enumerate(model.layers):
+        kind = {"linear": "KDA mixer", "full": "dense MLA mixer", "sparse": "sparse MLA + indexer mixer"}[
+            layer.layer_type
+        ]
+        ffn_kind = "MoE FFN" if cfg.mlp_types[i] == "moe" else "dense FFN"
+        for k in (kind, ffn_kind):
+            counts[k] += 1
+            first.setdefault(k, i)
+    rows, total = [], 0.0
+    for name, i in first.items():
+        layer = model.layers[i]
+        if name.endswith("mixer"):
+            call = functools.partial(mixer, layer.self_attn, x, info, cache.layers[i])
+        else:
+            call = functools.partial(ffn, layer.mlp, x)
+        ms = _median_ms(call, iters=iters)
+        total += ms * counts[name]
+        rows.append({"stage": name, "layers": counts[name], "ms each": ms})
+        if name == "MoE FFN":  # the opt-in Pallas grouped matmul on the same input (not in the sum)
+            with use_pallas():
+                ffn_k = jax.jit(lambda mod, x: mod(x))
+                ms_k = _median_ms(functools.partial(ffn_k, layer.mlp, x), iters=iters)
+            rows.append(
+                {"stage": "MoE FFN, Pallas grouped matmul (alternative)", "layers": counts[name], "ms each": ms_k}
+            )
+    head = jax.jit(lambda m, h: m._logits(m.norm(h)))
+    ms = _median_ms(functools.partial(head, model, x[:, -1]), iters=iters)
+    total += ms
+    rows.append({"stage": "final norm + lm_head (last position)", "layers": 1, "ms each": ms})
+
+    if t == 1:
+        full_fn = jax.jit(lambda m, ids, c: m.decode_step(ids, c)[0])
+        full = functools.partial(full_fn, model, jnp.zeros((b,), jnp.int32), cache)
+    else:
+        full_fn = jax.jit(lambda m, ids, c: m.prefill(ids, c, last_only=True)[0])
+        full = functools.partial(full_fn, model, jnp.zeros((b, t), jnp.int32), model.init_cache(b, cache.max_len))
+    full_ms = _median_ms(full, iters=iters)
+    out = []
+    for r in rows:
+        share = r["ms each"] * r["layers"]
+        out.append(
+            {
+                "call": label, "stage": r["stage"], "layers": r["layers"], "ms each": f"{r['ms each']:.3f}",
+                "ms x layers": f"{share:.2f}", "share of full call": f"{share / full_ms:.0%}",
+            }
+        )  # fmt: skip
+    out.append(
+        {
+            "call": label, "stage": "full call (norms, AttnRes, embedding: the rest)", "layers": "",
+            "ms each": "", "ms x layers": f"{full_ms:.2f}",
+            "share of full call": f"{(full_ms - total) / full_ms:.0%} rest",
+        }
+    )  # fmt: skip
+    for r in out:
+        print("  " + " | ".join(str(v) for v in r.values()), flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="hybrid_small", help="preset (random weights) unless --hf-dir")
+    p.add_argument("--hf-dir", type=Path, default=None, help="a Hugging Face folder to load instead")
+    p.add_argument("--prefill", type=int, nargs="*", default=[32768])
+    p.add_argument("--decode-batch", type=int, nargs="*", default=[1, 16])
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    if args.hf_dir is not None:
+        from checkpoints import from_pretrained
+
+        model, name = from_pretrained(args.hf_dir, dtype=jnp.bfloat16, progress=False), str(args.hf_dir)
+    else:
+        from hybrid_jax import PRESETS, HybridLM
+
+        model = HybridLM(PRESETS[args.model](), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        name = args.model
+    rows = []
+    for t in args.prefill:
+        rows += stage_rows(model, 1, t, 0, f"prefill B=1 T={t}", args.iters)
+    for b in args.decode_batch:
+        rows += stage_rows(model, b, 1, args.context, f"decode B={b} after {args.context}", args.iters)
+    report("e2e_stages.py", f"Stage breakdown of {name} ({model.config.layer_pattern}), bfloat16", rows,
+           record=not args.no_record)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

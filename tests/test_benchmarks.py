@@ -1,0 +1,46 @@
+"""The end-to-end benchmark scripts run on the CPU with the tiny model (the GPU numbers are in BENCHMARKS.md)."""
+
+import sys
+
+import pytest
+
+import benchmarks.linear_attention
+
+
+@pytest.fixture
+def fast_ceilings(monkeypatch):
+    # the real ceilings copy 4 GiB and multiply 8K x 8K: minutes on a 2-core CPU, and no floor is checked here
+    monkeypatch.setattr(benchmarks.linear_attention, "ceilings", lambda: (1e11, 1e12))
+
+
+def test_e2e_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
+    from benchmarks import e2e
+
+    argv = ["e2e", "--models", "tiny", "--quant", "none", "--ttft", "64", "--batches", "2", "--context", "40",
+            "--no-baseline", "--no-startup", "--no-record"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    e2e.main()
+    out = capsys.readouterr().out
+    assert "| tiny | none | hybrid-jax | TTFT | 1 | 64 |" in out
+    assert "0 compilations in 20 timed steps" in out  # the decode step never recompiles
+
+
+def test_e2e_floors_count_what_a_step_moves(tiny_model):
+    from benchmarks.e2e import decode_floor_bytes, prefill_flops
+
+    cache = tiny_model.init_cache(2, 64)
+    one, many = decode_floor_bytes(tiny_model, cache, 1, 32), decode_floor_bytes(tiny_model, cache, 64, 32)
+    assert many > one > 0  # more tokens touch more experts and read more cache rows
+    assert prefill_flops(tiny_model, 256) > 2 * prefill_flops(tiny_model, 128) > 0  # attention grows faster
+
+
+def test_stage_breakdown_runs_on_cpu(monkeypatch, capsys):
+    from benchmarks import e2e_stages
+
+    argv = ["e2e_stages", "--model", "tiny", "--prefill", "64", "--decode-batch", "2", "--context", "40",
+            "--iters", "1", "--no-record"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    e2e_stages.main()
+    out = capsys.readouterr().out
+    for stage in ("KDA mixer", "sparse MLA + indexer mixer", "MoE FFN", "Pallas grouped matmul", "full call"):
+        assert stage in out, stage
