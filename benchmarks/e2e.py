@@ -27,6 +27,7 @@ engines on the same 64-token prompt are compared (the row "parity").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -303,6 +304,7 @@ def main() -> None:
     p.add_argument("--kimi-vocab", type=int, default=163840)
     p.add_argument("--tiny", action="store_true", help="the Kimi-shaped model at widths / 16 (CPU smoke tests)")
     p.add_argument("--baseline-ttft", type=int, nargs="*", default=None, help="default: --ttft up to 32K")
+    p.add_argument("--pallas-ops", nargs="*", default=None, help="ops whose Pallas kernel 'auto' must pick (e.g. moe)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers (+ fla)")
     p.add_argument("--startup-config", default="hybrid_small", help="preset the start-up rows generate with")
@@ -335,6 +337,10 @@ def main() -> None:
 
     from benchmarks.common import report
     from benchmarks.linear_attention import ceilings
+    from pallas_kernels import OPS, use_pallas
+
+    if args.pallas_ops and not set(args.pallas_ops) <= set(OPS):
+        raise SystemExit(f"--pallas-ops {args.pallas_ops}: expected some of {OPS}")
 
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
@@ -349,14 +355,18 @@ def main() -> None:
         else:
             tok = r["tokens"] if case == "TTFT" else r["batch"]
             emit(dict(row, ms=r["ms"], tok_s=tok / r["ms"] * 1e3, peak=r.get("peak_gib")))
+    switch = use_pallas(ops=args.pallas_ops) if args.pallas_ops else contextlib.nullcontext()
+    engine = "hybrid-jax" + (f" (Pallas: {', '.join(args.pallas_ops)})" if args.pallas_ops else "")
     for name in args.models:
         for q in args.quant if name in args.quant_models else ["none"]:
             if q != "none" and args.quant_ttft is not None:
                 args_q = argparse.Namespace(**dict(vars(args), ttft=args.quant_ttft))
-                measure_model(name, q, args_q, bw, rate, lambda r: emit(dict(r, engine="hybrid-jax")))
+                with switch:
+                    measure_model(name, q, args_q, bw, rate, lambda r: emit(dict(r, engine=engine)))
                 jax.clear_caches()
                 continue
-            measure_model(name, q, args, bw, rate, lambda r: emit(dict(r, engine="hybrid-jax")))
+            with switch:
+                measure_model(name, q, args, bw, rate, lambda r: emit(dict(r, engine=engine)))
             jax.clear_caches()
     if not args.no_startup:
         measure_startup(args.startup_config, lambda r: emit(dict(r, engine="hybrid-jax CLI")))
@@ -371,7 +381,8 @@ def main() -> None:
         key = (r["case"], r["batch"], r["tokens"])
         speedup = ""
         if (
-            r["engine"] == "hybrid-jax"
+            r["engine"].startswith("hybrid-jax")
+            and "CLI" not in r["engine"]
             and r["model"] == "kimi"
             and r["quant"] == "none"
             and key in theirs

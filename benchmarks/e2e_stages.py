@@ -82,7 +82,7 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
         total += ms * counts[name]
         rows.append({"stage": name, "layers": counts[name], "ms each": ms})
         if name == "MoE FFN":  # the opt-in Pallas grouped matmul on the same input (not in the sum)
-            with use_pallas():
+            with use_pallas(ops=["moe"]):
                 ffn_k = jax.jit(lambda mod, x: mod(x))
                 ms_k = _median_ms(functools.partial(ffn_k, layer.mlp, x), iters=iters)
             rows.append(

@@ -34,3 +34,15 @@ def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized
     assert rel_err(got, ref) < 1e-4
     for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(ref_cache), strict=True):
         assert rel_err(a.astype("float32"), b.astype("float32")) < 1e-4
+
+
+def test_use_pallas_can_switch_single_ops(tiny_cfg):
+    model = HybridLM(tiny_cfg.replace(qk_rope_head_dim=16), rngs=nnx.Rngs(0))
+    ids = random_ids(42, (1, 9))
+    with use_pallas(ops=["moe"]):
+        only_moe = str(jax.make_jaxpr(lambda m, i: m(i))(model, ids))
+    assert "name=moe_grouped_matmul" in only_moe
+    assert "pallas_call" in only_moe and "name=kda_chunk" not in only_moe and "name=sparse_mla" not in only_moe
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['attention'\]"):
+        with use_pallas(ops=["attention"]):
+            pass

@@ -48,7 +48,7 @@ def indexer_topk(
     if k_scales is not None and k_scales.shape[-1] * MX_BLOCK != h:
         raise ValueError(f"indexer_topk: k_scales width {k_scales.shape[-1]} is not head dim {h} / {MX_BLOCK}")
     if impl == "auto":
-        impl = "pallas" if auto_impl(h == pow2(h) and h >= MX_BLOCK) else "reference"
+        impl = "pallas" if auto_impl("indexer", h == pow2(h) and h >= MX_BLOCK) else "reference"
     if impl != "pallas":
         if k_scales is not None:  # E8M0: a power of two 2^(bits - 127) per 32 values
             exp = jax.lax.bitcast_convert_type(k_scales, jnp.uint8).astype(jnp.float32) - 127.0

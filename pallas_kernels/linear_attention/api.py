@@ -75,7 +75,7 @@ def kda(
         # (one-phase, 16-token chunks) version was slower (BENCHMARKS.md, 634095a); the two-phase version
         # has not been timed on the GPU yet.
         impl = "recurrent" if q.shape[1] == 1 else "chunked"
-        if q.shape[1] > 1 and auto_impl(True, default_on_gpu=False):  # inside use_pallas()
+        if q.shape[1] > 1 and auto_impl("kda_prefill", True, default_on_gpu=False):  # inside use_pallas()
             impl = "pallas"
     if impl == "pallas":
         return _kda_pallas(
@@ -161,6 +161,8 @@ def kda_state_summary(
     like the prefill)."""
     if impl not in ("auto", "reference", "pallas"):
         raise ValueError(f"kda_state_summary: unknown impl={impl!r}; expected one of ('auto', 'reference', 'pallas')")
+    if impl == "auto":
+        impl = "pallas" if auto_impl("kda_summary", True, default_on_gpu=False) else "reference"
     if impl != "pallas":
         return _kda_state_summary(k, v, g, beta, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     b, t, n, dk = k.shape
@@ -219,7 +221,7 @@ def kda_decode_step(
         raise ValueError(f"kda_decode_step: block_v={block_v} must be a positive power of two")
     backend = jax.default_backend()
     if impl == "auto":
-        impl = "pallas" if auto_impl(True) else "reference"
+        impl = "pallas" if auto_impl("kda_decode", True) else "reference"
     scale = dk**-0.5 if scale is None else float(scale)
     if g.ndim == 2:
         g = jnp.broadcast_to(g[..., None], q.shape)

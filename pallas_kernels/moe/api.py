@@ -39,7 +39,7 @@ def moe_experts(
     impl: "reference" (`lax.ragged_dot` grouped matmuls), "pallas" (`kernel.grouped_matmul_pallas` on rows
     sorted by expert and padded per expert to whole blocks of `block_m`; `block_n` / `block_k` output and
     contraction tiles, powers of two), or "auto" (the reference: the kernel is not yet timed on the GPU;
-    `pallas_kernels.use_pallas()` picks it).
+    `pallas_kernels.use_pallas(ops=["moe"])` picks it).
     """
     if impl not in IMPLS:
         raise ValueError(f"moe_experts: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -55,7 +55,7 @@ def moe_experts(
         if v < 16 or v & (v - 1):
             raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
     if impl == "auto":
-        impl = "pallas" if auto_impl(True, default_on_gpu=False) else "reference"
+        impl = "pallas" if auto_impl("moe", True, default_on_gpu=False) else "reference"
     if impl == "reference":
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
 

@@ -55,7 +55,7 @@ def sparse_mla(
         raise ValueError(f"sparse_mla: pool width {got} does not match latent {lat} + rope {rope}")
     supported = lat == pow2(lat) and rope == pow2(rope) and rope >= 16
     if impl == "auto":
-        impl = "pallas" if auto_impl(supported) else "reference"
+        impl = "pallas" if auto_impl("sparse_mla", supported) else "reference"
     if impl != "pallas":
         if latent_scales is not None:
             p, g, _ = kv_pages.shape
