@@ -172,7 +172,17 @@ def decode_rows(bw, rate, fla) -> list[dict]:
 PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 
-def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS) -> list[dict]:
+def _intra_phase(q, k, v, g, beta, *, num_warps):
+    """Phase 1 of the Pallas prefill alone (its float32 intermediates are the output)."""
+    from pallas_kernels._pallas import triton_params
+    from pallas_kernels.linear_attention.chunked import _intra
+
+    interpret = jax.default_backend() == "cpu"
+    return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="tf32", interpret=interpret,
+                  params=triton_params(interpret, num_warps, 2))  # fmt: skip
+
+
+def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS, phases=False) -> list[dict]:
     rows = []
     for t in lengths:
         ks = jax.random.split(jax.random.key(t), 5)
@@ -196,6 +206,13 @@ def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS) -> list[dict
             rows.append(
                 row("prefill", shape, f"pallas chunked, block_v={bv}, warps={nw}", ms, flops, nbytes, bw, rate, err)
             )
+        if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
+            bv, nw = variants[0]
+            intra = jax.jit(functools.partial(_intra_phase, num_warps=nw))
+            jax.block_until_ready(intra(q, k, v, g, beta))
+            ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
+            rows.append(row("prefill", shape, f"pallas phase 1 only (intra-chunk), warps={nw}", ms, flops, nbytes, bw,
+                            rate))  # fmt: skip
         if fla is not None:
             torch, chunk_kda, _ = fla
             tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16() for x in (q, k, v))
@@ -256,6 +273,7 @@ def main() -> None:
         "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
         help="Pallas prefill variants as block_v x num_warps, e.g. 64x4",
     )  # fmt: skip
+    p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
@@ -266,7 +284,7 @@ def main() -> None:
         rows += decode_rows(bw, rate, fla)
     if args.only in (None, "prefill"):
         variants = [tuple(int(x) for x in v.split("x")) for v in args.variants]
-        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants)
+        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases)
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total)
     title = (

@@ -46,7 +46,7 @@ def _same_topk(got, ref) -> str:
     return f"Top-K overlap {overlap:.4f}"
 
 
-def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len) -> list[dict]:
+def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, block_s=(64,)) -> list[dict]:
     rows = []
     for s in contexts:
         for b in batches:
@@ -63,13 +63,18 @@ def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len) -> 
             ref_i, _ = ref(q, w, pool, table)
             ms = median_ms(functools.partial(ref, q, w, pool, table), iters=10)
             rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
-            fn = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", **kw))
-            got_i, _ = fn(q, w, pool, table)
-            ms = median_ms(functools.partial(fn, q, w, pool, table), iters=10)
-            check = _same_topk(got_i, ref_i)
-            rows.append(
-                row("indexer", shape, "pallas scores (bf16 pool) + top_k", ms, flops, pool.nbytes, bw, rate, check)
-            )
+            for bs in block_s:
+                fn = jax.jit(lambda q, w, p, t, kw=kw, bs=bs: indexer_topk(q, w, p, t, impl="pallas", block_s=bs, **kw))
+                got_i, _ = fn(q, w, pool, table)
+                ms = median_ms(functools.partial(fn, q, w, pool, table), iters=10)
+                check = _same_topk(got_i, ref_i)
+                impl = f"pallas scores (bf16 pool, block_s={bs}) + top_k"
+                rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
+            # the selection alone, on scores of the same shape: how much of the time the Top-K takes
+            scores = jax.random.normal(ks[2], (b, s), jnp.float32)
+            topk_only = jax.jit(lambda x: jax.lax.top_k(x, topk))
+            ms = median_ms(functools.partial(topk_only, scores), iters=10)
+            rows.append(row("indexer", shape, "lax.top_k alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
             values, scales = quantize_mxfp8(pool)
             fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
             ms = median_ms(functools.partial(fn8, q, w, values, scales, table), iters=10)
@@ -167,13 +172,15 @@ def main() -> None:
     p.add_argument("--mla-heads", type=int, default=128)
     p.add_argument("--mla-context", type=int, default=8192)
     p.add_argument("--mla-prefill", type=int, default=4096, help="0 skips the sparse MLA prefill row")
+    p.add_argument("--block-s", type=int, nargs="+", default=[64, 128, 256], help="indexer key-block variants")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = indexer_rows(
-        bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill
-    )
+        bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
+        tuple(args.block_s),
+    )  # fmt: skip
     rows += sparse_mla_rows(
         bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill
     )
