@@ -44,3 +44,21 @@ def test_stage_breakdown_runs_on_cpu(monkeypatch, capsys):
     out = capsys.readouterr().out
     for stage in ("KDA mixer", "sparse MLA + indexer mixer", "MoE FFN", "Pallas grouped matmul", "full call"):
         assert stage in out, stage
+
+
+def test_kernel_count_reads_compiled_hlo():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.kernel_count import count_kernels
+
+    def loop(x):  # a matmul, then a loop whose body holds one more
+        y = jnp.sin(x) @ x.T
+        return jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ c) + i, y)
+
+    x = jnp.ones((32, 32))
+    straight = count_kernels(jax.jit(lambda x: jnp.sin(x) @ x.T).lower(x).compile().as_text())
+    looped = count_kernels(jax.jit(loop).lower(x).compile().as_text())
+    assert sum(straight.values()) >= 1
+    assert sum(looped.values()) > sum(straight.values())  # the loop body's kernels are counted too
+    assert not {"parameter", "constant", "tuple", "get-tuple-element"} & set(looped)

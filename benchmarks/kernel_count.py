@@ -1,0 +1,158 @@
+"""Kernels one decode step launches, counted from the compiled HLO, per stage of a sparse layer and for the
+whole model step, with the step's median time. One table, BENCHMARKS.md.
+
+A kernel here is an instruction of the optimized HLO that runs on the device: a fusion, a custom call
+(cuBLAS / cuDNN / Triton / Pallas), a copy, sort, scatter, gather or any other non-fused op; parameters,
+constants, tuples, bitcasts and get-tuple-element launch nothing; control flow (while, conditional, call)
+is counted through its bodies (a loop body once). On a GPU this is the number of launches per step; on a
+CPU it counts the same graph's thunks, which is only a proxy.
+
+Stages of the sparse layer (what the issue calls the decode prolog and the rest):
+    indexer prolog — the indexer's projections, key norm, RoPE, quantization and the key-pool write;
+    indexer top-k  — scores and selection (given the prolog's outputs);
+    sparse layer   — the whole mixer of one sparse layer (prolog + top-k + MLA projections + sparse MLA).
+
+    python -m benchmarks.kernel_count [--model hybrid_small] [--batch 16] [--context 2048] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks.common import report
+from benchmarks.e2e_stages import _info
+
+_NO_KERNEL = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id", "replica-id",
+    "opt-barrier", "add-dependency",
+}  # fmt: skip
+_CONTROL = {"while", "conditional", "call"}
+
+
+def count_kernels(compiled_text: str) -> collections.Counter:
+    """Kernel-launching instructions of the entry computation, recursing into while/conditional/call bodies
+    (fusion bodies are one kernel each and are not entered)."""
+    comps: dict[str, list[str]] = {}
+    name, entry = None, None
+    for line in compiled_text.splitlines():
+        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header and not line.startswith(" "):
+            name = header.group(2)
+            comps[name] = []
+            if header.group(1):
+                entry = name
+            continue
+        if name is not None and line.startswith(" ") and "=" in line:
+            comps[name].append(line.strip())
+    kinds: collections.Counter = collections.Counter()
+
+    def walk(comp: str, seen: tuple) -> None:
+        for ins in comps.get(comp, []):
+            m = re.match(r"(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\S+\s+([\w\-]+)\(", ins)
+            if m is None:
+                m = re.match(r"(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\([^)]*\)\s+([\w\-]+)\(", ins)  # tuple-shaped results
+            if m is None:
+                continue
+            op = m.group(1)
+            if op in _NO_KERNEL:
+                continue
+            if op in _CONTROL:
+                for callee in re.findall(r"(?:body|condition|to_apply|branch_computations|true_computation|"
+                                         r"false_computation)=\{?%?([\w.\-]+)", ins):  # fmt: skip
+                    if callee not in seen:
+                        walk(callee, (*seen, callee))
+                continue
+            if op == "fusion":
+                kind = re.search(r"kind=(\w+)", ins)
+                op = f"fusion ({kind.group(1)})" if kind else "fusion"
+                if "__triton" in ins or "custom_call_target" in ins:
+                    op = "fusion (triton / custom)"
+            elif op == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', ins)
+                op = f"custom-call {target.group(1) if target else ''}".strip()
+            kinds[op] += 1
+
+    walk(entry, (entry,))
+    return kinds
+
+
+def _time(fn, *args, iters=20) -> float:
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def rows_for(model, b: int, context: int, label: str) -> list[dict]:
+    cfg = model.config
+    page = cfg.page_size
+    cache = model.init_cache(b, -(-(context + 8) // page) * page)
+    i = cfg.layer_types.index("sparse")
+    layer = model.layers[i].self_attn
+    info = _info(cache, b, 1, context, "decode")
+    x = jax.random.normal(jax.random.key(0), (b, 1, cfg.hidden_size), model.dtypes.compute)
+    c_q = layer.q_a_layernorm(layer.q_a_proj(x)) if cfg.q_lora_rank is not None else x
+    state = cache.layers[i]
+
+    def prolog(idx, x, c_q, info, pool):
+        """The indexer up to its scores: q (RoPE, MXFP8 image), k (norm, RoPE) into the pool, head weights."""
+        q = idx._rope(idx.wq_b(c_q).reshape(b, 1, cfg.index_num_heads, cfg.index_head_dim), info.positions)
+        k = idx._rope(idx.k_norm(idx.wk(x)), info.positions)
+        w = idx.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
+        from hybrid_jax.layers.mla import _store
+
+        return q, w, _store(pool, k, info, idx.fmt, 0)
+
+    stages = {
+        "indexer prolog": (prolog, (layer.indexer, x, c_q, info, state.index_k)),
+        "indexer (prolog + scores + top-k)": (lambda idx, x, c_q, info, pool: idx(x, c_q, info, pool),
+                                              (layer.indexer, x, c_q, info, state.index_k)),
+        "sparse layer mixer": (lambda m, x, info, st: m(x, info, st), (layer, x, info, state)),
+        "whole model decode step": (lambda m, ids, c: m.decode_step(ids, c), (model, jnp.zeros((b,), jnp.int32),
+                                                                                cache)),
+    }  # fmt: skip
+    out = []
+    for name, (fn, args) in stages.items():
+        jitted = jax.jit(fn)
+        kinds = count_kernels(jitted.lower(*args).compile().as_text())
+        ms = _time(jitted, *args)
+        top = ", ".join(f"{k} {v}" for k, v in kinds.most_common(4))
+        out.append({"model": label, "stage": name, "batch": b, "kernels": sum(kinds.values()),
+                    "median ms": f"{ms:.3f}", "most common": top})  # fmt: skip
+        print("  " + " | ".join(str(v) for v in out[-1].values()), flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="hybrid_small")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--quant", action="store_true", help="the hierarchical quant config (MXFP8 indexer, FP8 cache)")
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    from hybrid_jax import PRESETS, HybridLM
+    from hybrid_jax.quant.config import QuantConfig
+
+    quant = QuantConfig.hierarchical() if args.quant else None
+    model = HybridLM(PRESETS[args.model](), dtype=jnp.bfloat16, quant=quant, rngs=nnx.Rngs(0))
+    label = args.model + (" (hierarchical quant)" if args.quant else "")
+    rows = [r for b in args.batch for r in rows_for(model, b, args.context, label)]
+    title = f"Kernels per decode step (compiled HLO on {jax.default_backend()}), context {args.context}"
+    report("kernel_count.py", title, rows, record=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
