@@ -5,10 +5,14 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +35,34 @@ def commit() -> str:
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except OSError:
         return "unknown"
+
+
+def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def ceilings() -> tuple[float, float]:
+    """Measured copy bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) on this device."""
+    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB: far past the L2
+    copy = jax.jit(lambda x: x * 1.5 + 1.0)
+    ms = median_ms(lambda: copy(x), warmup=20, iters=30)  # long warm-up: the clocks ramp from idle
+    bw = 2 * x.nbytes / (ms * 1e-3)
+    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    ms = median_ms(lambda: mm(a), warmup=10)
+    return bw, 2 * 8192**3 / (ms * 1e-3)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def roofline_row(case, shape, impl, ms, flops, nbytes, bw, rate, check="") -> dict:

@@ -55,19 +55,6 @@ def _torch_side(python: str, cmd: list[str], timeout: float) -> tuple[list[dict]
     return results, log
 
 
-def _median_ms(fn, warmup: int, iters: int) -> float:
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
-
-
 def _peak_gib() -> float | None:
     import jax
 
@@ -181,6 +168,7 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.common import median_ms
     from hybrid_jax.compilation import CompileCounter
 
     t0 = time.perf_counter()
@@ -209,7 +197,7 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
         ids = jax.random.randint(jax.random.key(t), (1, t), 0, cfg.vocab_size - 8, jnp.int32)
         long = t >= 65536  # one compile-and-run call, one timed call: a 128K prefill takes seconds
         try:
-            ms = _median_ms(lambda ids=ids: first_token(model, ids), warmup=1, iters=1 if long else 3)
+            ms = median_ms(lambda ids=ids: first_token(model, ids), warmup=1, iters=1 if long else 3)
         except Exception as e:  # noqa: BLE001 — an OOM is a result of this benchmark, not a crash
             emit(dict(base, case="TTFT", batch=1, tokens=t, note=f"failed: {type(e).__name__}: {str(e)[:150]}"))
             continue
@@ -335,8 +323,7 @@ def main() -> None:
 
     import jax
 
-    from benchmarks.common import report
-    from benchmarks.linear_attention import ceilings
+    from benchmarks.common import ceilings, report
     from pallas_kernels import OPS, use_pallas
 
     if args.pallas_ops and not set(args.pallas_ops) <= set(OPS):

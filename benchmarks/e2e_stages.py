@@ -14,28 +14,15 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import report
+from benchmarks.common import median_ms, report
 from hybrid_jax.cache import StepInfo
 from pallas_kernels import use_pallas
-
-
-def _median_ms(fn, warmup: int = 2, iters: int = 5) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 def _info(cache, b: int, t: int, context: int, mode: str) -> StepInfo:
@@ -78,18 +65,18 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
             call = functools.partial(mixer, layer.self_attn, x, info, cache.layers[i])
         else:
             call = functools.partial(ffn, layer.mlp, x)
-        ms = _median_ms(call, iters=iters)
+        ms = median_ms(call, warmup=2, iters=iters)
         total += ms * counts[name]
         rows.append({"stage": name, "layers": counts[name], "ms each": ms})
         if name == "MoE FFN":  # the opt-in Pallas grouped matmul on the same input (not in the sum)
             with use_pallas(ops=["moe"]):
                 ffn_k = jax.jit(lambda mod, x: mod(x))
-                ms_k = _median_ms(functools.partial(ffn_k, layer.mlp, x), iters=iters)
+                ms_k = median_ms(functools.partial(ffn_k, layer.mlp, x), warmup=2, iters=iters)
             rows.append(
                 {"stage": "MoE FFN, Pallas grouped matmul (alternative)", "layers": counts[name], "ms each": ms_k}
             )
     head = jax.jit(lambda m, h: m._logits(m.norm(h)))
-    ms = _median_ms(functools.partial(head, model, x[:, -1]), iters=iters)
+    ms = median_ms(functools.partial(head, model, x[:, -1]), warmup=2, iters=iters)
     total += ms
     rows.append({"stage": "final norm + lm_head (last position)", "layers": 1, "ms each": ms})
 
@@ -99,7 +86,7 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
     else:
         full_fn = jax.jit(lambda m, ids, c: m.prefill(ids, c, last_only=True)[0])
         full = functools.partial(full_fn, model, jnp.zeros((b, t), jnp.int32), model.init_cache(b, cache.max_len))
-    full_ms = _median_ms(full, iters=iters)
+    full_ms = median_ms(full, warmup=2, iters=iters)
     out = []
     for r in rows:
         share = r["ms each"] * r["layers"]

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import report
+from benchmarks.common import median_ms, report
 from benchmarks.e2e_stages import _info
 
 _NO_KERNEL = {
@@ -84,17 +83,6 @@ def count_kernels(compiled_text: str) -> collections.Counter:
     return kinds
 
 
-def _time(fn, *args, iters=20) -> float:
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
-
-
 def rows_for(model, b: int, context: int, label: str) -> list[dict]:
     cfg = model.config
     page = cfg.page_size
@@ -127,7 +115,7 @@ def rows_for(model, b: int, context: int, label: str) -> list[dict]:
     for name, (fn, args) in stages.items():
         jitted = jax.jit(fn)
         kinds = count_kernels(jitted.lower(*args).compile().as_text())
-        ms = _time(jitted, *args)
+        ms = median_ms(functools.partial(jitted, *args))
         top = ", ".join(f"{k} {v}" for k, v in kinds.most_common(4))
         out.append({"model": label, "stage": name, "batch": b, "kernels": sum(kinds.values()),
                     "median ms": f"{ms:.3f}", "most common": top})  # fmt: skip

@@ -25,21 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import report, roofline_row
+from benchmarks.common import ceilings, median_ms, rel_err, report, roofline_row
 from pallas_kernels.linear_attention import kda, kda_decode_step
 
 N, DK, DV, CHUNK = 32, 128, 128, 64
-
-
-def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 def torch_median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -59,29 +48,12 @@ def torch_median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(ts)
 
 
-def ceilings() -> tuple[float, float]:
-    """Measured copy bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) on this device."""
-    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB: far past the L2
-    copy = jax.jit(lambda x: x * 1.5 + 1.0)
-    ms = median_ms(lambda: copy(x), warmup=20, iters=30)  # long warm-up: the clocks ramp from idle
-    bw = 2 * x.nbytes / (ms * 1e-3)
-    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
-    mm = jax.jit(lambda a: a @ a)
-    ms = median_ms(lambda: mm(a), warmup=10)
-    return bw, 2 * 8192**3 / (ms * 1e-3)
-
-
 def prefill_flops(tokens: int) -> float:
     """Chunked form per head and chunk of C: K Kᵀ and Q Kᵀ (2·C²K each), the UT solve (~C³/3), W = A K and
     U = A V (C²K + C²V), the state read by q and k (2·C K V), the state update (C K V); 2 FLOPs a MAC."""
     c = CHUNK
     per_chunk = 2 * (2 * c * c * DK + c**3 / 3 + c * c * DK + c * c * DV + 3 * c * DK * DV)
     return N * (tokens / c) * per_chunk
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def fla_ops():

@@ -17,8 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import report, roofline_row
-from benchmarks.linear_attention import ceilings, median_ms, rel_err
+from benchmarks.common import ceilings, median_ms, rel_err, report, roofline_row
 from pallas_kernels.moe import moe_experts
 
 SHAPES = {  # D, F, E, k

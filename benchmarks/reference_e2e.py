@@ -9,27 +9,14 @@ BENCHMARKS.md with date, commit, device and shapes.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import report
+from benchmarks.common import median_ms, report
 from hybrid_jax import PRESETS, HybridLM
 from hybrid_jax.quant.config import QuantConfig
-
-
-def median_ms(fn, *args, warmup: int = 2, iters: int = 5) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -58,7 +45,7 @@ def main() -> None:
         def run_prefill(ids=ids, t=t):
             return prefill(model, ids, model.init_cache(1, t))
 
-        ms = median_ms(run_prefill)
+        ms = median_ms(run_prefill, warmup=2, iters=5)
         rows.append(
             {
                 "case": "prefill (TTFT)",

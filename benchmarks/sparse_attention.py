@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import report
+from benchmarks.common import ceilings, median_ms, rel_err, report
 from benchmarks.common import roofline_row as row
-from benchmarks.linear_attention import ceilings, median_ms, rel_err
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_mla

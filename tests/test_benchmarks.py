@@ -4,13 +4,13 @@ import sys
 
 import pytest
 
-import benchmarks.linear_attention
+import benchmarks.common
 
 
 @pytest.fixture
 def fast_ceilings(monkeypatch):
     # the real ceilings copy 4 GiB and multiply 8K x 8K: minutes on a 2-core CPU, and no floor is checked here
-    monkeypatch.setattr(benchmarks.linear_attention, "ceilings", lambda: (1e11, 1e12))
+    monkeypatch.setattr(benchmarks.common, "ceilings", lambda: (1e11, 1e12))
 
 
 def test_e2e_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
