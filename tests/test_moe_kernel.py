@@ -59,3 +59,14 @@ def test_moe_experts_rejects_bad_arguments():
         moe_experts(x, idx, w, gate, up, down, impl="pallas", block_m=24)
     with pytest.raises(ValueError, match="down_proj.shape"):
         moe_experts(x, idx, w, gate, up, gate, impl="pallas")
+
+
+def test_reference_in_token_blocks_equals_one_pass():
+    from pallas_kernels.moe.reference import moe_experts_reference, token_block
+
+    args = _case(5, 37, 48, 40, 9, 3, 1.0)
+    whole = moe_experts_reference(*args)
+    assert token_block(37, 3, 9, 48, budget=5000) == 3  # 3 tokens x 3 pairs x 9 experts x 48 wide <= 5000
+    blocked = moe_experts_reference(*args, budget=5000)  # 13 blocks, the last one padded
+    assert rel_err(blocked, whole) < 1e-6
+    assert token_block(1, 8, 256, 7168) == 1  # never fewer than one token

@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._blocking import over_query_blocks
+
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
     """Token-expert pairs grouped by expert: (order [N*k] pair ids sorted by expert, stable; sizes [E])."""
@@ -16,9 +18,33 @@ def sort_by_expert(idx: jax.Array, num_experts: int):
     return order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-def moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj):
+# Elements of the largest operand XLA may build for one block of tokens: its `ragged_dot` lowering can form an
+# lhs [rows, E x D] over all experts (an H200 run ran out of memory allocating 144 GiB for it, 64 x 2048 tokens
+# at Kimi widths; a 32K-token prefill, 1.9e10 elements, ran with a 45.6 GiB peak). Calls above the budget go
+# in token blocks of the largest size within it (a 32K Kimi prefill: 2 blocks; a 128K hybrid_small prefill:
+# 2), so the blocks stay as large as the shapes already measured; XLA's cost per row is not measured yet.
+MAX_EXPANDED_ELEMENTS = 1 << 34
+
+
+def token_block(n: int, k: int, num_experts: int, width: int, budget: int = MAX_EXPANDED_ELEMENTS) -> int:
+    """Tokens per block so that rows x (E x max(D, F)) stays within `budget` (at least one token)."""
+    return max(1, min(n, budget // max(1, k * num_experts * width)))
+
+
+def moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj, *, budget: int = MAX_EXPANDED_ELEMENTS):
     """x [N,D], idx/w [N,k], gate/up [E,D,F], down [E,F,D] -> [N,D] float32. The pairs run as grouped
-    matmuls (`lax.ragged_dot`); exact whatever XLA lowers them to."""
+    matmuls (`lax.ragged_dot`); exact whatever XLA lowers them to. Tokens go in blocks (`lax.map`) when the
+    expanded operand of all N tokens would pass `budget` elements; each token's result is unchanged."""
+    n, k = idx.shape
+    e, d, f = gate_proj.shape
+    block = token_block(n, k, e, max(d, f), budget)
+    if block < n:
+        blocked = lambda xb, ib, wb: _experts(xb[0], ib[0], wb[0], gate_proj, up_proj, down_proj)[None]  # noqa: E731
+        return over_query_blocks(blocked, block, x[None], idx[None], w[None])[0]
+    return _experts(x, idx, w, gate_proj, up_proj, down_proj)
+
+
+def _experts(x, idx, w, gate_proj, up_proj, down_proj):
     n, k = idx.shape
     order, sizes = sort_by_expert(idx, gate_proj.shape[0])
     token = order // k
