@@ -94,17 +94,9 @@ def rows_for(model, b: int, context: int, label: str) -> list[dict]:
     c_q = layer.q_a_layernorm(layer.q_a_proj(x)) if cfg.q_lora_rank is not None else x
     state = cache.layers[i]
 
-    def prolog(idx, x, c_q, info, pool):
-        """The indexer up to its scores: q (RoPE, MXFP8 image), k (norm, RoPE) into the pool, head weights."""
-        q = idx._rope(idx.wq_b(c_q).reshape(b, 1, cfg.index_num_heads, cfg.index_head_dim), info.positions)
-        k = idx._rope(idx.k_norm(idx.wk(x)), info.positions)
-        w = idx.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
-        from hybrid_jax.layers.mla import _store
-
-        return q, w, _store(pool, k, info, idx.fmt, 0)
-
     stages = {
-        "indexer prolog": (prolog, (layer.indexer, x, c_q, info, state.index_k)),
+        "indexer prolog": (lambda idx, x, c_q, info, pool: idx.prolog(x, c_q, info, pool),
+                           (layer.indexer, x, c_q, info, state.index_k)),
         "indexer (prolog + scores + top-k)": (lambda idx, x, c_q, info, pool: idx(x, c_q, info, pool),
                                               (layer.indexer, x, c_q, info, state.index_k)),
         "sparse layer mixer": (lambda m, x, info, st: m(x, info, st), (layer, x, info, state)),

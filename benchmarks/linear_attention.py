@@ -56,6 +56,14 @@ def prefill_flops(tokens: int) -> float:
     return N * (tokens / c) * per_chunk
 
 
+def _to_torch(q, k, v, g, beta):
+    """The KDA inputs as CUDA tensors the way fla takes them: q, k, v in bf16, g and beta in float32."""
+    import torch
+
+    tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16() for x in (q, k, v))
+    return tq, tk, tv, torch.from_numpy(np.asarray(g)).cuda(), torch.from_numpy(np.asarray(beta)).cuda()
+
+
 def fla_ops():
     try:
         import torch
@@ -117,9 +125,7 @@ def decode_rows(bw, rate, fla) -> list[dict]:
             rows.append(row("decode step", shape, name, ms, flops, state_bytes + io_bytes, bw, rate, err))
         if fla is not None:
             torch, _, fused_recurrent_kda = fla
-            tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16()[:, None] for x in (q, k, v))
-            tg = torch.from_numpy(np.asarray(g)).cuda()[:, None]
-            tb = torch.from_numpy(np.asarray(beta)).cuda()[:, None]
+            tq, tk, tv, tg, tb = (x[:, None] for x in _to_torch(q, k, v, g, beta))  # one token: T = 1
             ts = torch.from_numpy(np.asarray(s0)).cuda()
             o, _ = fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=ts.clone(), output_final_state=True,
                                        use_qk_l2norm_in_kernel=True)  # fmt: skip
@@ -187,9 +193,7 @@ def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS, phases=False
                             rate))  # fmt: skip
         if fla is not None:
             torch, chunk_kda, _ = fla
-            tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16() for x in (q, k, v))
-            tg = torch.from_numpy(np.asarray(g)).cuda()
-            tb = torch.from_numpy(np.asarray(beta)).cuda()
+            tq, tk, tv, tg, tb = _to_torch(q, k, v, g, beta)
             o, _ = chunk_kda(tq, tk, tv, tg, tb, output_final_state=True, use_qk_l2norm_in_kernel=True)
             err = rel_err(o.float().cpu().numpy(), ref_o)
             call = functools.partial(
@@ -223,9 +227,7 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8) -> list[dict]:
     rows.append(row("prefill varlen", shape, "pallas chunked, warps=8", ms, flops, nbytes, bw, rate, err))
     if fla is not None:
         torch, chunk_kda, _ = fla
-        tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().bfloat16() for x in (q, k, v))
-        tg = torch.from_numpy(np.asarray(g)).cuda()
-        tb = torch.from_numpy(np.asarray(beta)).cuda()
+        tq, tk, tv, tg, tb = _to_torch(q, k, v, g, beta)
         tcu = torch.from_numpy(cu).cuda()
         call = functools.partial(
             chunk_kda, tq, tk, tv, tg, tb, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=tcu

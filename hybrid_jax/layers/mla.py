@@ -75,9 +75,9 @@ class LightningIndexer(nnx.Module):
         rot = apply_rope(x[..., :r], positions, inv, interleaved=False, factor=attention_factor(cfg.rope_scaling))
         return jnp.concatenate([rot, x[..., r:]], axis=-1)
 
-    def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None):
-        """Returns (indices [B,T,topk] int32 positions, -1 = none; the updated key pool).
-        With MXFP8 on, q and k are scored as their quantize-dequantize images (the kernel's arithmetic)."""
+    def prolog(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None):
+        """Everything before the scores: (q [B,T,N_I,H_I] with RoPE (its MXFP8 image when quantized),
+        head weights w [B,T,N_I] float32, the key pool with this call's normalised, rotated keys written)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self._rope(self.wq_b(c_q).reshape(b, t, cfg.index_num_heads, cfg.index_head_dim), info.positions)
@@ -85,7 +85,13 @@ class LightningIndexer(nnx.Module):
         w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
         if self.fmt == "mxfp8":
             q = Pool.from_rows(q, "mxfp8", 0, q.dtype).read(q.dtype)
-        pool = _store(pool, k, info, self.fmt, 0)
+        return q, w, _store(pool, k, info, self.fmt, 0)
+
+    def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None):
+        """Returns (indices [B,T,topk] int32 positions, -1 = none; the updated key pool).
+        With MXFP8 on, q and k are scored as their quantize-dequantize images (the kernel's arithmetic)."""
+        cfg = self.cfg
+        q, w, pool = self.prolog(x, c_q, info, pool)
         idx, _ = indexer_topk(  # reads the pool as stored (MXFP8 values + E8M0 scales when quantized)
             q,
             w,
