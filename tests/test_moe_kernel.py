@@ -70,3 +70,20 @@ def test_reference_in_token_blocks_equals_one_pass():
     blocked = moe_experts_reference(*args, budget=5000)  # 13 blocks, the last one padded
     assert rel_err(blocked, whole) < 1e-6
     assert token_block(1, 8, 256, 7168) == 1  # never fewer than one token
+
+
+def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
+    """On a GPU, "auto" runs the kernel for prefill-sized calls (>= PALLAS_MIN_PAIRS token-expert pairs) and
+    XLA's ragged_dot for decode-sized ones; on CPU always the reference."""
+    from pallas_kernels.moe import api
+
+    def traced(n):
+        args = _case(0, n, 16, 16, 4, 2, 0.0)
+        return str(jax.make_jaxpr(lambda *a: moe_experts(*a, interpret=True))(*args))
+
+    big = api.PALLAS_MIN_PAIRS // 2  # x k=2 pairs: exactly at the threshold
+    assert "pallas_call" not in traced(big)  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert "name=moe_grouped_matmul" in traced(big)
+    small = traced(big - 1)
+    assert "pallas_call" not in small and "ragged_dot" in small

@@ -11,6 +11,13 @@ from pallas_kernels.moe.reference import moe_experts_reference, sort_by_expert
 
 IMPLS = ("auto", "reference", "pallas")
 
+# Token-expert pairs from which "auto" runs the grouped-matmul kernel on a GPU. H200, BENCHMARKS.md (moe.py,
+# b7a640e): at Kimi widths (D=2304, F=1024, E=32, k=8) the kernel beats XLA's `ragged_dot` from 64 tokens
+# (512 pairs: 0.43-0.53 vs 0.67 ms) and by 6-16x at 4K-32K tokens; below that (decode: 8-256 pairs) XLA's
+# dense product over the experts is faster (0.31 vs 0.45 ms at 16 tokens; hybrid_small 64 x 4 pairs 0.27 vs
+# 0.34 ms).
+PALLAS_MIN_PAIRS = 512
+
 
 def _tile(dim: int, cap: int) -> tuple[int, int]:
     """(tile, padded dim): a power-of-two tile <= cap and dim padded to a multiple of it."""
@@ -38,8 +45,9 @@ def moe_experts(
     x [N,D]; idx [N,k] int expert ids; w [N,k] weights; gate/up [E,D,F]; down [E,F,D] -> [N,D] float32.
     impl: "reference" (`lax.ragged_dot` grouped matmuls), "pallas" (`kernel.grouped_matmul_pallas` on rows
     sorted by expert and padded per expert to whole blocks of `block_m`; `block_n` / `block_k` output and
-    contraction tiles, powers of two), or "auto" (the reference: the kernel is not yet timed on the GPU;
-    `pallas_kernels.use_pallas(ops=["moe"])` picks it).
+    contraction tiles, powers of two), or "auto" (on a GPU the kernel from `PALLAS_MIN_PAIRS` token-expert
+    pairs — prefill — and the reference below — decode; `pallas_kernels.use_pallas(ops=["moe"])` forces
+    either way).
     """
     if impl not in IMPLS:
         raise ValueError(f"moe_experts: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -55,7 +63,7 @@ def moe_experts(
         if v < 16 or v & (v - 1):
             raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
     if impl == "auto":
-        impl = "pallas" if auto_impl("moe", True, default_on_gpu=False) else "reference"
+        impl = "pallas" if auto_impl("moe", True, default_on_gpu=idx.size >= PALLAS_MIN_PAIRS) else "reference"
     if impl == "reference":
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
 
