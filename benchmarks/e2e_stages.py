@@ -68,13 +68,13 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
         ms = median_ms(call, warmup=2, iters=iters)
         total += ms * counts[name]
         rows.append({"stage": name, "layers": counts[name], "ms each": ms})
-        if name == "MoE FFN":  # the opt-in Pallas grouped matmul on the same input (not in the sum)
-            with use_pallas(ops=["moe"]):
-                ffn_k = jax.jit(lambda mod, x: mod(x))
-                ms_k = median_ms(functools.partial(ffn_k, layer.mlp, x), warmup=2, iters=iters)
-            rows.append(
-                {"stage": "MoE FFN, Pallas grouped matmul (alternative)", "layers": counts[name], "ms each": ms_k}
-            )
+        if name == "MoE FFN":  # both expert paths forced on the same input (not in the sum; "auto" is above)
+            for on, what in ((False, "XLA ragged_dot"), (True, "Pallas grouped matmul")):
+                with use_pallas(on, ops=["moe"]):
+                    ffn_k = jax.jit(lambda mod, x: mod(x))
+                    ms_k = median_ms(functools.partial(ffn_k, layer.mlp, x), warmup=2, iters=iters)
+                rows.append({"stage": f"MoE FFN, {what} forced (not in the sum)", "layers": counts[name],
+                             "ms each": ms_k})  # fmt: skip
     head = jax.jit(lambda m, h: m._logits(m.norm(h)))
     ms = median_ms(functools.partial(head, model, x[:, -1]), warmup=2, iters=iters)
     total += ms
