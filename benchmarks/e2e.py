@@ -9,9 +9,11 @@ engine loads that folder with `from_pretrained` and transformers loads the same 
 engines on the same 64-token prompt are compared (the row "parity").
 
 - TTFT: one jitted call = cache allocation + prefill (last position only) + argmax, batch 1.
-- Decode: after a `--context`-token prefill of each batch, the jitted `decode_step` (one executable per step,
-  cache donated, as `generate`'s loop runs it); the table says how many XLA compilations happened during the
-  timed steps (should be 0).
+- Decode: after a `--context`-token prefill of each batch, (i) 16 greedy `decode_step`s in one executable
+  (`lax.fori_loop`, cache donated: the loop `generate` compiles), time per step; (ii) the jitted
+  `decode_step` called once per step from Python (host dispatch included; the model's arrays passed as a
+  flat list, `common.jit_module`). The table says how many XLA compilations happened during the timed calls
+  (should be 0).
 - Floors: decode = bytes one step must move (weights read — routed experts scaled by the expected share a
   batch touches — plus recurrent states read and written and cache rows read) over the measured copy
   bandwidth; prefill = counted FLOPs (2 x active matmul parameters per token plus attention) over the
@@ -168,7 +170,7 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.common import median_ms
+    from benchmarks.common import decode_loop, jit_module, median_ms
     from hybrid_jax.compilation import CompileCounter
 
     t0 = time.perf_counter()
@@ -185,27 +187,29 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
         note = f"rel err {err:.1e}, same argmax: {int(lg.argmax()) == int(ref['logits'].argmax())}"
         emit(dict(base, case="parity vs transformers", batch=1, tokens=PROMPT, note=note + " (both bf16)"))
 
-    @jax.jit
     def first_token(m, ids):
         cache = m.init_cache(ids.shape[0], -(-(ids.shape[1] + 1) // page) * page)
         logits, _ = m.prefill(ids, cache, last_only=True)  # [B, vocab]
         return jnp.argmax(logits, axis=-1)
 
+    ttft_fn = jit_module(first_token, model)
     for t in args.ttft:
         if t > cfg.max_position_embeddings:
             continue
         ids = jax.random.randint(jax.random.key(t), (1, t), 0, cfg.vocab_size - 8, jnp.int32)
         long = t >= 65536  # one compile-and-run call, one timed call: a 128K prefill takes seconds
         try:
-            ms = median_ms(lambda ids=ids: first_token(model, ids), warmup=1, iters=1 if long else 3)
+            ms = median_ms(lambda ids=ids: ttft_fn(ids), warmup=1, iters=1 if long else 3)
         except Exception as e:  # noqa: BLE001 — an OOM is a result of this benchmark, not a crash
             emit(dict(base, case="TTFT", batch=1, tokens=t, note=f"failed: {type(e).__name__}: {str(e)[:150]}"))
             continue
         floor = max(prefill_flops(model, t) / rate, _param_bytes(model)[0] / bw) * 1e3
         emit(dict(base, case="TTFT", batch=1, tokens=t, ms=ms, tok_s=t / ms * 1e3, floor_ms=floor, peak=_peak_gib()))
 
-    prefill = jax.jit(lambda m, ids, c: m.prefill(ids, c, last_only=True), donate_argnums=2)
-    decode = jax.jit(lambda m, ids, c: m.decode_step(ids, c), donate_argnums=2)
+    prefill = jit_module(lambda m, ids, c: m.prefill(ids, c, last_only=True), model, donate_argnums=1)
+    decode = jit_module(lambda m, ids, c: m.decode_step(ids, c), model, donate_argnums=1)
+    loop_n, reps = 16, 5
+    loop = decode_loop(model, loop_n)
     steps = 20
     for b in args.batches:
         ctx = args.context
@@ -213,26 +217,31 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
         try:
             # the context goes in pieces of <= 32K tokens over the batch: one 64 x 2048 call would hand
             # XLA's ragged_dot lowering a [B*T*k, E*D] operand (144 GiB at Kimi widths: it ran out of memory)
-            cache = model.init_cache(b, -(-(ctx + steps + 8) // page) * page)
+            cache = model.init_cache(b, -(-(ctx + steps + 2 + loop_n * (reps + 1) + 8) // page) * page)
             piece = max(page, (32768 // b) // page * page)
             for s0 in range(0, ctx, piece):
-                logits, cache = prefill(model, ids[:, s0 : s0 + piece], cache)
+                logits, cache = prefill(ids[:, s0 : s0 + piece], cache)
             nbytes = decode_floor_bytes(model, cache, b, ctx)
-            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # logits [B, vocab]
-            box = {"cache": cache, "tok": tok}
+            box = {"cache": cache, "tok": jnp.argmax(logits, axis=-1).astype(jnp.int32)}  # logits [B, vocab]
 
             def step(box=box):
-                lg, box["cache"] = decode(model, box["tok"], box["cache"])
+                lg, box["cache"] = decode(box["tok"], box["cache"])
                 return lg
+
+            def looped(box=box):
+                box["tok"], box["cache"] = loop(box["tok"], box["cache"])
+                return box["tok"]
 
             jax.block_until_ready(step())  # compile
             jax.block_until_ready(step())
+            jax.block_until_ready(looped())
             times = []
             with CompileCounter() as cc:
                 for _ in range(steps):
                     t0 = time.perf_counter()
                     jax.block_until_ready(step())
                     times.append((time.perf_counter() - t0) * 1e3)
+                ms_loop = median_ms(looped, warmup=0, iters=reps) / loop_n
             ms = statistics.median(times)
         except Exception as e:  # noqa: BLE001
             emit(
@@ -241,8 +250,15 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
             continue
         emit(
             dict(
-                base, case="decode step", batch=b, tokens=ctx, ms=ms, tok_s=b / ms * 1e3, floor_ms=nbytes / bw * 1e3,
-                peak=_peak_gib(), note=f"{cc.compiled} compilations in {steps} timed steps",
+                base, case="decode step (in-jit loop, as generate)", batch=b, tokens=ctx, ms=ms_loop,
+                tok_s=b / ms_loop * 1e3, floor_ms=nbytes / bw * 1e3, peak=_peak_gib(),
+                note=f"{loop_n} steps per executable; {cc.compiled} compilations in all timed calls",
+            )
+        )  # fmt: skip
+        emit(
+            dict(
+                base, case="decode step (one call per step)", batch=b, tokens=ctx, ms=ms, tok_s=b / ms * 1e3,
+                floor_ms=nbytes / bw * 1e3, note=f"host dispatch included; {steps} timed steps",
             )
         )  # fmt: skip
         del box, cache, logits

@@ -4,6 +4,8 @@ full call gives it, multiplied by how many layers run it, beside the full call. 
 Stages: the mixer of one layer of each kind (KDA, dense MLA, sparse MLA with its indexer) through the
 cache path, the FFN (MoE or dense SwiGLU), the final norm + lm_head. The per-layer numbers exclude the
 norms and AttnRes mixes, so the sum is a little under the full call; what is left shows in the last row.
+Decode stages and the full decode step are timed as 20 calls chained in one executable (`common.loop_ms`,
+`common.decode_loop`): device time as inside `generate`'s loop, without the host's dispatch of each call.
 
     python -m benchmarks.e2e_stages [--model hybrid_small | --hf-dir FOLDER] [--prefill 32768] [--decode-batch 16]
         [--context 2048] [--no-record]
@@ -13,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import median_ms, report
+from benchmarks.common import decode_loop, loop_ms, median_ms, report
 from hybrid_jax.cache import StepInfo
 from pallas_kernels import use_pallas
 
@@ -42,12 +43,14 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
     zeros: the cost does not depend on the values)."""
     cfg = model.config
     page = cfg.page_size
-    cache = model.init_cache(b, -(-(context + t) // page) * page)
+    n = 20 if t == 1 else 1  # decode stages: 20 chained calls per executable, no host dispatch in the time
+    room = n * (iters + 1) if t == 1 else 0  # the full decode loop's own steps
+    cache = model.init_cache(b, -(-(context + t + room) // page) * page)
     info = _info(cache, b, t, context, "decode" if t == 1 else "prefill")
     x = jax.random.normal(jax.random.key(0), (b, t, cfg.hidden_size), model.dtypes.compute)
 
-    mixer = jax.jit(lambda mod, x, info, st: mod(x, info, st))
-    ffn = jax.jit(lambda mod, x: mod(x))
+    mixer = lambda mod, x, info, st: mod(x, info, st)  # noqa: E731
+    ffn = lambda mod, x: mod(x)  # noqa: E731
     counts = collections.Counter()
     first = {}
     for i, layer in enumerate(model.layers):
@@ -62,31 +65,34 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
     for name, i in first.items():
         layer = model.layers[i]
         if name.endswith("mixer"):
-            call = functools.partial(mixer, layer.self_attn, x, info, cache.layers[i])
+            ms = loop_ms(mixer, layer.self_attn, x, info, cache.layers[i], n=n, reps=iters)
         else:
-            call = functools.partial(ffn, layer.mlp, x)
-        ms = median_ms(call, warmup=2, iters=iters)
+            ms = loop_ms(ffn, layer.mlp, x, n=n, reps=iters)
         total += ms * counts[name]
         rows.append({"stage": name, "layers": counts[name], "ms each": ms})
         if name == "MoE FFN":  # both expert paths forced on the same input (not in the sum; "auto" is above)
             for on, what in ((False, "XLA ragged_dot"), (True, "Pallas grouped matmul")):
                 with use_pallas(on, ops=["moe"]):
-                    ffn_k = jax.jit(lambda mod, x: mod(x))
-                    ms_k = median_ms(functools.partial(ffn_k, layer.mlp, x), warmup=2, iters=iters)
+                    ms_k = loop_ms(ffn, layer.mlp, x, n=n, reps=iters)
                 rows.append({"stage": f"MoE FFN, {what} forced (not in the sum)", "layers": counts[name],
                              "ms each": ms_k})  # fmt: skip
-    head = jax.jit(lambda m, h: m._logits(m.norm(h)))
-    ms = median_ms(functools.partial(head, model, x[:, -1]), warmup=2, iters=iters)
+    ms = loop_ms(lambda m, h: m._logits(m.norm(h)), model, x[:, -1], n=n, reps=iters)
     total += ms
     rows.append({"stage": "final norm + lm_head (last position)", "layers": 1, "ms each": ms})
 
-    if t == 1:
-        full_fn = jax.jit(lambda m, ids, c: m.decode_step(ids, c)[0])
-        full = functools.partial(full_fn, model, jnp.zeros((b,), jnp.int32), cache)
+    if t == 1:  # n steps in one executable, as generate's loop runs them
+        steps = decode_loop(model, n)
+        box = {"tok": jnp.zeros((b,), jnp.int32), "cache": cache}
+
+        def full():
+            box["tok"], box["cache"] = steps(box["tok"], box["cache"])
+            return box["tok"]
+
+        full_ms = median_ms(full, warmup=1, iters=iters) / n
     else:
-        full_fn = jax.jit(lambda m, ids, c: m.prefill(ids, c, last_only=True)[0])
-        full = functools.partial(full_fn, model, jnp.zeros((b, t), jnp.int32), model.init_cache(b, cache.max_len))
-    full_ms = median_ms(full, warmup=2, iters=iters)
+        fresh = model.init_cache(b, cache.max_len)
+        full_ms = loop_ms(lambda m, ids, c: m.prefill(ids, c, last_only=True)[0], model,
+                          jnp.zeros((b, t), jnp.int32), fresh, n=1, reps=iters)  # fmt: skip
     out = []
     for r in rows:
         share = r["ms each"] * r["layers"]
