@@ -1,0 +1,104 @@
+"""Which GPU kernels one stage of a decode step runs, and how long each takes: a profiler trace of the
+stage (chained calls in one executable) summarised per kernel. Prints the table (no BENCHMARKS.md row: it
+explains a number, it is not one) and writes the optimized HLO beside the trace to map kernel names to ops.
+
+    python -m benchmarks.profile_stage [--model hybrid_small] [--stage kda|sparse|moe|step] [--batch 1 16]
+        [--context 2048] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks.common import _flat_module
+from benchmarks.e2e_stages import _info
+
+
+def kernel_times(trace_dir: Path) -> dict[str, list[float]]:
+    """Device-side events of a perfetto trace: kernel name -> durations (us)."""
+    path = next(trace_dir.rglob("perfetto_trace.json.gz"))
+    events = json.loads(gzip.decompress(path.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, n in names.items() if "GPU" in n or "device" in n.lower() and "host" not in n.lower()}
+    out = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device:
+            out[e["name"]].append(float(e.get("dur", 0.0)))
+    return out
+
+
+def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> None:
+    """Trace `args.calls` chained calls of the stage at batch b; print the per-kernel table."""
+    cfg = model.config
+    page = cfg.page_size
+    cache = model.init_cache(b, -(-(args.context + args.calls + 2) // page) * page)
+    info = _info(cache, b, 1, args.context, "decode")
+    x = jax.random.normal(jax.random.key(0), (b, 1, cfg.hidden_size), model.dtypes.compute)
+    if stage == "step":
+        module, call = model, lambda m, x, c: m.decode_step(jnp.zeros((b,), jnp.int32), c)[0][:, None, :1] * 0 + x
+        extra = (cache,)
+    elif stage == "moe":
+        module, call, extra = model.layers[layer].mlp, lambda m, x: m(x), ()
+    else:
+        module, call = model.layers[layer].self_attn, lambda m, x, i, s: m(x, i, s)[0]
+        extra = (info, cache.layers[layer])
+    leaves, rebuild = _flat_module(module)
+
+    def run(leaves, x, *a):
+        m = rebuild(leaves)
+        return jax.lax.fori_loop(0, args.calls, lambda _, x: x + call(m, x, *a).astype(x.dtype) * 0, x)
+
+    fn = jax.jit(run)
+    compiled = fn.lower(leaves, x, *extra).compile()
+    (out_dir / f"{stage}_b{b}.hlo.txt").write_text(compiled.as_text())
+    jax.block_until_ready(fn(leaves, x, *extra))
+    trace = out_dir / f"trace_{stage}_b{b}"
+    with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+        jax.block_until_ready(fn(leaves, x, *extra))
+    times = kernel_times(trace)
+    total = sum(sum(v) for v in times.values()) / args.calls
+    print(f"\n{stage} stage (layer {layer}), B={b}: {total:.1f} us of kernels per call, "
+          f"{sum(len(v) for v in times.values()) / args.calls:.0f} kernels per call")  # fmt: skip
+    print("| kernel | launches per call | us per call | share |\n|---|---|---|---|")
+    ranked = sorted(times.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+    for name, ds in ranked:
+        per = sum(ds) / args.calls
+        print(f"| {name[:90]} | {len(ds) / args.calls:g} | {per:.1f} | {per / total:.0%} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="hybrid_small")
+    p.add_argument("--stage", default="kda", choices=["kda", "sparse", "moe", "step"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", type=Path, default=None, help="folder for traces and HLO (default: a temp folder)")
+    args = p.parse_args()
+    from hybrid_jax import PRESETS, HybridLM
+
+    model = HybridLM(PRESETS[args.model](), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    cfg = model.config
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="profile_stage_"))
+    kind = {"kda": "linear", "sparse": "sparse"}.get(args.stage)
+    layer = next((i for i, t in enumerate(cfg.layer_types) if kind is None or t == kind), 0)
+    if args.stage == "moe":
+        layer = cfg.mlp_types.index("moe")
+    for b in args.batch:
+        profile_one(model, args.stage, layer, b, args, out_dir)
+    print(f"\ntraces and HLO in {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
