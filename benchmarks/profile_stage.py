@@ -91,6 +91,7 @@ def main() -> None:
     model = HybridLM(PRESETS[args.model](), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     cfg = model.config
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="profile_stage_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     kind = {"kda": "linear", "sparse": "sparse"}.get(args.stage)
     layer = next((i for i, t in enumerate(cfg.layer_types) if kind is None or t == kind), 0)
     if args.stage == "moe":
