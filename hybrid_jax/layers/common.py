@@ -80,6 +80,18 @@ def dense_kernel(layer: nnx.Module, dtype) -> jax.Array:
     return layer.kernel[...].astype(dtype)
 
 
+def own_kernels(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """The values as XLA computes them, each ending its own fusion (`lax.optimization_barrier`).
+
+    At one row per step XLA rewrites x @ W as multiply + reduce and may fuse that reduce into a consumer
+    such as a concatenate or a cache update, where every output element then runs its whole reduction as one
+    serial loop: on the H200 a KDA layer's q/k/v projections fused into the short-conv concatenate took
+    448 us of a 504 us decode step of that layer (`benchmarks/profile_stage.py`, batch 1; batch 16 takes a
+    GEMM and 63 us). Placed where projections meet such consumers; it changes no value.
+    """
+    return jax.lax.optimization_barrier(xs)
+
+
 def linear(
     in_dim: int,
     out_dim: int,

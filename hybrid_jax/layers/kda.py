@@ -9,7 +9,7 @@ from flax import nnx
 
 from hybrid_jax.cache import KDAState, StepInfo
 from hybrid_jax.config import HybridConfig
-from hybrid_jax.layers.common import DTypes, linear
+from hybrid_jax.layers.common import DTypes, linear, own_kernels
 from pallas_kernels.linear_attention import kda, kda_decode_step
 from pallas_kernels.linear_attention.context_parallel import (
     gather_in_sequence_order,
@@ -187,7 +187,7 @@ class KimiDeltaAttention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
-        xhat = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        xhat = jnp.concatenate(own_kernels(self.q_proj(x), self.k_proj(x), self.v_proj(x)), axis=-1)
         if info.cp is not None:
             return self._context_parallel(x, xhat, info, state)
         if state is None:
