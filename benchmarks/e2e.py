@@ -148,7 +148,9 @@ def prefill_flops(model, tokens: int) -> float:
 # ---------------------------------------------------------------- this engine
 
 
-def _build(name: str, quant_name: str, kimi_dir: Path):
+def build_model(name: str, quant_name: str = "none", kimi_dir: Path | None = None):
+    """A preset with random weights and bf16 parameters (quantized ones where the quant config says so), or
+    the Kimi-shaped Hugging Face folder."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -174,7 +176,7 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
     from hybrid_jax.compilation import CompileCounter
 
     t0 = time.perf_counter()
-    model = _build(name, quant_name, args.kimi_dir)
+    model = build_model(name, quant_name, args.kimi_dir)
     cfg = model.config
     print(f"[{name}, quant {quant_name}] built/loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     base = dict(model=name, quant=quant_name)

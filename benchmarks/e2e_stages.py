@@ -19,7 +19,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from benchmarks.common import decode_loop, loop_ms, median_ms, report
 from hybrid_jax.cache import StepInfo
@@ -129,10 +128,9 @@ def main() -> None:
 
         model, name = from_pretrained(args.hf_dir, dtype=jnp.bfloat16, progress=False), str(args.hf_dir)
     else:
-        from hybrid_jax import PRESETS, HybridLM
+        from benchmarks.e2e import build_model
 
-        model = HybridLM(PRESETS[args.model](), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        name = args.model
+        model, name = build_model(args.model), args.model  # bf16 weights
     rows = []
     for t in args.prefill:
         rows += stage_rows(model, 1, t, 0, f"prefill B=1 T={t}", args.iters)

@@ -24,7 +24,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from benchmarks.common import median_ms, report
 from benchmarks.e2e_stages import _info
@@ -123,11 +122,9 @@ def main() -> None:
     p.add_argument("--quant", action="store_true", help="the hierarchical quant config (MXFP8 indexer, FP8 cache)")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
-    from hybrid_jax import PRESETS, HybridLM
-    from hybrid_jax.quant.config import QuantConfig
+    from benchmarks.e2e import build_model
 
-    quant = QuantConfig.hierarchical() if args.quant else None
-    model = HybridLM(PRESETS[args.model](), dtype=jnp.bfloat16, quant=quant, rngs=nnx.Rngs(0))
+    model = build_model(args.model, "hierarchical" if args.quant else "none")  # bf16 weights
     label = args.model + (" (hierarchical quant)" if args.quant else "")
     rows = [r for b in args.batch for r in rows_for(model, b, args.context, label)]
     title = f"Kernels per decode step (compiled HLO on {jax.default_backend()}), context {args.context}"

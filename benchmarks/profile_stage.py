@@ -17,7 +17,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from benchmarks.common import _flat_module
 from benchmarks.e2e_stages import _info
@@ -86,9 +85,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=None, help="folder for traces and HLO (default: a temp folder)")
     args = p.parse_args()
-    from hybrid_jax import PRESETS, HybridLM
+    from benchmarks.e2e import build_model
 
-    model = HybridLM(PRESETS[args.model](), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    model = build_model(args.model)  # bf16 weights
     cfg = model.config
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="profile_stage_"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -140,7 +140,38 @@ def test_sparse_mla_kernel_fp8_latent_pool():
     ref_o, ref_lse = sparse_mla(ql, qr, values, table, idx, impl="reference", **kw)
     o, lse = sparse_mla(ql, qr, values, table, idx, impl="pallas", precision="ieee", interpret=True, **kw)
     assert rel_err(o, ref_o) < 1e-5
+    o3, _ = sparse_mla(ql, qr, values, table, idx, impl="pallas", precision="ieee", interpret=True, block_k=8,
+                       splits=3, **kw)  # fmt: skip
+    assert rel_err(o3, ref_o) < 1e-5
     fin = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs its rope pool"):
         sparse_mla(ql, qr, values, table, idx, scale=0.1, latent_scales=scales)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 6])
+def test_sparse_mla_split_rows_merge_to_the_reference(splits):
+    """Decode at a small batch: the selected rows run in `splits` parts merged by LSE. Some queries select
+    nothing (lse -inf, output 0) and many parts hold only -1 rows (a short sequence)."""
+    ql, qr, pool, table, idx = _case(11, 2, 3, 16, 32, 16, 4, 48, [30, 5], jnp.float32)
+    idx = idx.at[1, 0].set(-1)  # one query with nothing selected
+    kw = dict(scale=0.2, rope_pages=pool[..., 32:])
+    ref_o, ref_lse = sparse_mla(ql, qr, pool[..., :32], table, idx, impl="reference", **kw)
+    o, lse = sparse_mla(ql, qr, pool[..., :32], table, idx, impl="pallas", precision="ieee", interpret=True,
+                        block_k=8, splits=splits, **kw)  # fmt: skip
+    empty = np.asarray(idx < 0).all(-1)
+    assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-5, atol=1e-5)
+    assert rel_err(o, ref_o) < 1e-5
+    with pytest.raises(ValueError, match="splits=4"):
+        sparse_mla(ql, qr, pool[..., :32], table, idx, impl="pallas", interpret=True, block_k=8, splits=4, **kw)
+
+
+def test_sparse_mla_default_splits_only_for_small_grids():
+    from pallas_kernels.sparse_attention.api import num_splits
+
+    assert num_splits(programs=1, rows=2048, block_k=32) == 16  # batch 1, 16 heads: 16 parts of 128 rows
+    assert num_splits(programs=8, rows=2048, block_k=32) == 16  # batch 1, 128 heads in blocks of 16
+    assert num_splits(programs=64, rows=2048, block_k=32) == 2
+    assert num_splits(programs=1024, rows=2048, block_k=32) == 1  # batch 64 x 16 head blocks: no split
+    assert num_splits(programs=1, rows=64, block_k=32) == 1  # too few rows to split

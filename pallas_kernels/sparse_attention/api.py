@@ -12,6 +12,34 @@ from pallas_kernels.sparse_attention.reference import sparse_mla_reference
 
 IMPLS = ("auto", "reference", "pallas")
 
+# Programs that keep the H200's 132 SMs busy. With few query rows (decode at a small batch) the kernel's
+# grid (query rows x head blocks) has a handful of programs, each walking all top-k rows alone: hybrid_small
+# batch 1 (16 heads, top-2048) ran one program, 179 us per layer (`benchmarks/profile_stage.py`). The
+# selected rows are then split into independent parts merged by their log-sum-exp (flash-decoding).
+TARGET_PROGRAMS = 128
+MIN_ROWS_PER_SPLIT = 128
+
+
+def num_splits(programs: int, rows: int, block_k: int) -> int:
+    """Parts the `rows` selected rows go in: a power of two that brings `programs` near TARGET_PROGRAMS,
+    each part a whole number of `block_k` blocks and at least MIN_ROWS_PER_SPLIT rows."""
+    s = 1
+    while (
+        programs * s * 2 <= TARGET_PROGRAMS and rows % (s * 2 * block_k) == 0 and rows // (s * 2) >= MIN_ROWS_PER_SPLIT
+    ):
+        s *= 2
+    return s
+
+
+def merge_splits(out, lse):
+    """out [R,S,N,L] (each part softmax-normalised over its rows), lse [R,S,N] -> ([R,N,L] float32, [R,N])."""
+    m = jnp.max(lse, axis=1, keepdims=True)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)  # a row with nothing selected: weights 0, lse -inf
+    w = jnp.exp(lse - m)  # [R,S,N]
+    total = jnp.sum(w, axis=1)
+    o = jnp.einsum("rsn,rsnl->rnl", w, out.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)[..., None]
+    return o, jnp.log(total) + m[:, 0]
+
 
 def sparse_mla(
     q_latent,
@@ -24,6 +52,7 @@ def sparse_mla(
     impl: str = "auto",
     block_h: int = 16,
     block_k: int = 32,
+    splits: int | None = None,
     precision: str = "tf32",
     interpret: bool | None = None,
     latent_scales=None,
@@ -36,7 +65,9 @@ def sparse_mla(
     Returns (out [B,T,N,L] in q_latent.dtype, natural-log LSE [B,T,N] float32, -inf where nothing is selected).
     impl: "reference" (jnp), "pallas" (`kernel.sparse_mla_pallas`: rows gathered from the pool inside the
     kernel, online softmax; L and R powers of two; `block_h` heads and `block_k` rows per step, `precision`
-    "tf32" or "ieee" for its products, `interpret` default on CPU), or "auto" (Pallas on GPU when L and R
+    "tf32" or "ieee" for its products, `interpret` default on CPU; `splits` parts of the selected rows run
+    as separate programs and are merged by LSE — default `num_splits`: more than one only when the grid
+    would be small, i.e. decode at a small batch), or "auto" (Pallas on GPU when L and R
     are powers of two with R >= 16 — 4-6x the reference on the H200, BENCHMARKS.md — else the reference).
     Split pools: pass `kv_pages` = the latent pool [P,G,L] and `rope_pages` [P,G,R] (the model's cache keeps
     them apart; the kernel reads both, so no step concatenates the pools). FP8 latent cache: in addition
@@ -81,6 +112,12 @@ def sparse_mla(
     )  # fmt: skip
     ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
     qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)
+    sp = num_splits(b * t * (np_ // block_h), kp, block_k) if splits is None else splits
+    if sp < 1 or kp % (sp * block_k):
+        raise ValueError(f"sparse_mla: splits={sp} must divide the {kp // block_k} blocks of {block_k} selected rows")
+    if sp > 1:  # each query row once per part, each part with its own rows
+        slots = slots.reshape(b * t * sp, kp // sp)
+        ql, qr = (jnp.repeat(z, sp, axis=0) for z in (ql, qr))
     if latent_scales is None:
         rope_rows = None if rope_pages is None else rope_pages.reshape(-1, rope)
         out, lse = sparse_mla_pallas(
@@ -91,4 +128,7 @@ def sparse_mla(
             ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, lat),
             latent_scales.reshape(-1, latent_scales.shape[-1]).astype(jnp.float32), rope_pages.reshape(-1, rope), **kw,
         )  # fmt: skip
+    if sp > 1:
+        out, lse = merge_splits(out.reshape(b * t, sp, np_, lat), lse.reshape(b * t, sp, np_))
+        out = out.astype(q_latent.dtype)
     return out[:, :n].reshape(b, t, n, lat), lse[:, :n].reshape(b, t, n)
