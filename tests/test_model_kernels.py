@@ -28,8 +28,16 @@ def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized
     with use_pallas():
         jits = _fresh_jits()
         kernels = str(jax.make_jaxpr(lambda m, i, c: m.decode_step(i, c))(model, ids[:, 0], model.init_cache(2, 16)))
+        kernels += str(jax.make_jaxpr(lambda m, i, c: m.prefill(i, c))(model, ids, model.init_cache(2, 16)))
         got, cache = prefill_then_decode(model, ids, jits, 9, 16)
-    for name in ("sparse_mla", "indexer_scores", "kda_decode", "moe_grouped_matmul"):  # the kernels really run
+    for name in (
+        "sparse_mla",
+        "indexer_scores",
+        "kda_decode",
+        "kda_chunk",
+        "moe_grouped_matmul",
+        "flash_attention",
+    ):  # the kernels really run
         assert f"name={name}" in kernels, name
     assert rel_err(got, ref) < 1e-4
     for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(ref_cache), strict=True):
@@ -43,6 +51,7 @@ def test_use_pallas_can_switch_single_ops(tiny_cfg):
         only_moe = str(jax.make_jaxpr(lambda m, i: m(i))(model, ids))
     assert "name=moe_grouped_matmul" in only_moe
     assert "pallas_call" in only_moe and "name=kda_chunk" not in only_moe and "name=sparse_mla" not in only_moe
-    with pytest.raises(ValueError, match=r"unknown op\(s\) \['attention'\]"):
-        with use_pallas(ops=["attention"]):
+    assert "name=flash_attention" not in only_moe
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['flash'\]"):
+        with use_pallas(ops=["flash"]):
             pass
