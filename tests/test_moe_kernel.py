@@ -77,8 +77,8 @@ def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     XLA's ragged_dot for decode-sized ones; on CPU always the reference."""
     from pallas_kernels.moe import api
 
-    def traced(n):
-        args = _case(0, n, 16, 16, 4, 2, 0.0)
+    def traced(n, e=4):
+        args = _case(0, n, 16, 16, e, 2, 0.0)
         return str(jax.make_jaxpr(lambda *a: moe_experts(*a, interpret=True))(*args))
 
     big = api.PALLAS_MIN_PAIRS // 2  # x k=2 pairs: exactly at the threshold
@@ -87,3 +87,5 @@ def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     assert "name=moe_grouped_matmul" in traced(big)
     small = traced(big - 1)
     assert "pallas_call" not in small and "ragged_dot" in small
+    many = traced(1, e=api.DENSE_MAX_EXPERTS + 1)  # decode, but the dense product would read every expert
+    assert "name=moe_grouped_matmul" in many

@@ -17,6 +17,13 @@ IMPLS = ("auto", "reference", "pallas")
 # dense product over the experts is faster (0.31 vs 0.45 ms at 16 tokens; hybrid_small 64 x 4 pairs 0.27 vs
 # 0.34 ms).
 PALLAS_MIN_PAIRS = 512
+# ...but only while that dense product reads few experts: it reads all E experts' weights at every call
+# (0.31 ms for 32 Kimi experts, 453 MB, at one token), so with the released models' 256 experts a decode
+# step would read 3.6 GB per layer where the kernel reads the k = 8 chosen ones. Above this many experts
+# "auto" takes the kernel at every size (with `DECODE_BLOCK_M`-row blocks below PALLAS_MIN_PAIRS: less
+# padding, the best decode block in the same run). Not yet timed at 256 experts (`moe.py --shape kimi`).
+DENSE_MAX_EXPERTS = 32
+DECODE_BLOCK_M = 16
 
 
 def _tile(dim: int, cap: int) -> tuple[int, int]:
@@ -34,7 +41,7 @@ def moe_experts(
     down_proj,
     *,
     impl: str = "auto",
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int = 128,
     block_k: int = 64,
     precision: str = "tf32",
@@ -44,10 +51,11 @@ def moe_experts(
 
     x [N,D]; idx [N,k] int expert ids; w [N,k] weights; gate/up [E,D,F]; down [E,F,D] -> [N,D] float32.
     impl: "reference" (`lax.ragged_dot` grouped matmuls), "pallas" (`kernel.grouped_matmul_pallas` on rows
-    sorted by expert and padded per expert to whole blocks of `block_m`; `block_n` / `block_k` output and
-    contraction tiles, powers of two), or "auto" (on a GPU the kernel from `PALLAS_MIN_PAIRS` token-expert
-    pairs — prefill — and the reference below — decode; `pallas_kernels.use_pallas(ops=["moe"])` forces
-    either way).
+    sorted by expert and padded per expert to whole blocks of `block_m` rows — default 64, `DECODE_BLOCK_M`
+    below `PALLAS_MIN_PAIRS` pairs; `block_n` / `block_k` output and contraction tiles, powers of two), or
+    "auto" (on a GPU the kernel from `PALLAS_MIN_PAIRS` token-expert pairs — prefill — or with more than
+    `DENSE_MAX_EXPERTS` experts, and the reference otherwise — decode of models with few experts;
+    `pallas_kernels.use_pallas(ops=["moe"])` forces either way).
     """
     if impl not in IMPLS:
         raise ValueError(f"moe_experts: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -59,11 +67,14 @@ def moe_experts(
         )
     if down_proj.shape != (e, f, d):
         raise ValueError(f"moe_experts: down_proj.shape={down_proj.shape} != {(e, f, d)}")
+    if block_m is None:
+        block_m = 64 if idx.size >= PALLAS_MIN_PAIRS else DECODE_BLOCK_M
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
     if impl == "auto":
-        impl = "pallas" if auto_impl("moe", True, default_on_gpu=idx.size >= PALLAS_MIN_PAIRS) else "reference"
+        kernel_first = idx.size >= PALLAS_MIN_PAIRS or e > DENSE_MAX_EXPERTS
+        impl = "pallas" if auto_impl("moe", True, default_on_gpu=kernel_first) else "reference"
     if impl == "reference":
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
 
