@@ -47,6 +47,12 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
     big = tokens >= 4096
     ms = median_ms(functools.partial(ref_fn, x, idx, w, gate, up, down), warmup=1, iters=3 if big else 10)
     out.append(roofline_row("moe experts", label, "lax.ragged_dot (XLA)", ms, flops, nbytes, bw, rate))
+    if tokens * k <= 256:  # decode sizes: each pair's expert weights gathered (opt-in impl)
+        fn = jax.jit(functools.partial(moe_experts, impl="gather"))
+        err = rel_err(fn(x, idx, w, gate, up, down), ref)
+        ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
+        out.append(roofline_row("moe experts", label, "gathered weights (XLA)", ms, flops, nbytes, bw, rate,
+                                f"rel err {err:.1e}"))  # fmt: skip
     for bm, bn, bk in VARIANTS:
         fn = jax.jit(functools.partial(moe_experts, impl="pallas", block_m=bm, block_n=bn, block_k=bk))
         err = rel_err(fn(x, idx, w, gate, up, down), ref)

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 
 from pallas_kernels._pallas import auto_impl, pow2
 from pallas_kernels.moe.kernel import grouped_matmul_pallas
-from pallas_kernels.moe.reference import moe_experts_reference, sort_by_expert
+from pallas_kernels.moe.reference import moe_experts_gather, moe_experts_reference, sort_by_expert
 
-IMPLS = ("auto", "reference", "pallas")
+IMPLS = ("auto", "reference", "pallas", "gather")
 
 # Token-expert pairs from which "auto" runs the grouped-matmul kernel on a GPU. H200, BENCHMARKS.md (moe.py,
 # b7a640e): at Kimi widths (D=2304, F=1024, E=32, k=8) the kernel beats XLA's `ragged_dot` from 64 tokens
@@ -50,11 +50,13 @@ def moe_experts(
     """Σ_j w_tj E_{idx_tj}(x_t) with E(x) = W_down(SiLU(W_gate x) ⊙ W_up x).
 
     x [N,D]; idx [N,k] int expert ids; w [N,k] weights; gate/up [E,D,F]; down [E,F,D] -> [N,D] float32.
-    impl: "reference" (`lax.ragged_dot` grouped matmuls), "pallas" (`kernel.grouped_matmul_pallas` on rows
-    sorted by expert and padded per expert to whole blocks of `block_m` rows — default 64, `DECODE_BLOCK_M`
-    below `PALLAS_MIN_PAIRS` pairs; `block_n` / `block_k` output and contraction tiles, powers of two), or
-    "auto" (on a GPU the kernel from `PALLAS_MIN_PAIRS` token-expert pairs — prefill — or with more than
-    `DENSE_MAX_EXPERTS` experts, and the reference otherwise — decode of models with few experts;
+    impl: "reference" (`lax.ragged_dot` grouped matmuls), "gather" (jnp with each pair's expert weights
+    gathered: decode-sized calls only, opt-in until timed; `reference.moe_experts_gather`), "pallas"
+    (`kernel.grouped_matmul_pallas` on rows sorted by expert and padded per expert to whole blocks of
+    `block_m` rows — default 64, `DECODE_BLOCK_M` below `PALLAS_MIN_PAIRS` pairs; `block_n` / `block_k`
+    output and contraction tiles, powers of two), or "auto" (on a GPU the kernel from `PALLAS_MIN_PAIRS`
+    token-expert pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the reference
+    otherwise — decode of models with few experts;
     `pallas_kernels.use_pallas(ops=["moe"])` forces either way).
     """
     if impl not in IMPLS:
@@ -77,6 +79,8 @@ def moe_experts(
         impl = "pallas" if auto_impl("moe", True, default_on_gpu=kernel_first) else "reference"
     if impl == "reference":
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
+    if impl == "gather":
+        return moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj)
 
     k = idx.shape[1]
     order, sizes = sort_by_expert(idx, e)

@@ -55,3 +55,15 @@ def _experts(x, idx, w, gate_proj, up_proj, down_proj):
     y = jax.lax.ragged_dot(h, down_proj.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
     y = y * w.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y)
+
+
+def moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj):
+    """The same sum with each token-expert pair's weights gathered: x [N,D], idx/w [N,k] -> [N,D] float32.
+    Reads (and XLA may copy) k experts' weights per token, so it is for decode-sized N only: it moves
+    N*k/E of the experts' bytes where `lax.ragged_dot`'s lowering reads all E experts."""
+    dt = x.dtype
+    h_gate = jnp.einsum("nd,nkdf->nkf", x, gate_proj[idx].astype(dt), preferred_element_type=jnp.float32)
+    h_up = jnp.einsum("nd,nkdf->nkf", x, up_proj[idx].astype(dt), preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(h_gate) * h_up).astype(dt)
+    y = jnp.einsum("nkf,nkfd->nkd", h, down_proj[idx].astype(dt), preferred_element_type=jnp.float32)
+    return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y)
