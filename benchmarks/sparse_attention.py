@@ -22,6 +22,7 @@ from benchmarks.common import ceilings, median_ms, rel_err, report
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.indexer.select import top_k_radix
 from pallas_kernels.sparse_attention import sparse_mla
 
 PAGE = 64
@@ -74,6 +75,13 @@ def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, blo
             topk_only = jax.jit(lambda x: jax.lax.top_k(x, topk))
             ms = median_ms(functools.partial(topk_only, scores), iters=10)
             rows.append(row("indexer", shape, "lax.top_k alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
+            radix_only = jax.jit(lambda x: top_k_radix(x, topk))
+            ms = median_ms(functools.partial(radix_only, scores), iters=10)
+            rows.append(row("indexer", shape, "radix select alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
+            fnr = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", select="radix", **kw))
+            ms = median_ms(functools.partial(fnr, q, w, pool, table), iters=10)
+            check = _same_topk(fnr(q, w, pool, table)[0], ref_i)
+            rows.append(row("indexer", shape, "pallas scores + radix select", ms, flops, pool.nbytes, bw, rate, check))
             values, scales = quantize_mxfp8(pool)
             fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
             ms = median_ms(functools.partial(fn8, q, w, values, scales, table), iters=10)
@@ -92,10 +100,13 @@ def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, blo
                   scale=dim**-0.5)  # fmt: skip
         flops = 2 * t * (t + 1) / 2 * heads * dim
         shape = f"prefill T={t} heads={heads}x{dim} top-{topk}"
-        for impl in ("reference", "pallas"):
-            fn = jax.jit(lambda q, w, p, tb, impl=impl, kw=kw: indexer_topk(q, w, p, tb, impl=impl, **kw))
+        for impl, select in (("reference", "top_k"), ("pallas", "top_k"), ("pallas", "radix")):
+            fn = jax.jit(
+                lambda q, w, p, tb, impl=impl, sel=select, kw=kw: indexer_topk(q, w, p, tb, impl=impl, select=sel, **kw)
+            )
             ms = median_ms(functools.partial(fn, q, w, pool, table), warmup=1, iters=3)
-            rows.append(row("indexer", shape, impl, ms, flops, q.nbytes + pool.nbytes, bw, rate))
+            label = impl if impl == "reference" else f"pallas scores + {select}"
+            rows.append(row("indexer", shape, label, ms, flops, q.nbytes + pool.nbytes, bw, rate))
     return rows
 
 

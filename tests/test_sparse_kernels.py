@@ -97,13 +97,18 @@ def _indexer_case(seed, b, t, n, h, page, lengths):
     topk=st.sampled_from([1, 8, 50]),  # 50 > every available position count
     page=st.sampled_from([4, 8]),
     short=st.integers(1, 37),
+    select=st.sampled_from(["top_k", "radix"]),
 )
-def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short):
+def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short, select):
     q, w, pool, table, pos, kv = _indexer_case(seed, b, t, n, 32, page, [37, short][:b])
     kw = dict(q_positions=pos, kv_lengths=kv, topk=topk, scale=32**-0.5)
     ref_i, ref_v = indexer_topk(q, w, pool, table, impl="reference", **kw)
-    got_i, got_v = indexer_topk(q, w, pool, table, impl="pallas", precision="ieee", interpret=True, block_s=16, **kw)
+    got_i, got_v = indexer_topk(
+        q, w, pool, table, impl="pallas", precision="ieee", interpret=True, block_s=16, select=select, **kw
+    )
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))  # same positions, same order, -1 pads
+    with pytest.raises(ValueError, match="select='sort'"):
+        indexer_topk(q, w, pool, table, impl="pallas", select="sort", **kw)
     fin = np.isfinite(np.asarray(ref_v))
     assert (np.isfinite(np.asarray(got_v)) == fin).all()
     np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)

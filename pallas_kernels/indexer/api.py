@@ -9,9 +9,11 @@ from pallas_kernels._blocking import over_query_blocks, query_block_size
 from pallas_kernels._pallas import auto_impl, pow2
 from pallas_kernels.indexer.kernel import MX_BLOCK, indexer_scores_pallas
 from pallas_kernels.indexer.reference import indexer_topk_reference
+from pallas_kernels.indexer.select import top_k_radix
 from pallas_kernels.paged import slot_index
 
 IMPLS = ("auto", "reference", "pallas")
+SELECTS = ("top_k", "radix")
 
 
 def indexer_topk(
@@ -27,6 +29,7 @@ def indexer_topk(
     impl: str = "auto",
     k_scales=None,
     block_s: int = 64,
+    select: str = "top_k",
     precision: str = "tf32",
     interpret: bool | None = None,
 ):
@@ -44,6 +47,8 @@ def indexer_topk(
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
     if topk <= 0:
         raise ValueError(f"indexer_topk: topk={topk} must be positive")
+    if select not in SELECTS:
+        raise ValueError(f"indexer_topk: unknown select={select!r}; expected one of {SELECTS}")
     h = q.shape[-1]
     if k_scales is not None and k_scales.shape[-1] * MX_BLOCK != h:
         raise ValueError(f"indexer_topk: k_scales width {k_scales.shape[-1]} is not head dim {h} / {MX_BLOCK}")
@@ -78,7 +83,8 @@ def indexer_topk(
             qb, wb, pb.astype(jnp.int32), kv_lengths.astype(jnp.int32), slots, rows, scales,
             scale=float(scale), block_s=block_s, precision=precision, interpret=interp,
         )[..., :s_len]  # fmt: skip
-        vals, idx = jax.lax.top_k(scores, k_eff)  # ties: the lower position first
+        # ties: the lower position first (both selections)
+        vals, idx = jax.lax.top_k(scores, k_eff) if select == "top_k" else top_k_radix(scores, k_eff)
         return jnp.where(jnp.isneginf(vals), -1, idx).astype(jnp.int32), vals
 
     # Queries in blocks: the [T, S] scores are never all in memory (prefill memory grows as T x topk).
