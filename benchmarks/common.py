@@ -48,7 +48,7 @@ def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(ts)
 
 
-def _flat_module(module):
+def flat_module(module):
     """(the module's arrays as one flat list, leaves -> the module again, for inside a trace)."""
     from flax import nnx
 
@@ -64,7 +64,7 @@ def jit_module(fn, module, **jit_kwargs):
     ~3.5 ms per call on the 2-core CI machine, 452 arrays) — more than a decode step's device time. Split
     once here, a call flattens a list. `donate_argnums` count the caller's arguments (the list is not one).
     """
-    leaves, rebuild = _flat_module(module)
+    leaves, rebuild = flat_module(module)
     if "donate_argnums" in jit_kwargs:
         donate = jit_kwargs["donate_argnums"]
         jit_kwargs["donate_argnums"] = tuple(i + 1 for i in ((donate,) if isinstance(donate, int) else donate))
@@ -76,7 +76,7 @@ def loop_ms(fn, module, x, *args, n: int = 20, reps: int = 5) -> float:
     """Device time of one `fn(module, x, *args)` call: n calls chained in one `lax.fori_loop` (each call's x
     depends on the call before, so nothing is hoisted out of the loop); median of `reps` timed loops, over
     n. No host dispatch in the number: what the call costs inside a compiled loop such as `generate`'s."""
-    leaves, rebuild = _flat_module(module)
+    leaves, rebuild = flat_module(module)
 
     def run(leaves, x, *a):
         m = rebuild(leaves)

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import _flat_module
+from benchmarks.common import flat_module
 from benchmarks.e2e_stages import _info
 
 
@@ -51,7 +51,7 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
     else:
         module, call = model.layers[layer].self_attn, lambda m, x, i, s: m(x, i, s)[0]
         extra = (info, cache.layers[layer])
-    leaves, rebuild = _flat_module(module)
+    leaves, rebuild = flat_module(module)
 
     def run(leaves, x, *a):
         m = rebuild(leaves)

@@ -62,3 +62,31 @@ def test_kernel_count_reads_compiled_hlo():
     assert sum(straight.values()) >= 1
     assert sum(looped.values()) > sum(straight.values())  # the loop body's kernels are counted too
     assert not {"parameter", "constant", "tuple", "get-tuple-element"} & set(looped)
+
+
+def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatch, capsys):
+    import gzip
+    import json
+
+    from benchmarks import profile_stage
+
+    trace = tmp_path / "trace" / "plugins" / "profile" / "run"
+    trace.mkdir(parents=True)
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "fusion_1", "dur": 3.0},
+        {"ph": "X", "pid": 1, "name": "fusion_1", "dur": 5.0},
+        {"ph": "X", "pid": 1, "name": "kda_decode_step", "dur": 2.5},
+        {"ph": "X", "pid": 2, "name": "host work", "dur": 100.0},  # not a device kernel
+    ]
+    (trace / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    times = profile_stage.kernel_times(tmp_path / "trace")
+    assert dict(times) == {"fusion_1": [3.0, 5.0], "kda_decode_step": [2.5]}
+    # the CPU has no device events to list, but the stage compiles, runs under the profiler and leaves its HLO
+    argv = ["profile_stage", "--model", "tiny", "--stage", "kda", "--batch", "1", "--context", "16", "--calls", "2",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_stage.main()
+    assert "while" in (tmp_path / "out" / "kda_b1.hlo.txt").read_text()
+    assert "kda stage (layer 0), B=1" in capsys.readouterr().out
