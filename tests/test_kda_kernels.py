@@ -89,9 +89,10 @@ def test_chunked_prefill_kernel_matches_reference(seed, b, t, n, dk, dv, scalar,
     assert rel_err(o, ref_o) < 1e-5 and rel_err(s, ref_s) < 1e-5
 
 
-def test_chunked_prefill_kernel_strong_gates_and_bf16():
+@pytest.mark.parametrize("dk", [16, 128])  # 128: the diagonal sub-blocks in two K-slices
+def test_chunked_prefill_kernel_strong_gates_and_bf16(dk):
     # log decays down to -40 per token: a factorised exp(G_i) exp(-G_j) would overflow within one chunk
-    args, s0 = _prefill_inputs(3, 1, 100, 2, 16, 16, False, jnp.bfloat16, True)
+    args, s0 = _prefill_inputs(3, 1, 100, 2, dk, 16, False, jnp.bfloat16, True)
     q, k, v, g, beta = args
     g = g * 25.0
     ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=16)

@@ -4,15 +4,17 @@ inter-chunk recurrence sequential per (sequence, head, tile of V columns).
 Chunks of C = 64 tokens, handled as four sub-blocks of 16 rows. With G the within-chunk running sum of the
 log decays (G ≤ 0, decreasing), q, k L2-normalised and q scaled:
 
-Phase 1 (`_intra_kernel`, grid (B, N, chunks)), per chunk:
+Phase 0 (`_cumsum_kernel`): G, the running sum of the log decays within each chunk, float32.
+Phase 1 (`_intra_kernel`, grid (B, N, chunks)), per chunk, on whole [64, 64] / [64, K] tiles:
     A_qk[a, b] = Σ_k q_ak k_bk exp(G_ak − G_bk)  (a ≥ b),   A_kk[a, b] = β_a Σ_k k_ak k_bk exp(G_ak − G_bk)  (a > b)
-  For a in sub-block i and b in an earlier sub-block j, with P_i = G at the row before sub-block i,
-  exp(G_a − G_b) = exp(G_a − P_i) · exp(P_i − G_b): both factors are ≤ 1, so the block is one tensor-core
-  product of two rescaled tiles and nothing can overflow however strong the gates. Diagonal sub-blocks are
-  formed per element (masked before the exponential) in K-slices. Then the UT transform
-  T = (I + A_kk)⁻¹ Diag(β) by block forward substitution (diagonal 16x16 inverses by the Neumann product
-  (I − N)(I + N²)(I + N⁴)(I + N⁸)), and W = T (exp(G) ⊙ k), U = T v, q_g = exp(G) ⊙ q,
-  k_g = exp(G_C − G) ⊙ k, exp(G_C).
+  Diagonal sub-blocks exactly per element, one column of all four sub-blocks per step (16 steps, key rows
+  gathered), masked before the exponential. For a in sub-block i and b in an earlier one, with P_i = G at the
+  row before sub-block i, exp(G_a − G_b) = exp(G_a − P_i) · exp(P_i − G_b): both factors are ≤ 1, so each i
+  is one tensor-core product of two rescaled tiles and nothing can overflow however strong the gates.
+  Then the UT transform T = (I + A_kk)⁻¹ Diag(β): with D the diagonal sub-blocks, X = (I + D)⁻¹ by the
+  Neumann product (I − D)(I + D²)(I + D⁴)(I + D⁸) and M = X (A_kk − D) (block-strictly-lower, M⁴ = 0),
+  (I + A_kk)⁻¹ = (I − M)(I + M²) X. W = T (exp(G) ⊙ k), U = T v, q_g = exp(G) ⊙ q, k_g = exp(G_C − G) ⊙ k,
+  exp(G_C).
 Phase 2 (`_state_kernel`, grid (B, N, V/BV)), chunk after chunk with S [K, BV] on chip:
     V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
 Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk).
@@ -45,93 +47,103 @@ def _products(precision: str):
     return dot
 
 
+def _cumsum_kernel(g_ref, o_ref):
+    o_ref[...] = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
+
+
+def _chunk_cumsum(g, *, interpret, params):
+    """G: the running sum of the log decays within each 64-token chunk, float32 [B, T, N, K]."""
+    b, t, n, dk = g.shape
+    spec = pl.BlockSpec((None, CHUNK, None, dk), lambda i, h, c: (i, c, h, 0))
+    return pl.pallas_call(
+        _cumsum_kernel,
+        grid=(b, n, t // CHUNK),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(g.shape, jnp.float32),
+        interpret=interpret,
+        name="kda_chunk_cumsum",
+        **params,
+    )(g)
+
+
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, aqk_ref, w_ref, u_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm,
     precision, kslice,
 ):  # fmt: skip
     dot = _products(precision)
     dk = q_ref.shape[-1]
-    nb = q_ref.shape[0] // SUB
-    row = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    eye = (row == col).astype(jnp.float32)
-    lower_incl, lower_strict = row >= col, row > col
+    f32 = jnp.float32
+    idx = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    rb, cb = row // SUB, col // SUB  # sub-block of each entry
+    eye = (row == col).astype(f32)
 
-    blocks = []
-    offset = jnp.zeros((dk,), jnp.float32)  # P_i: G at the row before sub-block i
-    for i in range(nb):
-        r = pl.ds(i * SUB, SUB)
-        qr, kr = q_ref[r, :].astype(jnp.float32), k_ref[r, :].astype(jnp.float32)
-        q_scale = jnp.full((SUB, 1), scale, jnp.float32)
-        k_scale = jnp.ones((SUB, 1), jnp.float32)
-        if l2norm:
-            q_scale = q_scale * jax.lax.rsqrt(jnp.sum(qr * qr, axis=1, keepdims=True) + 1e-6)
-            k_scale = jax.lax.rsqrt(jnp.sum(kr * kr, axis=1, keepdims=True) + 1e-6)
-        g = g_ref[r, :].astype(jnp.float32)
-        blocks.append(
-            dict(
-                q=qr * q_scale, k=kr * k_scale, q_scale=q_scale, k_scale=k_scale,
-                G=offset[None, :] + jnp.cumsum(g, axis=0), P=offset,
-                v=v_ref[r, :].astype(jnp.float32), beta=beta_ref[r].astype(jnp.float32),
-            )
-        )  # fmt: skip
-        offset = offset + jnp.sum(g, axis=0)
-    g_total = offset  # G at the chunk's last row
+    def row_scale(x, base):  # [rows, K] -> [rows, 1]: L2 normalisation (and the query scale)
+        if not l2norm:
+            return jnp.full((x.shape[0], 1), base, f32)
+        return base * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
 
-    a_kk = {}
-    for i, bi in enumerate(blocks):
-        r = pl.ds(i * SUB, SUB)
-        # diagonal sub-block: exact per-element decays, masked before the exponential
-        aqk_ii = jnp.zeros((SUB, SUB), jnp.float32)
-        akk_ii = jnp.zeros((SUB, SUB), jnp.float32)
+    q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
+    q_scale, k_scale = row_scale(q, scale), row_scale(k, 1.0)
+    q, k = q * q_scale, k * k_scale
+    G = g_ref[...]  # [C, K] float32, running sum within the chunk (G ≤ 0, decreasing)
+    beta = beta_ref[...].astype(f32)
+
+    # Diagonal sub-blocks, exact per element: column j of every sub-block at once (row a of the chunk pairs
+    # with key row 16·⌊a/16⌋ + j), masked before the exponential; K in slices to bound the live tiles.
+    def diag(j, carry):
+        dqk, dkk = carry
+        src = (idx // SUB) * SUB + j  # [C] the key row each row pairs with
+        live = (idx % SUB) >= j
+        kj_scale = row_scale(k_ref[src, :].astype(f32), 1.0) if l2norm else None
+        vq = jnp.zeros((CHUNK,), f32)
+        vk = jnp.zeros((CHUNK,), f32)
         for s in range(dk // kslice):
             cols = pl.ds(s * kslice, kslice)
-            qs = q_ref[r, cols].astype(jnp.float32) * bi["q_scale"]
-            ks = k_ref[r, cols].astype(jnp.float32) * bi["k_scale"]
-            gl = jnp.cumsum(g_ref[r, cols].astype(jnp.float32), axis=0)  # the offset cancels in G_a - G_b
-            decay = jnp.exp(jnp.where(lower_incl[:, :, None], gl[:, None, :] - gl[None, :, :], -jnp.inf))
-            kd = ks[None, :, :] * decay
-            aqk_ii += jnp.sum(qs[:, None, :] * kd, axis=2)
-            akk_ii += jnp.sum(ks[:, None, :] * kd, axis=2)
-        a_kk[i, i] = jnp.where(lower_strict, akk_ii * bi["beta"][:, None], 0.0)
-        aqk_ref[r, pl.ds(i * SUB, SUB)] = aqk_ii
-        # earlier sub-blocks: exp(G_a - G_b) = exp(G_a - P_i) exp(P_i - G_b), both factors <= 1
-        q_left = bi["q"] * jnp.exp(bi["G"] - bi["P"][None, :])
-        k_left = bi["k"] * jnp.exp(bi["G"] - bi["P"][None, :])
-        for j in range(i):
-            right = blocks[j]["k"] * jnp.exp(bi["P"][None, :] - blocks[j]["G"])
-            aqk_ref[r, pl.ds(j * SUB, SUB)] = dot(q_left, right, CONTRACT_LAST)
-            a_kk[i, j] = dot(k_left, right, CONTRACT_LAST) * bi["beta"][:, None]
-        for j in range(i + 1, nb):
-            aqk_ref[r, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), jnp.float32)
+            kj = k_ref[src, cols].astype(f32)
+            if l2norm:
+                kj = kj * kj_scale
+            e = jnp.exp(jnp.where(live[:, None], g_ref[:, cols] - g_ref[src, cols], -jnp.inf))
+            kd = kj * e
+            vq += jnp.sum(q_ref[:, cols].astype(f32) * q_scale * kd, axis=1)
+            vk += jnp.sum(k_ref[:, cols].astype(f32) * k_scale * kd, axis=1)
+        hit = col == rb * SUB + j
+        return jnp.where(hit, vq[:, None], dqk), jnp.where(hit, vk[:, None], dkk)
 
-    # (I + A_kk)^-1 by block forward substitution; diagonal blocks by the Neumann product (N^16 = 0)
-    inv = {}
-    for i in range(nb):
-        n1 = a_kk[i, i]
-        n2 = dot(n1, n1)
-        n4 = dot(n2, n2)
-        n8 = dot(n4, n4)
-        inv[i, i] = dot(dot(dot(eye - n1, eye + n2), eye + n4), eye + n8)
-        for j in range(i):
-            acc = dot(a_kk[i, j], inv[j, j])
-            for m in range(j + 1, i):
-                acc += dot(a_kk[i, m], inv[m, j])
-            inv[i, j] = -dot(inv[i, i], acc)
-    rhs_k = [b["beta"][:, None] * jnp.exp(b["G"]) * b["k"] for b in blocks]
-    rhs_v = [b["beta"][:, None] * b["v"] for b in blocks]
-    for i, bi in enumerate(blocks):
-        r = pl.ds(i * SUB, SUB)
-        w = dot(inv[i, 0], rhs_k[0])
-        u = dot(inv[i, 0], rhs_v[0])
-        for j in range(1, i + 1):
-            w += dot(inv[i, j], rhs_k[j])
-            u += dot(inv[i, j], rhs_v[j])
-        w_ref[r, :] = w
-        u_ref[r, :] = u
-        qg_ref[r, :] = jnp.exp(bi["G"]) * bi["q"]
-        kg_ref[r, :] = jnp.exp(g_total[None, :] - bi["G"]) * bi["k"]
-    gl_ref[...] = jnp.exp(g_total)[:, None]
+    zeros = jnp.zeros((CHUNK, CHUNK), f32)
+    a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros))
+
+    # Earlier sub-blocks: for a in sub-block i and b before it, with P_i = G at the row before sub-block i,
+    # exp(G_a − G_b) = exp(G_a − P_i) · exp(P_i − G_b), both ≤ 1 on the entries kept (the min(·, 0) only
+    # touches entries masked away): one tensor-core product per i.
+    for i in range(1, CHUNK // SUB):
+        p_i = g_ref[i * SUB - 1, :][None, :]  # [1, K]
+        left = jnp.exp(jnp.minimum(G - p_i, 0.0))
+        right = k * jnp.exp(jnp.minimum(p_i - G, 0.0))
+        keep = (rb == i) & (cb < i)
+        a_qk += jnp.where(keep, dot(q * left, right, CONTRACT_LAST), 0.0)
+        a_kk += jnp.where(keep, dot(k * left, right, CONTRACT_LAST), 0.0)
+    aqk_ref[...] = a_qk
+    a_kk = jnp.where(row > col, a_kk * beta[:, None], 0.0)
+
+    # T = (I + A_kk)⁻¹ with D the diagonal sub-blocks and L the rest: (I + D)⁻¹ = X by the Neumann product
+    # (D¹⁶ = 0), then I + A = (I + D)(I + X L) and M = X L is block-strictly-lower (M⁴ = 0).
+    d = jnp.where(rb == cb, a_kk, 0.0)
+    d2 = dot(d, d)
+    d4 = dot(d2, d2)
+    d8 = dot(d4, d4)
+    x = dot(dot(dot(eye - d, eye + d2), eye + d4), eye + d8)
+    m = dot(x, a_kk - d)
+    t_inv = dot(dot(eye - m, eye + dot(m, m)), x)
+
+    g_last = g_ref[CHUNK - 1, :][None, :]  # [1, K]
+    w_ref[...] = dot(t_inv, beta[:, None] * jnp.exp(G) * k)
+    u_ref[...] = dot(t_inv, beta[:, None] * v_ref[...].astype(f32))
+    qg_ref[...] = jnp.exp(G) * q
+    kg_ref[...] = jnp.exp(g_last - G) * k
+    gl_ref[...] = jnp.exp(g_ref[CHUNK - 1, :])[:, None]
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *, nc, precision):
@@ -169,7 +181,8 @@ def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, params):
     def chunk_spec(width):
         return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
 
-    intra = functools.partial(_intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 16))
+    g = _chunk_cumsum(g, interpret=interpret, params=params)
+    intra = functools.partial(_intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 64))
     return pl.pallas_call(
         intra,
         grid=(b, n, nc),
