@@ -150,14 +150,29 @@ def decode_rows(bw, rate, fla) -> list[dict]:
 PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 
-def _intra_phase(q, k, v, g, beta, *, num_warps):
-    """Phase 1 of the Pallas prefill alone (its float32 intermediates are the output)."""
+def _intra_phase(q, k, v, g, beta, *, num_warps, parts=None):
+    """Phase 1 of the Pallas prefill alone (its float32 intermediates are the output), optionally with only
+    some of its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum",
+    only the chunk cumsum that precedes it."""
     from pallas_kernels._pallas import triton_params
-    from pallas_kernels.linear_attention.chunked import _intra
+    from pallas_kernels.linear_attention.chunked import PARTS, _chunk_cumsum, _intra
 
     interpret = jax.default_backend() == "cpu"
+    params = triton_params(interpret, num_warps, 2)
+    if parts == "cumsum":
+        return _chunk_cumsum(g, interpret=interpret, params=params)
     return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="tf32", interpret=interpret,
-                  params=triton_params(interpret, num_warps, 2))  # fmt: skip
+                  params=params, parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
+
+
+# --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
+PHASE_PARTS = (
+    (None, "pallas phase 1 only (intra-chunk)"),
+    (("off", "solve"), "phase 1 without the diagonal sub-blocks"),
+    (("diag",), "phase 1 diagonal sub-blocks only"),
+    ((), "phase 1 loads + stores only"),
+    ("cumsum", "chunk cumsum kernel only"),
+)
 
 
 def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS, phases=False) -> list[dict]:
@@ -186,11 +201,11 @@ def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS, phases=False
             )
         if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
             bv, nw = variants[0]
-            intra = jax.jit(functools.partial(_intra_phase, num_warps=nw))
-            jax.block_until_ready(intra(q, k, v, g, beta))
-            ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
-            rows.append(row("prefill", shape, f"pallas phase 1 only (intra-chunk), warps={nw}", ms, flops, nbytes, bw,
-                            rate))  # fmt: skip
+            for parts, label in PHASE_PARTS:
+                intra = jax.jit(functools.partial(_intra_phase, num_warps=nw, parts=parts))
+                jax.block_until_ready(intra(q, k, v, g, beta))
+                ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
+                rows.append(row("prefill", shape, f"{label}, warps={nw}", ms, flops, nbytes, bw, rate))
         if fla is not None:
             torch, chunk_kda, _ = fla
             tq, tk, tv, tg, tb = _to_torch(q, k, v, g, beta)

@@ -32,6 +32,9 @@ from pallas_kernels._pallas import triton_params
 
 CHUNK = 64
 SUB = 16  # sub-block rows: the smallest tensor-core tile
+# Parts of the intra-chunk phase; leaving some out (zeros / identity in their place) is a profiling aid only
+# (`benchmarks/linear_attention.py --phases` times the phase with each part removed).
+PARTS = frozenset({"diag", "off", "solve"})
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a @ bᵀ
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
@@ -69,7 +72,7 @@ def _chunk_cumsum(g, *, interpret, params):
 
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, aqk_ref, w_ref, u_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm,
-    precision, kslice,
+    precision, kslice, parts=PARTS,
 ):  # fmt: skip
     dot = _products(precision)
     dk = q_ref.shape[-1]
@@ -113,12 +116,12 @@ def _intra_kernel(
         return jnp.where(hit, vq[:, None], dqk), jnp.where(hit, vk[:, None], dkk)
 
     zeros = jnp.zeros((CHUNK, CHUNK), f32)
-    a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros))
+    a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros)) if "diag" in parts else (zeros, zeros)
 
     # Earlier sub-blocks: for a in sub-block i and b before it, with P_i = G at the row before sub-block i,
     # exp(G_a − G_b) = exp(G_a − P_i) · exp(P_i − G_b), both ≤ 1 on the entries kept (the min(·, 0) only
     # touches entries masked away): one tensor-core product per i.
-    for i in range(1, CHUNK // SUB):
+    for i in range(1, CHUNK // SUB if "off" in parts else 1):
         p_i = g_ref[i * SUB - 1, :][None, :]  # [1, K]
         left = jnp.exp(jnp.minimum(G - p_i, 0.0))
         right = k * jnp.exp(jnp.minimum(p_i - G, 0.0))
@@ -130,13 +133,15 @@ def _intra_kernel(
 
     # T = (I + A_kk)⁻¹ with D the diagonal sub-blocks and L the rest: (I + D)⁻¹ = X by the Neumann product
     # (D¹⁶ = 0), then I + A = (I + D)(I + X L) and M = X L is block-strictly-lower (M⁴ = 0).
-    d = jnp.where(rb == cb, a_kk, 0.0)
-    d2 = dot(d, d)
-    d4 = dot(d2, d2)
-    d8 = dot(d4, d4)
-    x = dot(dot(dot(eye - d, eye + d2), eye + d4), eye + d8)
-    m = dot(x, a_kk - d)
-    t_inv = dot(dot(eye - m, eye + dot(m, m)), x)
+    t_inv = eye
+    if "solve" in parts:
+        d = jnp.where(rb == cb, a_kk, 0.0)
+        d2 = dot(d, d)
+        d4 = dot(d2, d2)
+        d8 = dot(d4, d4)
+        x = dot(dot(dot(eye - d, eye + d2), eye + d4), eye + d8)
+        m = dot(x, a_kk - d)
+        t_inv = dot(dot(eye - m, eye + dot(m, m)), x)
 
     g_last = g_ref[CHUNK - 1, :][None, :]  # [1, K]
     w_ref[...] = dot(t_inv, beta[:, None] * jnp.exp(G) * k)
@@ -171,7 +176,7 @@ def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precisio
     s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
 
-def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, params):
+def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, params, parts=PARTS):
     """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1])."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
@@ -182,7 +187,9 @@ def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, params):
         return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
 
     g = _chunk_cumsum(g, interpret=interpret, params=params)
-    intra = functools.partial(_intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 64))
+    intra = functools.partial(
+        _intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 64), parts=parts
+    )
     return pl.pallas_call(
         intra,
         grid=(b, n, nc),
