@@ -170,12 +170,22 @@ PHASE_PARTS = (
     (None, "pallas phase 1 only (intra-chunk)"),
     (("off", "solve"), "phase 1 without the diagonal sub-blocks"),
     (("diag",), "phase 1 diagonal sub-blocks only"),
+    (("off",), "phase 1 earlier sub-blocks only"),
+    (("solve",), "phase 1 inverse only"),
     ((), "phase 1 loads + stores only"),
     ("cumsum", "chunk cumsum kernel only"),
 )
 
 
-def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS, phases=False) -> list[dict]:
+def parse_variant(text: str) -> tuple[int, int, str]:
+    """"64x4" or "64x4:bf16" -> (block_v, num_warps, precision)."""
+    shape, _, prec = text.partition(":")
+    bv, nw = (int(x) for x in shape.split("x"))
+    return bv, nw, prec or "tf32"
+
+
+def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[dict]:
+    variants = variants or [(bv, nw, "tf32") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for t in lengths:
         ks = jax.random.split(jax.random.key(t), 5)
@@ -189,18 +199,18 @@ def prefill_rows(bw, rate, fla, lengths, variants=PREFILL_VARIANTS, phases=False
         ref_o, _ = ref(q, k, v, g, beta)
         ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=5)
         rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
-        for bv, nw in variants:
-            fn = jax.jit(functools.partial(kda, impl="pallas", block_v=bv, num_warps=nw))
+        for bv, nw, prec in variants:
+            fn = jax.jit(functools.partial(kda, impl="pallas", block_v=bv, num_warps=nw, precision=prec))
             t0 = time.perf_counter()
             o, _ = jax.block_until_ready(fn(q, k, v, g, beta))
-            print(f"  (T={t} pallas {bv}x{nw}: compile + first call {time.perf_counter() - t0:.1f} s)", flush=True)
+            print(f"  (T={t} pallas {bv}x{nw} {prec}: compile + first call {time.perf_counter() - t0:.1f} s)",
+                  flush=True)  # fmt: skip
             err = rel_err(o, ref_o)
             ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
-            rows.append(
-                row("prefill", shape, f"pallas chunked, block_v={bv}, warps={nw}", ms, flops, nbytes, bw, rate, err)
-            )
+            label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
+            rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
         if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
-            bv, nw = variants[0]
+            bv, nw, _ = variants[0]
             for parts, label in PHASE_PARTS:
                 intra = jax.jit(functools.partial(_intra_phase, num_warps=nw, parts=parts))
                 jax.block_until_ready(intra(q, k, v, g, beta))
@@ -260,7 +270,7 @@ def main() -> None:
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
     p.add_argument(
         "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
-        help="Pallas prefill variants as block_v x num_warps, e.g. 64x4",
+        help="Pallas prefill variants as block_v x num_warps [: precision], e.g. 64x4 or 64x4:bf16",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument("--no-record", action="store_true")
@@ -272,7 +282,7 @@ def main() -> None:
     if args.only in (None, "decode"):
         rows += decode_rows(bw, rate, fla)
     if args.only in (None, "prefill"):
-        variants = [tuple(int(x) for x in v.split("x")) for v in args.variants]
+        variants = [parse_variant(v) for v in args.variants]
         rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases)
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total)

@@ -101,6 +101,16 @@ def test_chunked_prefill_kernel_strong_gates_and_bf16(dk):
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5
 
 
+def test_chunked_prefill_kernel_bf16_products():
+    # fla-like precision: bfloat16 operands, float32 accumulation (and a float32 (I + A)^-1 chain)
+    (q, k, v, g, beta), s0 = _prefill_inputs(5, 1, 90, 2, 32, 32, False, jnp.bfloat16, True)
+    ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    o, s = kda(q, k, v, g, beta, initial_state=s0, impl="pallas", precision="bf16", interpret=True)
+    assert rel_err(o, ref_o) < 2e-2 and rel_err(s, ref_s) < 2e-2
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        kda(q, k, v, g, beta, impl="pallas", precision="fp8")
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     seed=st.integers(0, 2**16),

@@ -49,7 +49,7 @@ def kda(
     kernels of `chunked.kda_chunked_pallas`: intra-chunk work parallel over chunks of 64, then the state
     pass), or "auto" (recurrent for a single token, the jnp chunked form otherwise; Pallas is opt-in).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32", the
-    default, or "ieee"), `num_warps` per program, `interpret` (default: when the default backend is the CPU).
+    default; "bf16": operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; or "ieee"), `num_warps` per program, `interpret` (default: when the default backend is the CPU).
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The sequences run as one padded batch (pads at each row's end change no state).
@@ -68,8 +68,8 @@ def kda(
         raise ValueError(f"kda: g.shape={g.shape} must be {q.shape} (per channel) or {q.shape[:3]} (per head)")
     if chunk_size <= 0:
         raise ValueError(f"kda: chunk_size={chunk_size} must be positive")
-    if precision not in (None, "tf32", "ieee"):
-        raise ValueError(f"kda: precision={precision!r} must be 'tf32' or 'ieee'")
+    if precision not in (None, "tf32", "bf16", "ieee"):
+        raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
     if impl == "auto":
         # The Pallas prefill stays opt-in until measured faster than the jnp chunked form under XLA: the first
         # (one-phase, 16-token chunks) version was slower (BENCHMARKS.md, 634095a); the two-phase version

@@ -40,12 +40,15 @@ CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
 
 def _products(precision: str):
+    """Matrix product at a precision: "ieee" (float32), "tf32" (tensor cores, float32 operands rounded to
+    TF32) or "bf16" (operands cast to bfloat16, float32 accumulation: what fla's kernels do)."""
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    cast = (lambda x: x.astype(jnp.bfloat16)) if precision == "bf16" else (lambda x: x)  # noqa: E731
 
     def dot(a, b, dims=None):
         if dims is None:
-            return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
-        return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+            return jnp.dot(cast(a), cast(b), precision=prec, preferred_element_type=jnp.float32)
+        return jax.lax.dot_general(cast(a), cast(b), dims, precision=prec, preferred_element_type=jnp.float32)
 
     return dot
 
@@ -75,6 +78,7 @@ def _intra_kernel(
     precision, kslice, parts=PARTS,
 ):  # fmt: skip
     dot = _products(precision)
+    dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
     dk = q_ref.shape[-1]
     f32 = jnp.float32
     idx = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
@@ -136,12 +140,12 @@ def _intra_kernel(
     t_inv = eye
     if "solve" in parts:
         d = jnp.where(rb == cb, a_kk, 0.0)
-        d2 = dot(d, d)
-        d4 = dot(d2, d2)
-        d8 = dot(d4, d4)
-        x = dot(dot(dot(eye - d, eye + d2), eye + d4), eye + d8)
-        m = dot(x, a_kk - d)
-        t_inv = dot(dot(eye - m, eye + dot(m, m)), x)
+        d2 = dot_solve(d, d)
+        d4 = dot_solve(d2, d2)
+        d8 = dot_solve(d4, d4)
+        x = dot_solve(dot_solve(dot_solve(eye - d, eye + d2), eye + d4), eye + d8)
+        m = dot_solve(x, a_kk - d)
+        t_inv = dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
     g_last = g_ref[CHUNK - 1, :][None, :]  # [1, K]
     w_ref[...] = dot(t_inv, beta[:, None] * jnp.exp(G) * k)
