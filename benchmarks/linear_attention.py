@@ -178,7 +178,7 @@ PHASE_PARTS = (
 
 
 def parse_variant(text: str) -> tuple[int, int, str]:
-    """"64x4" or "64x4:bf16" -> (block_v, num_warps, precision)."""
+    """Variant text, e.g. 64x4 or 64x4:bf16 -> (block_v, num_warps, precision)."""
     shape, _, prec = text.partition(":")
     bv, nw = (int(x) for x in shape.split("x"))
     return bv, nw, prec or "tf32"

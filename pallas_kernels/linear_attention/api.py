@@ -49,7 +49,8 @@ def kda(
     kernels of `chunked.kda_chunked_pallas`: intra-chunk work parallel over chunks of 64, then the state
     pass), or "auto" (recurrent for a single token, the jnp chunked form otherwise; Pallas is opt-in).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32", the
-    default; "bf16": operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; or "ieee"), `num_warps` per program, `interpret` (default: when the default backend is the CPU).
+    default; "bf16": operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; or "ieee"),
+    `num_warps` per program, `interpret` (default: when the default backend is the CPU).
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The sequences run as one padded batch (pads at each row's end change no state).
