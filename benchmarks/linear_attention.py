@@ -158,22 +158,22 @@ def _intra_phase(q, k, v, g, beta, *, num_warps, parts=None):
     from pallas_kernels.linear_attention.chunked import PARTS, _chunk_cumsum, _intra
 
     interpret = jax.default_backend() == "cpu"
-    params = triton_params(interpret, num_warps, 2)
     if parts == "cumsum":
-        return _chunk_cumsum(g, interpret=interpret, params=params)
+        return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, num_warps, 2))
     return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="tf32", interpret=interpret,
-                  params=params, parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
+                  num_warps=num_warps, parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
 
 
 # --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
 PHASE_PARTS = (
-    (None, "pallas phase 1 only (intra-chunk)"),
-    (("off", "solve"), "phase 1 without the diagonal sub-blocks"),
-    (("diag",), "phase 1 diagonal sub-blocks only"),
-    (("off",), "phase 1 earlier sub-blocks only"),
-    (("solve",), "phase 1 inverse only"),
-    ((), "phase 1 loads + stores only"),
-    ("cumsum", "chunk cumsum kernel only"),
+    (None, "pallas phase 1 only (intra-chunk)", 4),
+    (None, "pallas phase 1 only (intra-chunk)", 8),
+    (("off", "solve"), "phase 1 without the diagonal sub-blocks", 8),
+    (("diag",), "phase 1 diagonal sub-blocks only", 8),
+    (("off",), "phase 1 earlier sub-blocks only", 8),
+    (("solve",), "phase 1 inverse only", 8),
+    ((), "phase 1 loads + stores only", 8),
+    ("cumsum", "chunk cumsum kernel only", 4),
 )
 
 
@@ -210,8 +210,7 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
         if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
-            bv, nw, _ = variants[0]
-            for parts, label in PHASE_PARTS:
+            for parts, label, nw in PHASE_PARTS:
                 intra = jax.jit(functools.partial(_intra_phase, num_warps=nw, parts=parts))
                 jax.block_until_ready(intra(q, k, v, g, beta))
                 ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)

@@ -35,6 +35,10 @@ SUB = 16  # sub-block rows: the smallest tensor-core tile
 # Parts of the intra-chunk phase; leaving some out (zeros / identity in their place) is a profiling aid only
 # (`benchmarks/linear_attention.py --phases` times the phase with each part removed).
 PARTS = frozenset({"diag", "off", "solve"})
+LOG2E = 1.4426950408889634
+# Warps of the intra-chunk kernel: at 4 it needed 255 registers per thread and spilled (Nsight Compute on
+# the H200, 4K tokens: 12% occupancy, a third of its stalls on local memory); `num_warps` sets the state pass.
+INTRA_WARPS = 8
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a @ bᵀ
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
@@ -54,11 +58,12 @@ def _products(precision: str):
 
 
 def _cumsum_kernel(g_ref, o_ref):
-    o_ref[...] = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0)
+    o_ref[...] = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0) * LOG2E
 
 
 def _chunk_cumsum(g, *, interpret, params):
-    """G: the running sum of the log decays within each 64-token chunk, float32 [B, T, N, K]."""
+    """G·log2(e): the running sum of the log decays within each 64-token chunk in base 2 (the kernels take
+    exp2, one instruction, where exp would cost several), float32 [B, T, N, K]."""
     b, t, n, dk = g.shape
     spec = pl.BlockSpec((None, CHUNK, None, dk), lambda i, h, c: (i, c, h, 0))
     return pl.pallas_call(
@@ -77,6 +82,7 @@ def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, aqk_ref, w_ref, u_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm,
     precision, kslice, parts=PARTS,
 ):  # fmt: skip
+    """g_ref holds G·log2(e) (`_chunk_cumsum`), so every decay below is an exp2."""
     dot = _products(precision)
     dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
     dk = q_ref.shape[-1]
@@ -87,48 +93,51 @@ def _intra_kernel(
     rb, cb = row // SUB, col // SUB  # sub-block of each entry
     eye = (row == col).astype(f32)
 
-    def row_scale(x, base):  # [rows, K] -> [rows, 1]: L2 normalisation (and the query scale)
+    def inv_norm(x):  # [C, K] -> [C]: L2 normalisation factor of each row
         if not l2norm:
-            return jnp.full((x.shape[0], 1), base, f32)
-        return base * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
+            return jnp.ones((x.shape[0],), f32)
+        return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6)
 
-    q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
-    q_scale, k_scale = row_scale(q, scale), row_scale(k, 1.0)
-    q, k = q * q_scale, k * k_scale
-    G = g_ref[...]  # [C, K] float32, running sum within the chunk (G ≤ 0, decreasing)
-    beta = beta_ref[...].astype(f32)
+    # Row factors only: the normalised tiles are formed after the diagonal loop so that no [C, K] tile
+    # stays live across it (register pressure: the loop is most of the kernel's instructions).
+    q_scale = inv_norm(q_ref[...].astype(f32)) * scale  # [C]
+    k_scale = inv_norm(k_ref[...].astype(f32))  # [C]
 
     # Diagonal sub-blocks, exact per element: column j of every sub-block at once (row a of the chunk pairs
-    # with key row 16·⌊a/16⌋ + j), masked before the exponential; K in slices to bound the live tiles.
+    # with key row 16·⌊a/16⌋ + j), masked before the exponential; K in slices; on the raw q, k (the row
+    # and column norms are applied after the loop).
     def diag(j, carry):
         dqk, dkk = carry
         src = (idx // SUB) * SUB + j  # [C] the key row each row pairs with
         live = (idx % SUB) >= j
-        kj_scale = row_scale(k_ref[src, :].astype(f32), 1.0) if l2norm else None
         vq = jnp.zeros((CHUNK,), f32)
         vk = jnp.zeros((CHUNK,), f32)
         for s in range(dk // kslice):
             cols = pl.ds(s * kslice, kslice)
-            kj = k_ref[src, cols].astype(f32)
-            if l2norm:
-                kj = kj * kj_scale
-            e = jnp.exp(jnp.where(live[:, None], g_ref[:, cols] - g_ref[src, cols], -jnp.inf))
-            kd = kj * e
-            vq += jnp.sum(q_ref[:, cols].astype(f32) * q_scale * kd, axis=1)
-            vk += jnp.sum(k_ref[:, cols].astype(f32) * k_scale * kd, axis=1)
+            e = jnp.exp2(jnp.where(live[:, None], g_ref[:, cols] - g_ref[src, cols], -jnp.inf))
+            kd = k_ref[src, cols].astype(f32) * e
+            vq += jnp.sum(q_ref[:, cols].astype(f32) * kd, axis=1)
+            vk += jnp.sum(k_ref[:, cols].astype(f32) * kd, axis=1)
         hit = col == rb * SUB + j
         return jnp.where(hit, vq[:, None], dqk), jnp.where(hit, vk[:, None], dkk)
 
     zeros = jnp.zeros((CHUNK, CHUNK), f32)
     a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros)) if "diag" in parts else (zeros, zeros)
+    a_qk = a_qk * q_scale[:, None] * k_scale[None, :]
+    a_kk = a_kk * k_scale[:, None] * k_scale[None, :]
+
+    q = q_ref[...].astype(f32) * q_scale[:, None]
+    k = k_ref[...].astype(f32) * k_scale[:, None]
+    G = g_ref[...]  # [C, K] float32: G·log2(e), G ≤ 0 decreasing within the chunk
+    beta = beta_ref[...].astype(f32)
 
     # Earlier sub-blocks: for a in sub-block i and b before it, with P_i = G at the row before sub-block i,
     # exp(G_a − G_b) = exp(G_a − P_i) · exp(P_i − G_b), both ≤ 1 on the entries kept (the min(·, 0) only
     # touches entries masked away): one tensor-core product per i.
     for i in range(1, CHUNK // SUB if "off" in parts else 1):
         p_i = g_ref[i * SUB - 1, :][None, :]  # [1, K]
-        left = jnp.exp(jnp.minimum(G - p_i, 0.0))
-        right = k * jnp.exp(jnp.minimum(p_i - G, 0.0))
+        left = jnp.exp2(jnp.minimum(G - p_i, 0.0))
+        right = k * jnp.exp2(jnp.minimum(p_i - G, 0.0))
         keep = (rb == i) & (cb < i)
         a_qk += jnp.where(keep, dot(q * left, right, CONTRACT_LAST), 0.0)
         a_kk += jnp.where(keep, dot(k * left, right, CONTRACT_LAST), 0.0)
@@ -148,11 +157,11 @@ def _intra_kernel(
         t_inv = dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
     g_last = g_ref[CHUNK - 1, :][None, :]  # [1, K]
-    w_ref[...] = dot(t_inv, beta[:, None] * jnp.exp(G) * k)
+    w_ref[...] = dot(t_inv, beta[:, None] * jnp.exp2(G) * k)
     u_ref[...] = dot(t_inv, beta[:, None] * v_ref[...].astype(f32))
-    qg_ref[...] = jnp.exp(G) * q
-    kg_ref[...] = jnp.exp(g_last - G) * k
-    gl_ref[...] = jnp.exp(g_ref[CHUNK - 1, :])[:, None]
+    qg_ref[...] = jnp.exp2(G) * q
+    kg_ref[...] = jnp.exp2(g_last - G) * k
+    gl_ref[...] = jnp.exp2(g_ref[CHUNK - 1, :])[:, None]
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *, nc, precision):
@@ -180,8 +189,9 @@ def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precisio
     s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
 
-def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, params, parts=PARTS):
+def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS):
     """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1])."""
+    params = triton_params(interpret, num_warps, 2)
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
@@ -239,7 +249,7 @@ def kda_chunked_pallas(
     nc = t // CHUNK
     params = triton_params(interpret, num_warps, num_stages)
     aqk, w, u, qg, kg, gl = _intra(
-        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, params=params
+        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret
     )
     state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     return pl.pallas_call(
@@ -271,9 +281,7 @@ def kda_state_summary_pallas(
     dv = v.shape[-1]
     nc = t // CHUNK
     params = triton_params(interpret, num_warps, num_stages)
-    _, w, u, _, kg, gl = _intra(
-        k, k, v, g, beta, scale=1.0, l2norm=l2norm, precision=precision, interpret=interpret, params=params
-    )
+    _, w, u, _, kg, gl = _intra(k, k, v, g, beta, scale=1.0, l2norm=l2norm, precision=precision, interpret=interpret)
     u_aug = jnp.concatenate([jnp.zeros((b, t, n, dk), jnp.float32), u], axis=-1)
     eye = jnp.eye(dk, dk + dv, dtype=jnp.float32)
     s0 = jnp.broadcast_to(eye, (b, n, dk, dk + dv))
