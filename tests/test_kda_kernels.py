@@ -148,3 +148,25 @@ def test_variable_length_batch_equals_separate_sequences(impl):
         assert rel_err(o[:, a:b], ref_o) < 1e-5 and rel_err(s[i : i + 1], ref_s) < 1e-5
     with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 3\]"):
         kda(q, k, v, g, beta, cu_seqlens=[0, 3])
+
+
+def test_auto_runs_the_prefill_kernel_on_gpu(monkeypatch):
+    """On a GPU, "auto" prefills through the Pallas kernels (bf16 products for bf16 inputs) and decodes a single
+    token through the recurrence; on CPU the jnp chunked form."""
+    (q, k, v, g, beta), _ = _prefill_inputs(0, 1, 70, 1, 16, 16, False, jnp.bfloat16, False)
+
+    def traced(t):
+        fn = lambda *a: kda(*a, impl="auto", interpret=True)  # noqa: E731
+        return str(jax.make_jaxpr(fn)(q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t]))
+
+    from pallas_kernels.linear_attention import api
+
+    seen = []
+    kernel = api.kda_chunked_pallas
+    monkeypatch.setattr(api, "kda_chunked_pallas", lambda *a, **kw: seen.append(kw["precision"]) or kernel(*a, **kw))
+    assert "pallas_call" not in traced(70)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jaxpr = traced(70)
+    assert "name=kda_chunk_intra" in jaxpr and "name=kda_chunk_state" in jaxpr
+    assert seen == ["bf16"]
+    assert "pallas_call" not in traced(1)

@@ -34,7 +34,7 @@ def kda(
     use_qk_l2norm=True,
     impl: str = "auto",
     chunk_size: int = 64,
-    block_v: int = 64,
+    block_v: int = 32,
     precision: str | None = None,
     num_warps: int = 4,
     interpret: bool | None = None,
@@ -47,9 +47,11 @@ def kda(
     (eps 1e-6 under the root) when use_qk_l2norm; q is scaled by `scale` (default K^-1/2).
     impl: "recurrent" (token scan), "chunked" (WY/UT chunks of `chunk_size`, jnp), "pallas" (the Pallas
     kernels of `chunked.kda_chunked_pallas`: intra-chunk work parallel over chunks of 64, then the state
-    pass), or "auto" (recurrent for a single token, the jnp chunked form otherwise; Pallas is opt-in).
-    Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32", the
-    default; "bf16": operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; or "ieee"),
+    pass), or "auto" (recurrent for a single token; for prefill the Pallas kernels on GPU, the jnp chunked
+    form elsewhere).
+    Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32"; "bf16":
+    operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; "ieee"; default: "bf16" for
+    bfloat16 inputs, "tf32" otherwise),
     `num_warps` per program, `interpret` (default: when the default backend is the CPU).
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
@@ -72,15 +74,16 @@ def kda(
     if precision not in (None, "tf32", "bf16", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
     if impl == "auto":
-        # The Pallas prefill stays opt-in until measured faster than the jnp chunked form under XLA: the first
-        # (one-phase, 16-token chunks) version was slower (BENCHMARKS.md, 634095a); the two-phase version
-        # has not been timed on the GPU yet.
+        # Prefill: the Pallas kernels on GPU. H200, 32K tokens x 32 heads (BENCHMARKS.md, 9526b38): 12.8 ms with
+        # bf16 products / 17.2 ms TF32 against 52.6 ms for the jnp chunked form under XLA (fla: 4.4 ms).
         impl = "recurrent" if q.shape[1] == 1 else "chunked"
-        if q.shape[1] > 1 and auto_impl("kda_prefill", True, default_on_gpu=False):  # inside use_pallas()
+        if q.shape[1] > 1 and auto_impl("kda_prefill", True):
             impl = "pallas"
     if impl == "pallas":
+        if precision is None:  # products as precise as the inputs: bf16 operands for bf16 inputs, as fla
+            precision = "bf16" if jnp.dtype(q.dtype) == jnp.bfloat16 else "tf32"
         return _kda_pallas(
-            q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision or "tf32", interpret, num_warps
+            q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps
         )
     kw = dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     if impl == "recurrent":
