@@ -177,15 +177,15 @@ PHASE_PARTS = (
 )
 
 
-def parse_variant(text: str) -> tuple[int, int, str]:
-    """Variant text, e.g. 64x4 or 64x4:bf16 -> (block_v, num_warps, precision)."""
-    shape, _, prec = text.partition(":")
+def parse_variant(text: str) -> tuple[int, int, str, str]:
+    """Variant text, e.g. 64x4, 64x4:bf16 or 64x4:bf16:substitution -> (block_v, num_warps, precision, solve)."""
+    shape, prec, solve = (text.split(":") + ["", ""])[:3]
     bv, nw = (int(x) for x in shape.split("x"))
-    return bv, nw, prec or "tf32"
+    return bv, nw, prec or "tf32", solve or "neumann"
 
 
 def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[dict]:
-    variants = variants or [(bv, nw, "tf32") for bv, nw in PREFILL_VARIANTS]
+    variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for t in lengths:
         ks = jax.random.split(jax.random.key(t), 5)
@@ -199,8 +199,9 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
         ref_o, _ = ref(q, k, v, g, beta)
         ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=5)
         rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
-        for bv, nw, prec in variants:
-            fn = jax.jit(functools.partial(kda, impl="pallas", block_v=bv, num_warps=nw, precision=prec))
+        for bv, nw, prec, solve in variants:
+            kw = dict(block_v=bv, num_warps=nw, precision=prec, solve=solve)
+            fn = jax.jit(functools.partial(kda, impl="pallas", **kw))
             t0 = time.perf_counter()
             o, _ = jax.block_until_ready(fn(q, k, v, g, beta))
             print(f"  (T={t} pallas {bv}x{nw} {prec}: compile + first call {time.perf_counter() - t0:.1f} s)",
@@ -208,6 +209,7 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
             err = rel_err(o, ref_o)
             ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
+            label += f", {solve}" if solve != "neumann" else ""
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
         if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
             for parts, label, nw in PHASE_PARTS:

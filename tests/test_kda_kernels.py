@@ -83,10 +83,11 @@ def _prefill_inputs(seed, b, t, n, dk, dv, scalar, dtype, with_state):
 def test_chunked_prefill_kernel_matches_reference(seed, b, t, n, dk, dv, scalar, with_state):
     args, s0 = _prefill_inputs(seed, b, t, n, dk, dv, scalar, jnp.float32, with_state)
     ref_o, ref_s = kda(*args, initial_state=s0, impl="recurrent")
-    o, s = kda(*args, initial_state=s0, impl="pallas", precision="ieee", interpret=True, block_v=16)
-    assert o.shape == ref_o.shape and s.shape == ref_s.shape
-    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()  # every element written
-    assert rel_err(o, ref_o) < 1e-5 and rel_err(s, ref_s) < 1e-5
+    for solve in ("neumann", "substitution"):
+        o, s = kda(*args, initial_state=s0, impl="pallas", precision="ieee", interpret=True, block_v=16, solve=solve)
+        assert o.shape == ref_o.shape and s.shape == ref_s.shape
+        assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()  # every element written
+        assert rel_err(o, ref_o) < 1e-5 and rel_err(s, ref_s) < 1e-5, solve
 
 
 @pytest.mark.parametrize("dk", [16, 128])  # 128: the diagonal sub-blocks in two K-slices
@@ -96,9 +97,10 @@ def test_chunked_prefill_kernel_strong_gates_and_bf16(dk):
     q, k, v, g, beta = args
     g = g * 25.0
     ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=16)
-    o, s = kda(q, k, v, g, beta, initial_state=s0, impl="pallas", precision="ieee", interpret=True)
-    assert o.dtype == jnp.bfloat16
-    assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5
+    for solve in ("neumann", "substitution"):
+        o, s = kda(q, k, v, g, beta, initial_state=s0, impl="pallas", precision="ieee", interpret=True, solve=solve)
+        assert o.dtype == jnp.bfloat16
+        assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5
 
 
 def test_chunked_prefill_kernel_bf16_products():
@@ -109,6 +111,8 @@ def test_chunked_prefill_kernel_bf16_products():
     assert rel_err(o, ref_o) < 2e-2 and rel_err(s, ref_s) < 2e-2
     with pytest.raises(ValueError, match="precision='fp8'"):
         kda(q, k, v, g, beta, impl="pallas", precision="fp8")
+    with pytest.raises(ValueError, match="solve='lu'"):
+        kda(q, k, v, g, beta, impl="pallas", solve="lu")
 
 
 @settings(max_examples=6, deadline=None)

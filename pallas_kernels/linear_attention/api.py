@@ -39,6 +39,7 @@ def kda(
     num_warps: int = 4,
     interpret: bool | None = None,
     cu_seqlens=None,
+    solve: str = "neumann",
 ):
     """Gated delta rule with per-channel (g [B,T,N,K]) or per-head (g [B,T,N]) log decay.
 
@@ -52,7 +53,9 @@ def kda(
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32"; "bf16":
     operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; "ieee"; default: "bf16" for
     bfloat16 inputs, "tf32" otherwise),
-    `num_warps` per program, `interpret` (default: when the default backend is the CPU).
+    `num_warps` per program, `interpret` (default: when the default backend is the CPU), `solve`: how the
+    intra-chunk kernel forms (I + A_kk)⁻¹ — "neumann" (tensor-core products, the default) or "substitution"
+    (row-by-row forward substitution in float32; opt-in, not yet timed on the GPU).
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The sequences run as one padded batch (pads at each row's end change no state).
@@ -61,7 +64,7 @@ def kda(
         return _varlen(
             q, k, v, g, beta, cu_seqlens, initial_state,
             dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, chunk_size=chunk_size, block_v=block_v,
-                 precision=precision, num_warps=num_warps, interpret=interpret),
+                 precision=precision, num_warps=num_warps, interpret=interpret, solve=solve),
         )  # fmt: skip
     if impl not in IMPLS:
         raise ValueError(f"kda: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -71,6 +74,8 @@ def kda(
         raise ValueError(f"kda: g.shape={g.shape} must be {q.shape} (per channel) or {q.shape[:3]} (per head)")
     if chunk_size <= 0:
         raise ValueError(f"kda: chunk_size={chunk_size} must be positive")
+    if solve not in ("neumann", "substitution"):
+        raise ValueError(f"kda: solve={solve!r} must be 'neumann' or 'substitution'")
     if precision not in (None, "tf32", "bf16", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
     if impl == "auto":
@@ -83,7 +88,7 @@ def kda(
         if precision is None:  # products as precise as the inputs: bf16 operands for bf16 inputs, as fla
             precision = "bf16" if jnp.dtype(q.dtype) == jnp.bfloat16 else "tf32"
         return _kda_pallas(
-            q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps
+            q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps, solve
         )
     kw = dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     if impl == "recurrent":
@@ -119,7 +124,9 @@ def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     return o.reshape(-1, *o.shape[2:])[flat][None], s
 
 
-def _kda_pallas(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps):
+def _kda_pallas(
+    q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps, solve="neumann"
+):
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16), runs, unpads.
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged."""
     b, t, n, dk = q.shape
@@ -142,6 +149,7 @@ def _kda_pallas(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, 
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
         interpret=jax.default_backend() == "cpu" if interpret is None else interpret, num_warps=num_warps,
+        solve=solve,
     )  # fmt: skip
     return o[:, :t, :, :dv], s[:, :, :dk, :dv]
 

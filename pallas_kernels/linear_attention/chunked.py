@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import triton_params
 
@@ -79,10 +80,11 @@ def _chunk_cumsum(g, *, interpret, params):
 
 
 def _intra_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, aqk_ref, w_ref, u_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm,
-    precision, kslice, parts=PARTS,
+    q_ref, k_ref, v_ref, g_ref, beta_ref, aqk_ref, w_ref, u_ref, qg_ref, kg_ref, gl_ref, *akk_ref, scale, l2norm,
+    precision, kslice, parts=PARTS, solve="neumann", barrier=True,
 ):  # fmt: skip
-    """g_ref holds G·log2(e) (`_chunk_cumsum`), so every decay below is an exp2."""
+    """g_ref holds G·log2(e) (`_chunk_cumsum`), so every decay below is an exp2. `akk_ref` (solve=
+    "substitution" only): A_kk goes out through it and its rows are read back (after a CTA barrier on GPU)."""
     dot = _products(precision)
     dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
     dk = q_ref.shape[-1]
@@ -147,7 +149,20 @@ def _intra_kernel(
     # T = (I + A_kk)⁻¹ with D the diagonal sub-blocks and L the rest: (I + D)⁻¹ = X by the Neumann product
     # (D¹⁶ = 0), then I + A = (I + D)(I + X L) and M = X L is block-strictly-lower (M⁴ = 0).
     t_inv = eye
-    if "solve" in parts:
+    if "solve" in parts and solve == "substitution":
+        # Row by row in float32, no products: row i of T − I is −A_i − Σ_{j<i} A_ij (T − I)_j, with A's row
+        # read back from memory (a register tile has no dynamic rows).
+        akk_ref[0][...] = a_kk
+        if barrier:
+            pltriton.debug_barrier()
+
+        def step(i, t):
+            a = -akk_ref[0][i, :]  # [C], zero from column i on
+            a = a + jnp.sum(a[:, None] * t, axis=0)
+            return jnp.where(row == i, a[None, :], t)
+
+        t_inv = jax.lax.fori_loop(1, CHUNK, step, jnp.zeros((CHUNK, CHUNK), f32)) + eye
+    elif "solve" in parts:
         d = jnp.where(rb == cb, a_kk, 0.0)
         d2 = dot_solve(d, d)
         d4 = dot_solve(d2, d2)
@@ -189,7 +204,9 @@ def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precisio
     s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
 
-def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS):
+def _intra(
+    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann"
+):
     """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1])."""
     params = triton_params(interpret, num_warps, 2)
     b, t, n, dk = q.shape
@@ -202,8 +219,10 @@ def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=I
 
     g = _chunk_cumsum(g, interpret=interpret, params=params)
     intra = functools.partial(
-        _intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 64), parts=parts
-    )
+        _intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 64), parts=parts,
+        solve=solve, barrier=not interpret,
+    )  # fmt: skip
+    extra = solve == "substitution"  # A_kk as an output: written, then read back row by row
     return pl.pallas_call(
         intra,
         grid=(b, n, nc),
@@ -214,16 +233,16 @@ def _intra(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=I
         out_specs=[
             chunk_spec(CHUNK), chunk_spec(dk), chunk_spec(dv), chunk_spec(dk), chunk_spec(dk),
             pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
-        ],
+        ] + [chunk_spec(CHUNK)] * int(extra),
         out_shape=[
             jax.ShapeDtypeStruct((b, t, n, CHUNK), f32), jax.ShapeDtypeStruct((b, t, n, dk), f32),
             jax.ShapeDtypeStruct((b, t, n, dv), f32), jax.ShapeDtypeStruct((b, t, n, dk), f32),
             jax.ShapeDtypeStruct((b, t, n, dk), f32), jax.ShapeDtypeStruct((b, nc, n, dk, 1), f32),
-        ],
+        ] + [jax.ShapeDtypeStruct((b, t, n, CHUNK), f32)] * int(extra),
         interpret=interpret,
         name="kda_chunk_intra",
         **params,
-    )(q, k, v, g, beta)  # fmt: skip
+    )(q, k, v, g, beta)[:6]  # fmt: skip
 
 
 def _seq_spec(t, width, tile=False):
@@ -237,11 +256,13 @@ def _gate_spec(nc, dk):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages")
+    jax.jit,
+    static_argnames=("scale", "l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages", "solve"),
 )
 def kda_chunked_pallas(
-    q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2
-):
+    q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2,
+    solve="neumann",
+):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32)."""
     b, t, n, dk = q.shape
@@ -249,7 +270,7 @@ def kda_chunked_pallas(
     nc = t // CHUNK
     params = triton_params(interpret, num_warps, num_stages)
     aqk, w, u, qg, kg, gl = _intra(
-        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret
+        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve
     )
     state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     return pl.pallas_call(
