@@ -17,7 +17,8 @@ Phase 1 (`_intra_kernel`, grid (B, N, chunks)), per chunk, on whole [64, 64] / [
   exp(G_C).
 Phase 2 (`_state_kernel`, grid (B, N, V/BV)), chunk after chunk with S [K, BV] on chip:
     V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
-Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk).
+Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk); W, q_g, k_g, A_qk in bfloat16 with
+precision="bf16" (they only enter bf16 products).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _intra_kernel(
         keep = (rb == i) & (cb < i)
         a_qk += jnp.where(keep, dot(q * left, right, CONTRACT_LAST), 0.0)
         a_kk += jnp.where(keep, dot(k * left, right, CONTRACT_LAST), 0.0)
-    aqk_ref[...] = a_qk
+    aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
     a_kk = jnp.where(row > col, a_kk * beta[:, None], 0.0)
 
     # T = (I + A_kk)⁻¹ with D the diagonal sub-blocks and L the rest: (I + D)⁻¹ = X by the Neumann product
@@ -172,10 +173,10 @@ def _intra_kernel(
         t_inv = dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
     g_last = g_ref[CHUNK - 1, :][None, :]  # [1, K]
-    w_ref[...] = dot(t_inv, beta[:, None] * jnp.exp2(G) * k)
+    w_ref[...] = dot(t_inv, beta[:, None] * jnp.exp2(G) * k).astype(w_ref.dtype)
     u_ref[...] = dot(t_inv, beta[:, None] * v_ref[...].astype(f32))
-    qg_ref[...] = jnp.exp2(G) * q
-    kg_ref[...] = jnp.exp2(g_last - G) * k
+    qg_ref[...] = (jnp.exp2(G) * q).astype(qg_ref.dtype)
+    kg_ref[...] = (jnp.exp2(g_last - G) * k).astype(kg_ref.dtype)
     gl_ref[...] = jnp.exp2(g_ref[CHUNK - 1, :])[:, None]
 
 
@@ -223,6 +224,9 @@ def _intra(
         solve=solve, barrier=not interpret,
     )  # fmt: skip
     extra = solve == "substitution"  # A_kk as an output: written, then read back row by row
+    # A_qk, W, q_g and k_g only ever enter products: with bf16 products they are stored as bf16 (the cast the
+    # state pass would make, made once; half the bytes written here and read there). U stays float32.
+    inter = jnp.bfloat16 if precision == "bf16" else f32
     return pl.pallas_call(
         intra,
         grid=(b, n, nc),
@@ -235,9 +239,9 @@ def _intra(
             pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
         ] + [chunk_spec(CHUNK)] * int(extra),
         out_shape=[
-            jax.ShapeDtypeStruct((b, t, n, CHUNK), f32), jax.ShapeDtypeStruct((b, t, n, dk), f32),
-            jax.ShapeDtypeStruct((b, t, n, dv), f32), jax.ShapeDtypeStruct((b, t, n, dk), f32),
-            jax.ShapeDtypeStruct((b, t, n, dk), f32), jax.ShapeDtypeStruct((b, nc, n, dk, 1), f32),
+            jax.ShapeDtypeStruct((b, t, n, CHUNK), inter), jax.ShapeDtypeStruct((b, t, n, dk), inter),
+            jax.ShapeDtypeStruct((b, t, n, dv), f32), jax.ShapeDtypeStruct((b, t, n, dk), inter),
+            jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, nc, n, dk, 1), f32),
         ] + [jax.ShapeDtypeStruct((b, t, n, CHUNK), f32)] * int(extra),
         interpret=interpret,
         name="kda_chunk_intra",
