@@ -1,5 +1,6 @@
 """MoE routed experts on one GPU: `lax.ragged_dot` (what XLA makes of it: a dense product over all experts)
-against the Pallas grouped matmul, for decode-sized and prefill-sized token counts. One table, appended to
+against the Pallas grouped matmul, for decode-sized and prefill-sized token counts (and, at decode sizes,
+the gathered-weights jnp form and the per-pair GEMV kernels). One table, appended to
 BENCHMARKS.md.
 
 Floors: the weights of the experts the tokens touch (expected count under uniform routing) read once plus
@@ -27,6 +28,7 @@ SHAPES = {  # D, F, E, k
     "tiny": (64, 32, 8, 2),
 }
 VARIANTS = ((64, 128, 64), (128, 128, 64), (64, 64, 64), (16, 128, 64))
+GEMV_BLOCK_N = (64, 32)
 
 
 def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
@@ -53,6 +55,12 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
         ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
         out.append(roofline_row("moe experts", label, "gathered weights (XLA)", ms, flops, nbytes, bw, rate,
                                 f"rel err {err:.1e}"))  # fmt: skip
+        for bn in GEMV_BLOCK_N:  # one Pallas program per pair and output tile (opt-in impl)
+            fn = jax.jit(functools.partial(moe_experts, impl="gemv", block_n=bn))
+            err = rel_err(fn(x, idx, w, gate, up, down), ref)
+            ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
+            out.append(roofline_row("moe experts", label, f"pallas per-pair gemv, block_n={bn} k=64", ms, flops,
+                                    nbytes, bw, rate, f"rel err {err:.1e}"))  # fmt: skip
     for bm, bn, bk in VARIANTS:
         fn = jax.jit(functools.partial(moe_experts, impl="pallas", block_m=bm, block_n=bn, block_k=bk))
         err = rel_err(fn(x, idx, w, gate, up, down), ref)

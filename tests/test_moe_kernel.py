@@ -98,3 +98,32 @@ def test_gathered_weights_match_reference(dtype):
     ref = moe_experts(*args, impl="reference")
     got = moe_experts(*args, impl="gather")
     assert got.dtype == jnp.float32 and rel_err(got, ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 6),
+    d=st.sampled_from([16, 40, 72]),  # 40, 72: padded to whole contraction / output tiles
+    f=st.sampled_from([16, 24, 48]),
+    e=st.sampled_from([4, 9]),
+    k=st.integers(1, 3),
+    skew=st.sampled_from([0.0, 3.0]),  # 3.0: tokens crowd onto few experts (pairs share weights)
+    block=st.sampled_from([(16, 16), (32, 16), (16, 64)]),
+)
+def test_gemv_kernels_match_reference(seed, n, d, f, e, k, skew, block):
+    args = _case(seed, n, d, f, e, k, skew)
+    ref = moe_experts(*args, impl="reference")
+    got = moe_experts(*args, impl="gemv", block_n=block[0], block_k=block[1], interpret=True)
+    assert got.shape == ref.shape and got.dtype == jnp.float32
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_gemv_kernels_bf16():
+    args = _case(11, 2, 40, 24, 9, 3, 3.0)
+    args = (args[0].astype(jnp.bfloat16), *args[1:3], *(a.astype(jnp.bfloat16) for a in args[3:]))
+    ref = moe_experts(*args, impl="reference")
+    got = moe_experts(*args, impl="gemv", interpret=True)
+    assert rel_err(got, ref) < 1e-2
+    jaxpr = str(jax.make_jaxpr(lambda *a: moe_experts(*a, impl="gemv", interpret=True))(*args))
+    assert "name=moe_gate_up_gemv" in jaxpr and "name=moe_down_gemv" in jaxpr

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._pallas import auto_impl, pow2
+from pallas_kernels.moe.gemv import down_gemv, gate_up_gemv
 from pallas_kernels.moe.kernel import grouped_matmul_pallas
 from pallas_kernels.moe.reference import moe_experts_gather, moe_experts_reference, sort_by_expert
 
-IMPLS = ("auto", "reference", "pallas", "gather")
+IMPLS = ("auto", "reference", "pallas", "gather", "gemv")
 
 # Token-expert pairs from which "auto" runs the grouped-matmul kernel on a GPU. H200, BENCHMARKS.md (moe.py,
 # b7a640e): at Kimi widths (D=2304, F=1024, E=32, k=8) the kernel beats XLA's `ragged_dot` from 64 tokens
@@ -42,7 +43,7 @@ def moe_experts(
     *,
     impl: str = "auto",
     block_m: int | None = None,
-    block_n: int = 128,
+    block_n: int | None = None,
     block_k: int = 64,
     precision: str = "tf32",
     interpret: bool | None = None,
@@ -51,10 +52,13 @@ def moe_experts(
 
     x [N,D]; idx [N,k] int expert ids; w [N,k] weights; gate/up [E,D,F]; down [E,F,D] -> [N,D] float32.
     impl: "reference" (`lax.ragged_dot` grouped matmuls), "gather" (jnp with each pair's expert weights
-    gathered: decode-sized calls only, opt-in until timed; `reference.moe_experts_gather`), "pallas"
+    gathered: decode-sized calls only; `reference.moe_experts_gather`), "gemv" (`gemv.gate_up_gemv` and
+    `gemv.down_gemv`: one Pallas program per token-expert pair and output tile reading the pair's expert
+    weights in place — decode-sized calls; opt-in, not yet timed on the GPU), "pallas"
     (`kernel.grouped_matmul_pallas` on rows sorted by expert and padded per expert to whole blocks of
     `block_m` rows — default 64, `DECODE_BLOCK_M` below `PALLAS_MIN_PAIRS` pairs; `block_n` / `block_k`
-    output and contraction tiles, powers of two), or "auto" (on a GPU the kernel from `PALLAS_MIN_PAIRS`
+    output and contraction tiles, powers of two, `block_n` default 128, 64 for "gemv"), or "auto" (on a GPU
+    the kernel from `PALLAS_MIN_PAIRS`
     token-expert pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the reference
     otherwise — decode of models with few experts;
     `pallas_kernels.use_pallas(ops=["moe"])` forces either way).
@@ -71,6 +75,8 @@ def moe_experts(
         raise ValueError(f"moe_experts: down_proj.shape={down_proj.shape} != {(e, f, d)}")
     if block_m is None:
         block_m = 64 if idx.size >= PALLAS_MIN_PAIRS else DECODE_BLOCK_M
+    if block_n is None:
+        block_n = 64 if impl == "gemv" else 128
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
@@ -81,6 +87,9 @@ def moe_experts(
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
     if impl == "gather":
         return moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj)
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    if impl == "gemv":
+        return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, interpret)
 
     k = idx.shape[1]
     order, sizes = sort_by_expert(idx, e)
@@ -104,10 +113,7 @@ def moe_experts(
     d_pad, f_pad = max(d_pad, d_pad2), max(f_pad, f_pad2)
     token = order // k
     xs = jnp.zeros((rows, d_pad), x.dtype).at[dest, :d].set(x[token])
-    kw = dict(
-        block_m=block_m, precision=precision,
-        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
-    )  # fmt: skip
+    kw = dict(block_m=block_m, precision=precision, interpret=interpret)
     pad3 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, 0), (0, p1 - a.shape[1]), (0, p2 - a.shape[2])])  # noqa: E731
     gate = grouped_matmul_pallas(xs, pad3(gate_proj, d_pad, f_pad), block_expert, block_n=bn_f, block_k=bk_d, **kw)
     up = grouped_matmul_pallas(xs, pad3(up_proj, d_pad, f_pad), block_expert, block_n=bn_f, block_k=bk_d, **kw)
@@ -115,3 +121,23 @@ def moe_experts(
     y = grouped_matmul_pallas(h, pad3(down_proj, f_pad, d_pad), block_expert, block_n=bn_d, block_k=bk_f, **kw)
     y = y[dest, :d] * w.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((n, d), jnp.float32).at[token].add(y)
+
+
+def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, interpret):
+    """impl="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k."""
+    n, d = x.shape
+    k = idx.shape[1]
+    f = gate_proj.shape[-1]
+    bk_d, d_in = _tile(d, block_k)  # D as the contraction of gate/up
+    bn_f, f_out = _tile(f, block_n)  # F as their output
+    bk_f, f_in = _tile(f_out, block_k)  # F as the contraction of down
+    bn_d, d_out = _tile(d, block_n)  # D as its output
+    f_pad = max(f_out, f_in)
+    pad3 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, 0), (0, p1 - a.shape[1]), (0, p2 - a.shape[2])])  # noqa: E731
+    e_ids = idx.reshape(-1).astype(jnp.int32)  # [P] pair p = token p // k
+    rows = jnp.pad(jnp.repeat(x, k, axis=0), [(0, 0), (0, d_in - d)])
+    kw = dict(block_k=bk_d, interpret=interpret)
+    h = gate_up_gemv(e_ids, rows, pad3(gate_proj, d_in, f_pad), pad3(up_proj, d_in, f_pad), block_n=bn_f, **kw)
+    y = down_gemv(e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, interpret=interpret)
+    y = y[:, :d].reshape(n, k, d)
+    return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y)
