@@ -52,6 +52,12 @@ def auto_impl(op: str, supported: bool, *, default_on_gpu: bool = True) -> bool:
     return default_on_gpu and jax.default_backend() == "gpu"
 
 
+def forced_choice(op: str) -> bool | None:
+    """What a `use_pallas()` block covering `op` asks for (True: kernel, False: reference), None outside one."""
+    forced = _PREFER_PALLAS.get()
+    return forced[0] if forced is not None and op in forced[1] else None
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= n (Triton's loaded tiles must have power-of-two sizes)."""
     return 1 << max(0, (n - 1).bit_length())

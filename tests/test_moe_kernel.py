@@ -87,8 +87,14 @@ def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     assert "name=moe_grouped_matmul" in traced(big)
     small = traced(big - 1)
     assert "pallas_call" not in small and "ragged_dot" in small
-    many = traced(1, e=api.DENSE_MAX_EXPERTS + 1)  # decode, but the dense product would read every expert
+    many = traced(5, e=api.DENSE_MAX_EXPERTS + 1)  # decode (10 pairs), but the dense product would read all experts
     assert "name=moe_grouped_matmul" in many
+    one = traced(1, e=api.DENSE_MAX_EXPERTS + 1)  # one token's pairs (<= GATHER_MAX_PAIRS): gathered weights
+    assert "pallas_call" not in one and "ragged_dot" not in one
+    from pallas_kernels import use_pallas
+
+    with use_pallas(ops=["moe"]):  # a use_pallas block still gets the kernel
+        assert "name=moe_grouped_matmul" in traced(1, e=api.DENSE_MAX_EXPERTS + 1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

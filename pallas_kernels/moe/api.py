@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._pallas import auto_impl, pow2
+from pallas_kernels._pallas import auto_impl, forced_choice, pow2
 from pallas_kernels.moe.gemv import down_gemv, gate_up_gemv
 from pallas_kernels.moe.kernel import grouped_matmul_pallas
 from pallas_kernels.moe.reference import moe_experts_gather, moe_experts_reference, sort_by_expert
@@ -25,6 +25,10 @@ PALLAS_MIN_PAIRS = 512
 # padding, the best decode block in the same run). Not yet timed at 256 experts (`moe.py --shape kimi`).
 DENSE_MAX_EXPERTS = 32
 DECODE_BLOCK_M = 16
+# ...except for a single token's pairs, where gathering the k experts' weights in XLA was faster still: H200,
+# 256 Kimi experts, k = 8 (BENCHMARKS.md, moe.py at 38afce2): 1 token 0.30 ms gathered vs 0.43 ms kernel
+# (16-row blocks) vs 1.04 ms `ragged_dot`; at 16 tokens the gather lost (2.50 vs 0.90 ms).
+GATHER_MAX_PAIRS = 8
 
 
 def _tile(dim: int, cap: int) -> tuple[int, int]:
@@ -59,8 +63,9 @@ def moe_experts(
     `block_m` rows — default 64, `DECODE_BLOCK_M` below `PALLAS_MIN_PAIRS` pairs; `block_n` / `block_k`
     output and contraction tiles, powers of two, `block_n` default 128, 64 for "gemv"), or "auto" (on a GPU
     the kernel from `PALLAS_MIN_PAIRS`
-    token-expert pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the reference
-    otherwise — decode of models with few experts;
+    token-expert pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts (then "gather" for up
+    to `GATHER_MAX_PAIRS` pairs: one decoded token), and the reference otherwise — decode of models with few
+    experts;
     `pallas_kernels.use_pallas(ops=["moe"])` forces either way).
     """
     if impl not in IMPLS:
@@ -83,6 +88,9 @@ def moe_experts(
     if impl == "auto":
         kernel_first = idx.size >= PALLAS_MIN_PAIRS or e > DENSE_MAX_EXPERTS
         impl = "pallas" if auto_impl("moe", True, default_on_gpu=kernel_first) else "reference"
+        one_token = e > DENSE_MAX_EXPERTS and idx.size <= GATHER_MAX_PAIRS
+        if impl == "pallas" and one_token and forced_choice("moe") is None:
+            impl = "gather"
     if impl == "reference":
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
     if impl == "gather":
