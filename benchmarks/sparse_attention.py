@@ -28,6 +28,12 @@ from pallas_kernels.sparse_attention import sparse_mla
 PAGE = 64
 
 
+# Sparse MLA kernel variants: (block_h, block_k, precision, splits; None = the `num_splits` rule). The bf16
+# rows and the explicit splits at decode are candidates added after the last GPU run (not yet timed).
+MLA_VARIANTS = ((16, 32, "tf32", None), (16, 64, "tf32", None), (32, 32, "tf32", None), (32, 32, "bf16", None))
+MLA_DECODE_VARIANTS = ((32, 32, "bf16", 4), (64, 32, "bf16", None))
+
+
 def _pool(key, b, s, width, dtype):
     pages = b * (s // PAGE)
     pool = jax.random.normal(key, (pages, PAGE, width), jnp.float32).astype(dtype)
@@ -134,27 +140,15 @@ def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_le
         ref_o, _ = ref(ql, qr, pool, table, idx)
         ms = median_ms(functools.partial(ref, ql, qr, pool, table, idx), warmup=1, iters=5)
         rows.append(row(case, shape, "jnp reference", ms, flops, nbytes, bw, rate))
-        for bh, bk in ((16, 32), (16, 64), (32, 32)):
-            fn = jax.jit(
-                lambda a, c, p, tb, i, bh=bh, bk=bk: sparse_mla(
-                    a, c, p, tb, i, scale=0.1, impl="pallas", block_h=bh, block_k=bk
-                )
-            )
+        variants = MLA_VARIANTS + (MLA_DECODE_VARIANTS if t == 1 else ())
+        for bh, bk, prec, sp in variants:
+            kw = dict(scale=0.1, impl="pallas", block_h=bh, block_k=bk, precision=prec, splits=sp)
+            fn = jax.jit(lambda a, c, p, tb, i, kw=kw: sparse_mla(a, c, p, tb, i, **kw))
             err = rel_err(fn(ql, qr, pool, table, idx)[0], ref_o)
             ms = median_ms(functools.partial(fn, ql, qr, pool, table, idx), warmup=1, iters=5)
-            rows.append(
-                row(
-                    case,
-                    shape,
-                    f"pallas, block_h={bh}, block_k={bk}",
-                    ms,
-                    flops,
-                    nbytes,
-                    bw,
-                    rate,
-                    f"rel err {err:.1e}",
-                )
-            )
+            label = f"pallas, block_h={bh}, block_k={bk}" + (f", {prec}" if prec != "tf32" else "")
+            label += f", splits={sp}" if sp else ""
+            rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
         fp8 = jax.jit(
             lambda a, c, v8, sc, rp, tb, i: sparse_mla(

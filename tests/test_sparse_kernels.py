@@ -68,6 +68,18 @@ def test_sparse_mla_kernel_bf16_pool():
         sparse_mla(ql, qr, pool, table, idx, **split)
 
 
+def test_sparse_mla_kernel_bf16_products():
+    ql, qr, pool, table, idx = _case(6, 2, 2, 16, 64, 16, 8, 40, [29, 17], jnp.bfloat16)
+    ref_o, ref_lse = sparse_mla(ql, qr, pool.astype(jnp.float32), table, idx, scale=0.1, impl="reference")
+    o, lse = sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", precision="bf16", interpret=True)
+    empty = np.asarray(idx < 0).all(-1)
+    assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-2, atol=2e-2)
+    assert rel_err(o, ref_o) < 1e-2  # bf16 queries and probabilities
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", precision="fp16")
+
+
 def test_sparse_mla_kernel_rejects_odd_widths():
     ql, qr, pool, table, idx = _case(0, 1, 1, 4, 24, 16, 8, 4, [8], jnp.float32)
     with pytest.raises(ValueError, match="latent 24"):

@@ -65,10 +65,12 @@ def sparse_mla(
     Returns (out [B,T,N,L] in q_latent.dtype, natural-log LSE [B,T,N] float32, -inf where nothing is selected).
     impl: "reference" (jnp), "pallas" (`kernel.sparse_mla_pallas`: rows gathered from the pool inside the
     kernel, online softmax; L and R powers of two; `block_h` heads and `block_k` rows per step, `precision`
-    "tf32" or "ieee" for its products, `interpret` default on CPU; `splits` parts of the selected rows run
-    as separate programs and are merged by LSE — default `num_splits`: more than one only when the grid
-    would be small, i.e. decode at a small batch), or "auto" (Pallas on GPU when L and R
-    are powers of two with R >= 16 — 4-6x the reference on the H200, BENCHMARKS.md — else the reference).
+    "tf32", "ieee" or "bf16" (bfloat16 operands and probabilities, float32 accumulation, flash-attention
+    style; opt-in, not yet timed; the FP8-pool kernel keeps float32 rows) for its products, `interpret`
+    default on CPU; `splits` parts of the selected rows run as separate programs and are merged by LSE —
+    default `num_splits`: more than one only when the grid would be small, i.e. decode at a small batch), or
+    "auto" (Pallas on GPU when L and R are powers of two with R >= 16 — 4-6x the reference on the H200,
+    BENCHMARKS.md — else the reference).
     Split pools: pass `kv_pages` = the latent pool [P,G,L] and `rope_pages` [P,G,R] (the model's cache keeps
     them apart; the kernel reads both, so no step concatenates the pools). FP8 latent cache: in addition
     `latent_scales` [P,G,L/tile] float32 with `kv_pages` in E4M3; the Pallas kernel dequantizes the selected
@@ -76,6 +78,8 @@ def sparse_mla(
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
+    if precision not in ("tf32", "ieee", "bf16"):
+        raise ValueError(f"sparse_mla: precision={precision!r} must be 'tf32', 'ieee' or 'bf16'")
     if latent_scales is not None and rope_pages is None:
         raise ValueError("sparse_mla: an FP8 latent pool (latent_scales) needs its rope pool (rope_pages)")
     b, t, n, lat = q_latent.shape

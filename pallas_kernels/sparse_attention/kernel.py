@@ -28,8 +28,11 @@ def _kernel(
     precision,
 ):  # fmt: skip
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
-    ql = ql_ref[...].astype(jnp.float32)  # [BH, L]
-    qr = qr_ref[...].astype(jnp.float32)  # [BH, R]
+    # "bf16": operands stay bfloat16 into the tensor cores (half the registers per gathered tile) and the
+    # probabilities go to bfloat16 for the output product, as flash attention does; else float32 / TF32.
+    op = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    ql = ql_ref[...].astype(op)  # [BH, L]
+    qr = qr_ref[...].astype(op)  # [BH, R]
     bh = ql.shape[0]
 
     def body(j, carry):
@@ -37,8 +40,8 @@ def _kernel(
         slots = slots_ref[pl.ds(j * block_k, block_k)]  # [BK] pool rows, -1 = unused
         valid = slots >= 0
         rows = jnp.maximum(slots, 0)
-        c = lat_ref[rows, pl.ds(0, lat)].astype(jnp.float32)  # [BK, L]
-        kr = rope_ref[rows, pl.ds(rope_off, rope)].astype(jnp.float32)  # [BK, R]
+        c = lat_ref[rows, pl.ds(0, lat)].astype(op)  # [BK, L]
+        kr = rope_ref[rows, pl.ds(rope_off, rope)].astype(op)  # [BK, R]
         contract = (((1,), (1,)), ((), ()))
         s = jax.lax.dot_general(ql, c, contract, precision=prec, preferred_element_type=jnp.float32)
         s = s + jax.lax.dot_general(qr, kr, contract, precision=prec, preferred_element_type=jnp.float32)
@@ -48,7 +51,7 @@ def _kernel(
         p = jnp.exp(s - safe[:, None])
         alpha = jnp.exp(m - safe)
         l_sum = l_sum * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p, c, precision=prec, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(op), c, precision=prec, preferred_element_type=jnp.float32)
         return m_new, l_sum, acc
 
     init = (
