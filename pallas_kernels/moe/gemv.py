@@ -29,15 +29,18 @@ def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, h_ref, *, bk, nk):
     e = e_ref[0]
     bn = h_ref.shape[-1]
 
+    # Partial products accumulate as [BK, BN] tiles and are summed over BK once at the end: a reduction across
+    # the tile's rows at every step would cross warps (through shared memory) at every step.
     def body(kk, acc):
         g, u = acc
         xk = x_ref[pl.ds(kk * bk, bk)].astype(jnp.float32)[:, None]  # [BK, 1]
-        g = g + jnp.sum(xk * wg_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32), axis=0)
-        u = u + jnp.sum(xk * wu_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32), axis=0)
+        g = g + xk * wg_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32)
+        u = u + xk * wu_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32)
         return g, u
 
-    zero = jnp.zeros((bn,), jnp.float32)
+    zero = jnp.zeros((bk, bn), jnp.float32)
     g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
+    g, u = jnp.sum(g, axis=0), jnp.sum(u, axis=0)
     h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
 
@@ -46,9 +49,10 @@ def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
 
     def body(kk, acc):
         hk = h_ref[pl.ds(kk * bk, bk)].astype(jnp.float32)[:, None]
-        return acc + jnp.sum(hk * wd_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32), axis=0)
+        return acc + hk * wd_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32)
 
-    y_ref[...] = jax.lax.fori_loop(0, nk, body, jnp.zeros(y_ref.shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, y_ref.shape[-1]), jnp.float32))
+    y_ref[...] = jnp.sum(acc, axis=0)
 
 
 def _pair_call(kernel, name, e_ids, rows, weights, out_width, out_dtype, *, block_n, block_k, interpret, num_warps):
