@@ -271,7 +271,8 @@ def main() -> None:
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
     p.add_argument(
         "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
-        help="Pallas prefill variants as block_v x num_warps [: precision], e.g. 64x4 or 64x4:bf16",
+        help="Pallas prefill variants as block_v x num_warps [:precision [:solve]], e.g. 64x4, 64x4:bf16 or "
+        "64x4:bf16:substitution",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument("--no-record", action="store_true")

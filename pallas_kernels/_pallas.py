@@ -46,9 +46,9 @@ def auto_impl(op: str, supported: bool, *, default_on_gpu: bool = True) -> bool:
         raise ValueError(f"auto_impl: unknown op {op!r}")
     if not supported:
         return False
-    forced = _PREFER_PALLAS.get()
-    if forced is not None and op in forced[1]:
-        return forced[0]
+    forced = forced_choice(op)
+    if forced is not None:
+        return forced
     return default_on_gpu and jax.default_backend() == "gpu"
 
 

@@ -4,7 +4,8 @@ inter-chunk recurrence sequential per (sequence, head, tile of V columns).
 Chunks of C = 64 tokens, handled as four sub-blocks of 16 rows. With G the within-chunk running sum of the
 log decays (G ≤ 0, decreasing), q, k L2-normalised and q scaled:
 
-Phase 0 (`_cumsum_kernel`): G, the running sum of the log decays within each chunk, float32.
+Phase 0 (`_cumsum_kernel`): G, the running sum of the log decays within each chunk, float32 and in base 2
+(G·log2(e)), so that every exponential below is one exp2.
 Phase 1 (`_intra_kernel`, grid (B, N, chunks)), per chunk, on whole [64, 64] / [64, K] tiles:
     A_qk[a, b] = Σ_k q_ak k_bk exp(G_ak − G_bk)  (a ≥ b),   A_kk[a, b] = β_a Σ_k k_ak k_bk exp(G_ak − G_bk)  (a > b)
   Diagonal sub-blocks exactly per element, one column of all four sub-blocks per step (16 steps, key rows
@@ -172,12 +173,13 @@ def _intra_kernel(
         m = dot_solve(x, a_kk - d)
         t_inv = dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
-    g_last = g_ref[CHUNK - 1, :][None, :]  # [1, K]
-    w_ref[...] = dot(t_inv, beta[:, None] * jnp.exp2(G) * k).astype(w_ref.dtype)
+    g_last = g_ref[CHUNK - 1, :]  # [K]
+    decay = jnp.exp2(G)  # [C, K]
+    w_ref[...] = dot(t_inv, beta[:, None] * decay * k).astype(w_ref.dtype)
     u_ref[...] = dot(t_inv, beta[:, None] * v_ref[...].astype(f32))
-    qg_ref[...] = (jnp.exp2(G) * q).astype(qg_ref.dtype)
-    kg_ref[...] = (jnp.exp2(g_last - G) * k).astype(kg_ref.dtype)
-    gl_ref[...] = jnp.exp2(g_ref[CHUNK - 1, :])[:, None]
+    qg_ref[...] = (decay * q).astype(qg_ref.dtype)
+    kg_ref[...] = (jnp.exp2(g_last[None, :] - G) * k).astype(kg_ref.dtype)
+    gl_ref[...] = jnp.exp2(g_last)[:, None]
 
 
 def _state_kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *, nc, precision):

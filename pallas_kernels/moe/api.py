@@ -22,13 +22,31 @@ PALLAS_MIN_PAIRS = 512
 # (0.31 ms for 32 Kimi experts, 453 MB, at one token), so with the released models' 256 experts a decode
 # step would read 3.6 GB per layer where the kernel reads the k = 8 chosen ones. Above this many experts
 # "auto" takes the kernel at every size (with `DECODE_BLOCK_M`-row blocks below PALLAS_MIN_PAIRS: less
-# padding, the best decode block in the same run). Not yet timed at 256 experts (`moe.py --shape kimi`).
+# padding; at 256 experts the best block at 16 and 64 tokens, 0.90 / 1.46 ms vs `ragged_dot` 1.40 / 3.15,
+# BENCHMARKS.md, moe.py at 38afce2).
 DENSE_MAX_EXPERTS = 32
 DECODE_BLOCK_M = 16
 # ...except for a single token's pairs, where gathering the k experts' weights in XLA was faster still: H200,
 # 256 Kimi experts, k = 8 (BENCHMARKS.md, moe.py at 38afce2): 1 token 0.30 ms gathered vs 0.43 ms kernel
 # (16-row blocks) vs 1.04 ms `ragged_dot`; at 16 tokens the gather lost (2.50 vs 0.90 ms).
 GATHER_MAX_PAIRS = 8
+
+
+def auto_choice(pairs: int, experts: int) -> str:
+    """What `impl="auto"` runs for `pairs` token-expert pairs over `experts` experts (rules and timings above)."""
+    forced = forced_choice("moe")
+    if forced is not None:  # inside a use_pallas() block
+        return "pallas" if forced else "reference"
+    if experts > DENSE_MAX_EXPERTS:
+        kernel = "gather" if pairs <= GATHER_MAX_PAIRS else "pallas"
+    else:
+        kernel = "pallas" if pairs >= PALLAS_MIN_PAIRS else "reference"
+    return kernel if auto_impl("moe", True) else "reference"
+
+
+def _pad_weights(a, rows: int, cols: int, dtype):
+    """[E, r, c] -> [E, rows, cols] in dtype, zero-padded (whole kernel tiles; zeros add nothing)."""
+    return jnp.pad(a.astype(dtype), [(0, 0), (0, rows - a.shape[1]), (0, cols - a.shape[2])])
 
 
 def _tile(dim: int, cap: int) -> tuple[int, int]:
@@ -61,12 +79,11 @@ def moe_experts(
     weights in place — decode-sized calls; opt-in, not yet timed on the GPU), "pallas"
     (`kernel.grouped_matmul_pallas` on rows sorted by expert and padded per expert to whole blocks of
     `block_m` rows — default 64, `DECODE_BLOCK_M` below `PALLAS_MIN_PAIRS` pairs; `block_n` / `block_k`
-    output and contraction tiles, powers of two, `block_n` default 128, 64 for "gemv"), or "auto" (on a GPU
-    the kernel from `PALLAS_MIN_PAIRS`
-    token-expert pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts (then "gather" for up
-    to `GATHER_MAX_PAIRS` pairs: one decoded token), and the reference otherwise — decode of models with few
-    experts;
-    `pallas_kernels.use_pallas(ops=["moe"])` forces either way).
+    output and contraction tiles, powers of two, `block_n` default 128, 64 for "gemv"), or "auto"
+    (`auto_choice`: on a GPU the kernel from `PALLAS_MIN_PAIRS` token-expert pairs — prefill — or with more
+    than `DENSE_MAX_EXPERTS` experts, "gather" for up to `GATHER_MAX_PAIRS` pairs of those — one decoded
+    token — and the reference otherwise — decode of models with few experts; on CPU the reference;
+    `pallas_kernels.use_pallas(ops=["moe"])` forces the kernel or the reference).
     """
     if impl not in IMPLS:
         raise ValueError(f"moe_experts: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -86,11 +103,7 @@ def moe_experts(
         if v < 16 or v & (v - 1):
             raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
     if impl == "auto":
-        kernel_first = idx.size >= PALLAS_MIN_PAIRS or e > DENSE_MAX_EXPERTS
-        impl = "pallas" if auto_impl("moe", True, default_on_gpu=kernel_first) else "reference"
-        one_token = e > DENSE_MAX_EXPERTS and idx.size <= GATHER_MAX_PAIRS
-        if impl == "pallas" and one_token and forced_choice("moe") is None:
-            impl = "gather"
+        impl = auto_choice(idx.size, e)
     if impl == "reference":
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
     if impl == "gather":
@@ -122,7 +135,7 @@ def moe_experts(
     token = order // k
     xs = jnp.zeros((rows, d_pad), x.dtype).at[dest, :d].set(x[token])
     kw = dict(block_m=block_m, precision=precision, interpret=interpret)
-    pad3 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, 0), (0, p1 - a.shape[1]), (0, p2 - a.shape[2])])  # noqa: E731
+    pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
     gate = grouped_matmul_pallas(xs, pad3(gate_proj, d_pad, f_pad), block_expert, block_n=bn_f, block_k=bk_d, **kw)
     up = grouped_matmul_pallas(xs, pad3(up_proj, d_pad, f_pad), block_expert, block_n=bn_f, block_k=bk_d, **kw)
     h = (jax.nn.silu(gate) * up).astype(x.dtype)
@@ -141,7 +154,7 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, in
     bk_f, f_in = _tile(f_out, block_k)  # F as the contraction of down
     bn_d, d_out = _tile(d, block_n)  # D as its output
     f_pad = max(f_out, f_in)
-    pad3 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, 0), (0, p1 - a.shape[1]), (0, p2 - a.shape[2])])  # noqa: E731
+    pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
     e_ids = idx.reshape(-1).astype(jnp.int32)  # [P] pair p = token p // k
     rows = jnp.pad(jnp.repeat(x, k, axis=0), [(0, 0), (0, d_in - d)])
     kw = dict(block_k=bk_d, interpret=interpret)
