@@ -28,7 +28,9 @@ SHAPES = {  # D, F, E, k
     "tiny": (64, 32, 8, 2),
 }
 VARIANTS = ((64, 128, 64), (128, 128, 64), (64, 64, 64), (16, 128, 64))
-GEMV_BLOCK_N = (64, 32)
+# (block_n, block_k) of the per-pair GEMV kernels: larger block_k = more weight bytes in flight per step
+# (block_k divides D = 2304: no padded weight copies)
+GEMV_BLOCKS = ((64, 64), (32, 64), (32, 128), (32, 256), (16, 256))
 
 
 def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
@@ -55,11 +57,11 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
         ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
         out.append(roofline_row("moe experts", label, "gathered weights (XLA)", ms, flops, nbytes, bw, rate,
                                 f"rel err {err:.1e}"))  # fmt: skip
-        for bn in GEMV_BLOCK_N:  # one Pallas program per pair and output tile (opt-in impl)
-            fn = jax.jit(functools.partial(moe_experts, impl="gemv", block_n=bn))
+        for bn, bk in GEMV_BLOCKS:  # one Pallas program per pair and output tile (opt-in impl)
+            fn = jax.jit(functools.partial(moe_experts, impl="gemv", block_n=bn, block_k=bk))
             err = rel_err(fn(x, idx, w, gate, up, down), ref)
             ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
-            out.append(roofline_row("moe experts", label, f"pallas per-pair gemv, block_n={bn} k=64", ms, flops,
+            out.append(roofline_row("moe experts", label, f"pallas per-pair gemv, block_n={bn} k={bk}", ms, flops,
                                     nbytes, bw, rate, f"rel err {err:.1e}"))  # fmt: skip
     for bm, bn, bk in VARIANTS:
         fn = jax.jit(functools.partial(moe_experts, impl="pallas", block_m=bm, block_n=bn, block_k=bk))
