@@ -28,9 +28,9 @@ SHAPES = {  # D, F, E, k
     "tiny": (64, 32, 8, 2),
 }
 VARIANTS = ((64, 128, 64), (128, 128, 64), (64, 64, 64), (16, 128, 64))
-# (block_n, block_k) of the per-pair GEMV kernels: larger block_k = more weight bytes in flight per step
-# (block_k divides D = 2304: no padded weight copies)
-GEMV_BLOCKS = ((64, 64), (32, 64), (32, 128), (32, 256), (16, 256))
+# (block_n, block_k, split_k) of the per-pair GEMV kernels (None: `gemv.auto_split_k`); block_k and the
+# split divide D = 2304 (no padded weight copies); split 1 = the version without split-K (5f27973)
+GEMV_BLOCKS = ((32, 64, 1), (32, 64, None), (64, 64, None), (32, 128, None), (64, 128, None), (16, 64, None))
 
 
 def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
@@ -57,12 +57,12 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
         ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
         out.append(roofline_row("moe experts", label, "gathered weights (XLA)", ms, flops, nbytes, bw, rate,
                                 f"rel err {err:.1e}"))  # fmt: skip
-        for bn, bk in GEMV_BLOCKS:  # one Pallas program per pair and output tile (opt-in impl)
-            fn = jax.jit(functools.partial(moe_experts, impl="gemv", block_n=bn, block_k=bk))
+        for bn, bk, sk in GEMV_BLOCKS:  # one Pallas program per pair, output tile and split (opt-in impl)
+            fn = jax.jit(functools.partial(moe_experts, impl="gemv", block_n=bn, block_k=bk, split_k=sk))
             err = rel_err(fn(x, idx, w, gate, up, down), ref)
             ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
-            out.append(roofline_row("moe experts", label, f"pallas per-pair gemv, block_n={bn} k={bk}", ms, flops,
-                                    nbytes, bw, rate, f"rel err {err:.1e}"))  # fmt: skip
+            impl = f"pallas per-pair gemv, block_n={bn} k={bk} split {sk or 'auto'}"
+            out.append(roofline_row("moe experts", label, impl, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
     for bm, bn, bk in VARIANTS:
         fn = jax.jit(functools.partial(moe_experts, impl="pallas", block_m=bm, block_n=bn, block_k=bk))
         err = rel_err(fn(x, idx, w, gate, up, down), ref)

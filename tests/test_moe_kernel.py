@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.moe import moe_experts
+from pallas_kernels.moe import gemv, moe_experts
+from pallas_kernels.moe.gemv import auto_split_k
 from tests.conftest import rel_err
 
 
@@ -116,13 +117,30 @@ def test_gathered_weights_match_reference(dtype):
     k=st.integers(1, 3),
     skew=st.sampled_from([0.0, 3.0]),  # 3.0: tokens crowd onto few experts (pairs share weights)
     block=st.sampled_from([(16, 16), (32, 16), (16, 64)]),
+    split_k=st.sampled_from([None, 1, 2, 4]),  # None: auto_split_k; 4: contractions padded to 4 whole slabs
 )
-def test_gemv_kernels_match_reference(seed, n, d, f, e, k, skew, block):
+def test_gemv_kernels_match_reference(seed, n, d, f, e, k, skew, block, split_k):
     args = _case(seed, n, d, f, e, k, skew)
     ref = moe_experts(*args, impl="reference")
-    got = moe_experts(*args, impl="gemv", block_n=block[0], block_k=block[1], interpret=True)
+    got = moe_experts(*args, impl="gemv", block_n=block[0], block_k=block[1], split_k=split_k, interpret=True)
     assert got.shape == ref.shape and got.dtype == jnp.float32
     assert rel_err(got, ref) < 1e-5
+
+
+def test_gemv_split_k_rule_and_errors():
+    # One Kimi token: 8 pairs x 1024 / 32 output tiles = 256 programs -> split 4 ways (1024 programs, the
+    # target); a split never leaves a partial contraction slab.
+    assert auto_split_k(8, 1024, 2304, 32, 64) == 4
+    assert auto_split_k(8, 1024, 2304, 32, 256) == 1  # 2304 / 256 = 9 slabs: odd, no whole halves
+    assert auto_split_k(128, 1024, 2304, 32, 64) == 1  # 16 tokens: 4096 programs already
+    assert auto_split_k(1, 64, 1 << 20, 64, 16) == gemv.MAX_SPLIT_K
+    args = _case(1, 2, 40, 24, 9, 3, 0.0)
+    with pytest.raises(ValueError, match="split_k=3"):
+        moe_experts(*args, impl="gemv", split_k=3, interpret=True)
+    e_ids = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="contraction 48 must be a multiple of split_k"):
+        gemv.down_gemv(e_ids, jnp.ones((2, 48)), jnp.ones((9, 48, 32)), block_n=32, block_k=16, split_k=2,
+                       interpret=True)  # fmt: skip
 
 
 def test_gemv_kernels_bf16():

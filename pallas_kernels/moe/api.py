@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._pallas import auto_impl, forced_choice, pow2
-from pallas_kernels.moe.gemv import down_gemv, gate_up_gemv
+from pallas_kernels.moe.gemv import auto_split_k, down_gemv, gate_up_gemv
 from pallas_kernels.moe.kernel import grouped_matmul_pallas
 from pallas_kernels.moe.reference import moe_experts_gather, moe_experts_reference, sort_by_expert
 
@@ -67,6 +67,7 @@ def moe_experts(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int = 64,
+    split_k: int | None = None,
     precision: str = "tf32",
     interpret: bool | None = None,
 ):
@@ -79,7 +80,8 @@ def moe_experts(
     weights in place — decode-sized calls; opt-in, not yet timed on the GPU), "pallas"
     (`kernel.grouped_matmul_pallas` on rows sorted by expert and padded per expert to whole blocks of
     `block_m` rows — default 64, `DECODE_BLOCK_M` below `PALLAS_MIN_PAIRS` pairs; `block_n` / `block_k`
-    output and contraction tiles, powers of two, `block_n` default 128, 64 for "gemv"), or "auto"
+    output and contraction tiles, powers of two, `block_n` default 128, 64 for "gemv"; `split_k`: "gemv"'s
+    contraction splits, a power of two, default `gemv.auto_split_k`), or "auto"
     (`auto_choice`: on a GPU the kernel from `PALLAS_MIN_PAIRS` token-expert pairs — prefill — or with more
     than `DENSE_MAX_EXPERTS` experts, "gather" for up to `GATHER_MAX_PAIRS` pairs of those — one decoded
     token — and the reference otherwise — decode of models with few experts; on CPU the reference;
@@ -102,6 +104,8 @@ def moe_experts(
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
+    if split_k is not None and (split_k < 1 or split_k & (split_k - 1)):
+        raise ValueError(f"moe_experts: split_k={split_k} must be a power of two >= 1")
     if impl == "auto":
         impl = auto_choice(idx.size, e)
     if impl == "reference":
@@ -110,7 +114,7 @@ def moe_experts(
         return moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj)
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     if impl == "gemv":
-        return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, interpret)
+        return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret)
 
     k = idx.shape[1]
     order, sizes = sort_by_expert(idx, e)
@@ -144,7 +148,7 @@ def moe_experts(
     return jnp.zeros((n, d), jnp.float32).at[token].add(y)
 
 
-def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, interpret):
+def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret):
     """impl="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k."""
     n, d = x.shape
     k = idx.shape[1]
@@ -157,8 +161,17 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, in
     pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
     e_ids = idx.reshape(-1).astype(jnp.int32)  # [P] pair p = token p // k
     rows = jnp.pad(jnp.repeat(x, k, axis=0), [(0, 0), (0, d_in - d)])
-    kw = dict(block_k=bk_d, interpret=interpret)
-    h = gate_up_gemv(e_ids, rows, pad3(gate_proj, d_in, f_pad), pad3(up_proj, d_in, f_pad), block_n=bn_f, **kw)
-    y = down_gemv(e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, interpret=interpret)
+    p = e_ids.shape[0]
+    s1 = split_k or auto_split_k(p, f_pad, d_in, bn_f, bk_d)
+    s2 = split_k or auto_split_k(p, d_out, f_pad, bn_d, bk_f)
+    # An explicit split_k must divide both contractions into whole slabs: pad them to a multiple of it (F is
+    # also gate/up's output: whole bn_f tiles; all tiles are powers of two, so the larger one is the lcm).
+    d_in = -(-d_in // (s1 * bk_d)) * s1 * bk_d
+    f_pad = -(-f_pad // max(s2 * bk_f, bn_f)) * max(s2 * bk_f, bn_f)
+    rows = jnp.pad(rows, [(0, 0), (0, d_in - rows.shape[1])])
+    gate, up = (pad3(a, d_in, f_pad) for a in (gate_proj, up_proj))
+    kw = dict(interpret=interpret)
+    h = gate_up_gemv(e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, **kw)
+    y = down_gemv(e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, **kw)
     y = y[:, :d].reshape(n, k, d)
     return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y)

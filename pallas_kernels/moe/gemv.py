@@ -7,11 +7,15 @@ slabs of W_e [BK, BN] (contiguous along N), and accumulates Σ_k x_k W_e[k, :] i
 weights are read where they lie, k experts per token (two pairs that share an expert read it twice, the
 second time mostly from L2).
 
-    h_p = SiLU(x_p W_gate[e_p]) ⊙ (x_p W_up[e_p])      (`gate_up_gemv`, grid (P, F / BF))
-    y_p = h_p W_down[e_p]                              (`down_gemv`,    grid (P, D / BD))
+    h_p = SiLU(x_p W_gate[e_p]) ⊙ (x_p W_up[e_p])      (`gate_up_gemv`, grid (P, F / BF, S))
+    y_p = h_p W_down[e_p]                              (`down_gemv`,    grid (P, D / BD, S))
+
+The contraction is split S ways (split-K): each program sums one D / S (or F / S) slab into a float32
+partial and XLA adds the S partials (and applies SiLU ⊙) afterwards — [P, S, N] floats, negligible beside
+the weights — so that a one-token call still launches enough programs to keep every SM streaming.
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). The contraction length must be a
-multiple of BK and the output width of BN (powers of two); `moe_experts(impl="gemv")` pads.
+multiple of S x BK and the output width of BN (powers of two); `moe_experts(impl="gemv")` pads.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
 
+# Programs `auto_split_k` aims for (~8 per H200 SM) and its largest split.
+SPLIT_TARGET = 1024
+MAX_SPLIT_K = 16
 
-def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, h_ref, *, bk, nk):
+
+def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, bk, nk):
     e = e_ref[0]
-    bn = h_ref.shape[-1]
+    bn = g_ref.shape[-1]
 
     # Partial products accumulate as [BK, BN] tiles and are summed over BK once at the end: a reduction across
     # the tile's rows at every step would cross warps (through shared memory) at every step.
@@ -40,8 +48,8 @@ def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, h_ref, *, bk, nk):
 
     zero = jnp.zeros((bk, bn), jnp.float32)
     g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
-    g, u = jnp.sum(g, axis=0), jnp.sum(u, axis=0)
-    h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
+    g_ref[...] = jnp.sum(g, axis=0)
+    u_ref[...] = jnp.sum(u, axis=0)
 
 
 def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
@@ -55,40 +63,61 @@ def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
     y_ref[...] = jnp.sum(acc, axis=0)
 
 
-def _pair_call(kernel, name, e_ids, rows, weights, out_width, out_dtype, *, block_n, block_k, interpret, num_warps):
+def _pair_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, interpret, num_warps):
+    """Grid (pairs, output tiles, contraction splits) -> n_out float32 partial sums, each [P, split_k, N]."""
     p, kdim = rows.shape
-    n_exp = weights[0].shape[0]
+    n_exp, _, width = weights[0].shape
+    if kdim % (split_k * block_k) or width % block_n:
+        raise ValueError(
+            f"{name}: contraction {kdim} must be a multiple of split_k * block_k = {split_k} * {block_k} and "
+            f"output width {width} of block_n = {block_n}"
+        )
+    ks = kdim // split_k
+    out = jax.ShapeDtypeStruct((p, split_k, width), jnp.float32)
     return pl.pallas_call(
-        functools.partial(kernel, bk=block_k, nk=kdim // block_k),
-        grid=(p, out_width // block_n),
+        functools.partial(kernel, bk=block_k, nk=ks // block_k),
+        grid=(p, width // block_n, split_k),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((None, kdim), lambda i, j: (i, 0)),
-            *[pl.BlockSpec((n_exp, kdim, block_n), lambda i, j: (0, 0, j)) for _ in weights],
+            pl.BlockSpec((1,), lambda i, j, s: (i,)),
+            pl.BlockSpec((None, ks), lambda i, j, s: (i, s)),
+            *[pl.BlockSpec((n_exp, ks, block_n), lambda i, j, s: (0, s, j)) for _ in weights],
         ],
-        out_specs=pl.BlockSpec((None, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((p, out_width), out_dtype),
+        out_specs=[pl.BlockSpec((None, None, block_n), lambda i, j, s: (i, s, j))] * n_out,
+        out_shape=[out] * n_out,
         interpret=interpret,
         name=name,
         **triton_params(interpret, num_warps, 2),
     )(e_ids, rows, *weights)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "interpret", "num_warps"))
-def gate_up_gemv(e_ids, x_rows, gate, up, *, block_n, block_k, interpret=False, num_warps=4):
-    """e_ids [P] int32, x_rows [P, D] (D a multiple of block_k), gate/up [E, D, F] (F a multiple of block_n)
-    -> h [P, F] in x_rows.dtype: SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p])."""
-    return _pair_call(
-        _gate_up_kernel, "moe_gate_up_gemv", e_ids, x_rows, (gate, up), gate.shape[-1], x_rows.dtype,
-        block_n=block_n, block_k=block_k, interpret=interpret, num_warps=num_warps,
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "interpret", "num_warps"))
+def gate_up_gemv(e_ids, x_rows, gate, up, *, block_n, block_k, split_k=1, interpret=False, num_warps=4):
+    """e_ids [P] int32, x_rows [P, D] (D a multiple of split_k * block_k), gate/up [E, D, F] (F a multiple of
+    block_n) -> h [P, F] in x_rows.dtype: SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p])."""
+    g, u = _pair_call(
+        _gate_up_kernel, "moe_gate_up_gemv", e_ids, x_rows, (gate, up), 2,
+        block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
     )  # fmt: skip
+    return (jax.nn.silu(jnp.sum(g, axis=1)) * jnp.sum(u, axis=1)).astype(x_rows.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "interpret", "num_warps"))
-def down_gemv(e_ids, h, down, *, block_n, block_k, interpret=False, num_warps=4):
-    """e_ids [P] int32, h [P, F] (F a multiple of block_k), down [E, F, D] (D a multiple of block_n)
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "interpret", "num_warps"))
+def down_gemv(e_ids, h, down, *, block_n, block_k, split_k=1, interpret=False, num_warps=4):
+    """e_ids [P] int32, h [P, F] (F a multiple of split_k * block_k), down [E, F, D] (D a multiple of block_n)
     -> y [P, D] float32: h_p down[e_p]."""
-    return _pair_call(
-        _down_kernel, "moe_down_gemv", e_ids, h, (down,), down.shape[-1], jnp.float32,
-        block_n=block_n, block_k=block_k, interpret=interpret, num_warps=num_warps,
+    (y,) = _pair_call(
+        _down_kernel, "moe_down_gemv", e_ids, h, (down,), 1,
+        block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
     )  # fmt: skip
+    return jnp.sum(y, axis=1)
+
+
+def auto_split_k(pairs: int, width: int, kdim: int, block_n: int, block_k: int, target: int = SPLIT_TARGET) -> int:
+    """Contraction splits for `pairs` x `width / block_n` programs: doubled (while the contraction still divides
+    into whole block_k slabs) until there are `target` programs — enough resident CTAs to keep weight bytes
+    in flight on every SM (one token's 8 pairs alone make 8 x F / BN = 256 programs, two waves of one CTA
+    per SM, each streaming its slab serially)."""
+    s = 1
+    while pairs * (width // block_n) * s < target and kdim % (2 * s * block_k) == 0 and s < MAX_SPLIT_K:
+        s *= 2
+    return s
