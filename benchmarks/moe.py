@@ -30,7 +30,28 @@ SHAPES = {  # D, F, E, k
 VARIANTS = ((64, 128, 64), (128, 128, 64), (64, 64, 64), (16, 128, 64))
 # (block_n, block_k, split_k) of the per-pair GEMV kernels (None: `gemv.auto_split_k`); block_k and the
 # split divide D = 2304 (no padded weight copies); split 1 = the version without split-K (5f27973)
-GEMV_BLOCKS = ((32, 64, 1), (32, 64, None), (64, 64, None), (32, 128, None), (64, 128, None), (16, 64, None))
+GEMV_BLOCKS = ((64, 64, 1), (64, 64, None), (32, 64, None), (64, 128, None))
+
+
+# Decode-sized calls are timed as CHAIN calls in one executable (each call's output is the next one's input),
+# per call: what a layer costs inside a compiled decode step. One call per dispatch would add the ~0.1-0.15 ms
+# host dispatch to every row (H200: the split-K gemv at one Kimi token, 0.21 ms per dispatch vs 0.077 ms
+# chained, its two kernels 45 us in a profiler trace) and rank the implementations by their launch counts.
+CHAIN = 10
+
+
+def _timer(fn, args, decode: bool):
+    """fn(*args) -> [N, D] float32; -> (output, median ms per call)."""
+    if not decode:
+        return fn(*args), median_ms(functools.partial(fn, *args), warmup=1, iters=3)
+
+    @jax.jit
+    def chained(x, *rest):
+        for _ in range(CHAIN):
+            x = fn(x, *rest).astype(x.dtype)
+        return x
+
+    return fn(*args), median_ms(functools.partial(chained, *args), warmup=1, iters=10) / CHAIN
 
 
 def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
@@ -44,31 +65,25 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
     touched = e * (1 - (1 - k / e) ** tokens)
     nbytes = touched * 3 * d * f * 2 + 2 * tokens * d * 2
     flops = 2 * 3 * d * f * tokens * k
-    label = f"{shape}: {tokens} tokens, D={d} F={f} E={e} k={k}"
-    ref_fn = jax.jit(functools.partial(moe_experts, impl="reference"))
-    ref = ref_fn(x, idx, w, gate, up, down)
-    out = []
-    big = tokens >= 4096
-    ms = median_ms(functools.partial(ref_fn, x, idx, w, gate, up, down), warmup=1, iters=3 if big else 10)
-    out.append(roofline_row("moe experts", label, "lax.ragged_dot (XLA)", ms, flops, nbytes, bw, rate))
-    if tokens * k <= 256:  # decode sizes: each pair's expert weights gathered (opt-in impl)
-        fn = jax.jit(functools.partial(moe_experts, impl="gather"))
-        err = rel_err(fn(x, idx, w, gate, up, down), ref)
-        ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
-        out.append(roofline_row("moe experts", label, "gathered weights (XLA)", ms, flops, nbytes, bw, rate,
-                                f"rel err {err:.1e}"))  # fmt: skip
-        for bn, bk, sk in GEMV_BLOCKS:  # one Pallas program per pair, output tile and split (opt-in impl)
-            fn = jax.jit(functools.partial(moe_experts, impl="gemv", block_n=bn, block_k=bk, split_k=sk))
-            err = rel_err(fn(x, idx, w, gate, up, down), ref)
-            ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=10)
-            impl = f"pallas per-pair gemv, block_n={bn} k={bk} split {sk or 'auto'}"
-            out.append(roofline_row("moe experts", label, impl, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
+    decode = tokens * k <= 512
+    label = f"{shape}: {tokens} tokens, D={d} F={f} E={e} k={k}" + (f", {CHAIN} chained calls" if decode else "")
+    args = (x, idx, w, gate, up, down)
+    variants = {"lax.ragged_dot (XLA)": dict(impl="reference")}
+    if tokens * k <= 256:  # decode sizes: each pair's expert weights gathered / read in place (opt-in impls)
+        variants["gathered weights (XLA)"] = dict(impl="gather")
+        for bn, bk, sk in GEMV_BLOCKS:  # one Pallas program per pair, output tile and split
+            name = f"pallas per-pair gemv, block_n={bn} k={bk} split {sk or 'auto'}"
+            variants[name] = dict(impl="gemv", block_n=bn, block_k=bk, split_k=sk)
     for bm, bn, bk in VARIANTS:
-        fn = jax.jit(functools.partial(moe_experts, impl="pallas", block_m=bm, block_n=bn, block_k=bk))
-        err = rel_err(fn(x, idx, w, gate, up, down), ref)
-        ms = median_ms(functools.partial(fn, x, idx, w, gate, up, down), warmup=1, iters=3 if big else 10)
-        impl = f"pallas grouped matmul, block_m={bm} n={bn} k={bk}"
-        out.append(roofline_row("moe experts", label, impl, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
+        variants[f"pallas grouped matmul, block_m={bm} n={bn} k={bk}"] = dict(
+            impl="pallas", block_m=bm, block_n=bn, block_k=bk
+        )
+    out, ref = [], None
+    for name, kw in variants.items():
+        y, ms = _timer(jax.jit(functools.partial(moe_experts, **kw)), args, decode)
+        check = "" if ref is None else f"rel err {rel_err(y, ref):.1e}"
+        ref = y if ref is None else ref
+        out.append(roofline_row("moe experts", label, name, ms, flops, nbytes, bw, rate, check))
     return out
 
 
