@@ -74,8 +74,9 @@ def test_reference_in_token_blocks_equals_one_pass():
 
 
 def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
-    """On a GPU, "auto" runs the kernel for prefill-sized calls (>= PALLAS_MIN_PAIRS token-expert pairs) and
-    XLA's ragged_dot for decode-sized ones; on CPU always the reference."""
+    """On a GPU, "auto" runs the grouped kernel for prefill-sized calls (>= PALLAS_MIN_PAIRS token-expert pairs)
+    or many experts, the GEMV kernels for one token's pairs, and XLA's ragged_dot for other decode-sized
+    calls over few experts; on CPU always the reference."""
     from pallas_kernels.moe import api
 
     def traced(n, e=4):
@@ -90,8 +91,13 @@ def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     assert "pallas_call" not in small and "ragged_dot" in small
     many = traced(5, e=api.DENSE_MAX_EXPERTS + 1)  # decode (10 pairs), but the dense product would read all experts
     assert "name=moe_grouped_matmul" in many
-    one = traced(1, e=api.DENSE_MAX_EXPERTS + 1)  # one token's pairs (<= GATHER_MAX_PAIRS): gathered weights
-    assert "pallas_call" not in one and "ragged_dot" not in one
+    for e in (4, api.DENSE_MAX_EXPERTS + 1):  # one token's pairs (<= GEMV_MAX_PAIRS): per-pair GEMV kernels
+        one = traced(api.GEMV_MAX_PAIRS // 2, e=e)
+        assert "name=moe_gate_up_gemv" in one and "ragged_dot" not in one
+    assert "name=moe_gate_up_gemv" not in traced(api.GEMV_MAX_PAIRS // 2 + 1)
+    # grouped kernel rows: 16-row blocks until experts average 16 rows, and below PALLAS_MIN_PAIRS
+    assert api.auto_block_m(512, 256) == 16 and api.auto_block_m(16 * 256, 256) == 64
+    assert api.auto_block_m(511, 4) == 16 and api.auto_block_m(512, 32) == 64
     from pallas_kernels import use_pallas
 
     with use_pallas(ops=["moe"]):  # a use_pallas block still gets the kernel

@@ -12,24 +12,24 @@ from pallas_kernels.moe.reference import moe_experts_gather, moe_experts_referen
 
 IMPLS = ("auto", "reference", "pallas", "gather", "gemv")
 
-# Token-expert pairs from which "auto" runs the grouped-matmul kernel on a GPU. H200, BENCHMARKS.md (moe.py,
-# b7a640e): at Kimi widths (D=2304, F=1024, E=32, k=8) the kernel beats XLA's `ragged_dot` from 64 tokens
-# (512 pairs: 0.43-0.53 vs 0.67 ms) and by 6-16x at 4K-32K tokens; below that (decode: 8-256 pairs) XLA's
-# dense product over the experts is faster (0.31 vs 0.45 ms at 16 tokens; hybrid_small 64 x 4 pairs 0.27 vs
-# 0.34 ms).
+# The rules of impl="auto" on a GPU, from H200 timings of decode-sized calls as 10 chained calls in one
+# executable (what a layer costs inside a compiled step; BENCHMARKS.md, moe.py at 86ea8f0, Kimi widths
+# D=2304, F=1024, k=8):
+# - up to GEMV_MAX_PAIRS pairs (one decoded token) the per-pair GEMV kernels (split-K): 0.066-0.073 ms at 32
+#   and 256 experts, against `ragged_dot` 0.157 / 0.904 ms, gathered weights 0.167 / 0.170, the grouped
+#   kernel 0.16 / 0.19 ms. At 16 tokens (128 pairs) they lose (0.45 / 0.55 ms vs the grouped kernel 0.20 /
+#   0.48): each pair reads its expert again, where the grouped kernel reads it once per block of rows.
+GEMV_MAX_PAIRS = 8
+# - from PALLAS_MIN_PAIRS pairs, or above DENSE_MAX_EXPERTS experts at every size, the grouped-matmul
+#   kernel: `ragged_dot` reads all E experts' weights at every call (0.90 ms at one token with 256
+#   experts); with 32 experts it ties the kernel at 16 tokens (0.208 vs 0.201 ms) and loses from 64 tokens
+#   (0.42 vs 0.25 ms; 6-16x at 4K-32K tokens, b7a640e).
 PALLAS_MIN_PAIRS = 512
-# ...but only while that dense product reads few experts: it reads all E experts' weights at every call
-# (0.31 ms for 32 Kimi experts, 453 MB, at one token), so with the released models' 256 experts a decode
-# step would read 3.6 GB per layer where the kernel reads the k = 8 chosen ones. Above this many experts
-# "auto" takes the kernel at every size (with `DECODE_BLOCK_M`-row blocks below PALLAS_MIN_PAIRS: less
-# padding; at 256 experts the best block at 16 and 64 tokens, 0.90 / 1.46 ms vs `ragged_dot` 1.40 / 3.15,
-# BENCHMARKS.md, moe.py at 38afce2).
 DENSE_MAX_EXPERTS = 32
+# - the kernel's row blocks: DECODE_BLOCK_M rows while an expert gets fewer than that many rows on average
+#   (less padding: 256 experts, 64 tokens, 0.95 ms in 16-row blocks vs 1.25 ms in 64-row blocks), 64 rows
+#   from there.
 DECODE_BLOCK_M = 16
-# ...except for a single token's pairs, where gathering the k experts' weights in XLA was faster still: H200,
-# 256 Kimi experts, k = 8 (BENCHMARKS.md, moe.py at 38afce2): 1 token 0.30 ms gathered vs 0.43 ms kernel
-# (16-row blocks) vs 1.04 ms `ragged_dot`; at 16 tokens the gather lost (2.50 vs 0.90 ms).
-GATHER_MAX_PAIRS = 8
 
 
 def auto_choice(pairs: int, experts: int) -> str:
@@ -37,11 +37,18 @@ def auto_choice(pairs: int, experts: int) -> str:
     forced = forced_choice("moe")
     if forced is not None:  # inside a use_pallas() block
         return "pallas" if forced else "reference"
-    if experts > DENSE_MAX_EXPERTS:
-        kernel = "gather" if pairs <= GATHER_MAX_PAIRS else "pallas"
+    if pairs <= GEMV_MAX_PAIRS:
+        kernel = "gemv"
+    elif experts > DENSE_MAX_EXPERTS or pairs >= PALLAS_MIN_PAIRS:
+        kernel = "pallas"
     else:
-        kernel = "pallas" if pairs >= PALLAS_MIN_PAIRS else "reference"
+        kernel = "reference"
     return kernel if auto_impl("moe", True) else "reference"
+
+
+def auto_block_m(pairs: int, experts: int) -> int:
+    """The grouped kernel's row block when none is given (rule above)."""
+    return DECODE_BLOCK_M if pairs < max(PALLAS_MIN_PAIRS, DECODE_BLOCK_M * experts) else 64
 
 
 def _pad_weights(a, rows: int, cols: int, dtype):
@@ -76,15 +83,15 @@ def moe_experts(
     x [N,D]; idx [N,k] int expert ids; w [N,k] weights; gate/up [E,D,F]; down [E,F,D] -> [N,D] float32.
     impl: "reference" (`lax.ragged_dot` grouped matmuls), "gather" (jnp with each pair's expert weights
     gathered: decode-sized calls only; `reference.moe_experts_gather`), "gemv" (`gemv.gate_up_gemv` and
-    `gemv.down_gemv`: one Pallas program per token-expert pair and output tile reading the pair's expert
-    weights in place — decode-sized calls; opt-in, not yet timed on the GPU), "pallas"
+    `gemv.down_gemv`: one Pallas program per token-expert pair, output tile and contraction split, reading
+    the pair's expert weights in place — decode-sized calls), "pallas"
     (`kernel.grouped_matmul_pallas` on rows sorted by expert and padded per expert to whole blocks of
-    `block_m` rows — default 64, `DECODE_BLOCK_M` below `PALLAS_MIN_PAIRS` pairs; `block_n` / `block_k`
+    `block_m` rows — default `auto_block_m`; `block_n` / `block_k`
     output and contraction tiles, powers of two, `block_n` default 128, 64 for "gemv"; `split_k`: "gemv"'s
     contraction splits, a power of two, default `gemv.auto_split_k`), or "auto"
-    (`auto_choice`: on a GPU the kernel from `PALLAS_MIN_PAIRS` token-expert pairs — prefill — or with more
-    than `DENSE_MAX_EXPERTS` experts, "gather" for up to `GATHER_MAX_PAIRS` pairs of those — one decoded
-    token — and the reference otherwise — decode of models with few experts; on CPU the reference;
+    (`auto_choice`: on a GPU "gemv" for up to `GEMV_MAX_PAIRS` pairs — one decoded token — the grouped
+    kernel from `PALLAS_MIN_PAIRS` pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the
+    reference otherwise — batched decode of models with few experts; on CPU the reference;
     `pallas_kernels.use_pallas(ops=["moe"])` forces the kernel or the reference).
     """
     if impl not in IMPLS:
@@ -98,7 +105,7 @@ def moe_experts(
     if down_proj.shape != (e, f, d):
         raise ValueError(f"moe_experts: down_proj.shape={down_proj.shape} != {(e, f, d)}")
     if block_m is None:
-        block_m = 64 if idx.size >= PALLAS_MIN_PAIRS else DECODE_BLOCK_M
+        block_m = auto_block_m(idx.size, e)
     if block_n is None:
         block_n = 64 if impl == "gemv" else 128
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
