@@ -48,6 +48,27 @@ def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(ts)
 
 
+CHAIN = 10
+
+
+def chained_ms(fn, *args, n: int = CHAIN, warmup: int = 1, iters: int = 10) -> float:
+    """Median ms per call of fn(*args) run n times in one executable, each call's first argument made to
+    depend on the previous call's output: what an op costs inside a compiled step, without the per-dispatch
+    host overhead (~0.1-0.2 ms on the H200, larger than a decode-sized kernel). The dependency is a zero
+    XLA cannot fold (an output element compared with a value it never takes) added to args[0]: one tiny
+    fusion per call, so it also keeps XLA from merging or hoisting the repeated calls."""
+
+    def chain(first, *rest):
+        for _ in range(n):
+            out = fn(first, *rest)
+            leaf = jax.tree.leaves(out)[0].ravel()[0]
+            first = first + (leaf == -1234567).astype(first.dtype)
+        return first
+
+    chained = jax.jit(chain)
+    return median_ms(lambda: chained(*args), warmup=warmup, iters=iters) / n
+
+
 def flat_module(module):
     """(the module's arrays as one flat list, leaves -> the module again, for inside a trace)."""
     from flax import nnx

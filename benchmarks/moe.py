@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import ceilings, median_ms, rel_err, report, roofline_row
+from benchmarks.common import CHAIN, ceilings, chained_ms, median_ms, rel_err, report, roofline_row
 from pallas_kernels.moe import moe_experts
 
 SHAPES = {  # D, F, E, k
@@ -33,25 +33,17 @@ VARIANTS = ((64, 128, 64), (128, 128, 64), (64, 64, 64), (16, 128, 64))
 GEMV_BLOCKS = ((64, 64, 1), (64, 64, None), (32, 64, None), (64, 128, None))
 
 
-# Decode-sized calls are timed as CHAIN calls in one executable (each call's output is the next one's input),
-# per call: what a layer costs inside a compiled decode step. One call per dispatch would add the ~0.1-0.15 ms
-# host dispatch to every row (H200: the split-K gemv at one Kimi token, 0.21 ms per dispatch vs 0.077 ms
-# chained, its two kernels 45 us in a profiler trace) and rank the implementations by their launch counts.
-CHAIN = 10
+# Decode-sized calls are timed as CHAIN calls in one executable (`common.chained_ms`), per call: what a layer
+# costs inside a compiled decode step. One call per dispatch adds the ~0.1-0.15 ms host dispatch to every
+# row (H200: the split-K gemv at one Kimi token, 0.21 ms per dispatch vs 0.077 ms chained, its two kernels
+# 45 us in a profiler trace) and ranks the implementations by their launch counts.
 
 
 def _timer(fn, args, decode: bool):
     """fn(*args) -> [N, D] float32; -> (output, median ms per call)."""
     if not decode:
         return fn(*args), median_ms(functools.partial(fn, *args), warmup=1, iters=3)
-
-    @jax.jit
-    def chained(x, *rest):
-        for _ in range(CHAIN):
-            x = fn(x, *rest).astype(x.dtype)
-        return x
-
-    return fn(*args), median_ms(functools.partial(chained, *args), warmup=1, iters=10) / CHAIN
+    return fn(*args), chained_ms(fn, *args)
 
 
 def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:

@@ -1,6 +1,9 @@
 """Sparse-attention kernels on one GPU: the lightning indexer (scores + Top-K) and index-based sparse MLA,
 Pallas against the jnp reference (materialised scores + `lax.top_k`; gathered rows) in the same run.
 
+Decode rows are timed as CHAIN calls in one executable (`common.chained_ms`), per call: inside a compiled
+decode step there is no host dispatch per op (~0.1-0.2 ms on the H200, more than the B=1 kernels take).
+
 Floors: bytes that must move over the measured copy bandwidth and FLOPs over the measured bf16 matmul rate
 (the larger). Indexer: the key cache read once (BF16, or MXFP8 values + E8M0 scales) plus the queries;
 FLOPs 2·N·H per query-key pair. Sparse MLA: the selected rows [c | k_rope] read once per query; FLOPs
@@ -18,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import ceilings, median_ms, rel_err, report
+from benchmarks.common import CHAIN, ceilings, chained_ms, median_ms, rel_err, report
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
@@ -32,6 +35,10 @@ PAGE = 64
 # rows and the explicit splits at decode are candidates added after the last GPU run (not yet timed).
 MLA_VARIANTS = ((16, 32, "tf32", None), (16, 64, "tf32", None), (32, 32, "tf32", None), (32, 32, "bf16", None))
 MLA_DECODE_VARIANTS = ((32, 32, "bf16", 4), (64, 32, "bf16", None))
+
+
+def _single_ms(fn, *args, iters):
+    return median_ms(functools.partial(fn, *args), warmup=1, iters=iters)
 
 
 def _pool(key, b, s, width, dtype):
@@ -64,33 +71,33 @@ def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, blo
             lens = jnp.full((b,), s, jnp.int32)
             kw = dict(q_positions=pos, kv_lengths=lens, topk=topk, scale=dim**-0.5)
             flops = 2 * b * s * heads * dim
-            shape = f"decode B={b} S={s} heads={heads}x{dim} top-{topk}"
+            shape = f"decode B={b} S={s} heads={heads}x{dim} top-{topk}, {CHAIN} chained calls"
             ref = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="reference", **kw))
             ref_i, _ = ref(q, w, pool, table)
-            ms = median_ms(functools.partial(ref, q, w, pool, table), iters=10)
+            ms = chained_ms(ref, q, w, pool, table)
             rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
             for bs in block_s:
                 fn = jax.jit(lambda q, w, p, t, kw=kw, bs=bs: indexer_topk(q, w, p, t, impl="pallas", block_s=bs, **kw))
                 got_i, _ = fn(q, w, pool, table)
-                ms = median_ms(functools.partial(fn, q, w, pool, table), iters=10)
+                ms = chained_ms(fn, q, w, pool, table)
                 check = _same_topk(got_i, ref_i)
                 impl = f"pallas scores (bf16 pool, block_s={bs}) + top_k"
                 rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
             # the selection alone, on scores of the same shape: how much of the time the Top-K takes
             scores = jax.random.normal(ks[2], (b, s), jnp.float32)
             topk_only = jax.jit(lambda x: jax.lax.top_k(x, topk))
-            ms = median_ms(functools.partial(topk_only, scores), iters=10)
+            ms = chained_ms(topk_only, scores)
             rows.append(row("indexer", shape, "lax.top_k alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
             radix_only = jax.jit(lambda x: top_k_radix(x, topk))
-            ms = median_ms(functools.partial(radix_only, scores), iters=10)
+            ms = chained_ms(radix_only, scores)
             rows.append(row("indexer", shape, "radix select alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
             fnr = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", select="radix", **kw))
-            ms = median_ms(functools.partial(fnr, q, w, pool, table), iters=10)
+            ms = chained_ms(fnr, q, w, pool, table)
             check = _same_topk(fnr(q, w, pool, table)[0], ref_i)
             rows.append(row("indexer", shape, "pallas scores + radix select", ms, flops, pool.nbytes, bw, rate, check))
             values, scales = quantize_mxfp8(pool)
             fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
-            ms = median_ms(functools.partial(fn8, q, w, values, scales, table), iters=10)
+            ms = chained_ms(fn8, q, w, values, scales, table)
             mx_bytes = values.nbytes + scales.nbytes
             check = _same_topk(fn8(q, w, values, scales, table)[0], ref_i)
             rows.append(
@@ -136,16 +143,18 @@ def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_le
         flops = 2 * b * t * heads * topk * (2 * lat + rope)
         nbytes = b * t * topk * (lat + rope) * 2
         shape = f"B={b} T={t} heads={heads} L={lat} R={rope} top-{topk}"
+        shape += f", {CHAIN} chained calls" if t == 1 else ""
+        timer = chained_ms if t == 1 else functools.partial(_single_ms, iters=5)
         ref = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="reference"))
         ref_o, _ = ref(ql, qr, pool, table, idx)
-        ms = median_ms(functools.partial(ref, ql, qr, pool, table, idx), warmup=1, iters=5)
+        ms = timer(ref, ql, qr, pool, table, idx)
         rows.append(row(case, shape, "jnp reference", ms, flops, nbytes, bw, rate))
         variants = MLA_VARIANTS + (MLA_DECODE_VARIANTS if t == 1 else ())
         for bh, bk, prec, sp in variants:
             kw = dict(scale=0.1, impl="pallas", block_h=bh, block_k=bk, precision=prec, splits=sp)
             fn = jax.jit(lambda a, c, p, tb, i, kw=kw: sparse_mla(a, c, p, tb, i, **kw))
             err = rel_err(fn(ql, qr, pool, table, idx)[0], ref_o)
-            ms = median_ms(functools.partial(fn, ql, qr, pool, table, idx), warmup=1, iters=5)
+            ms = timer(fn, ql, qr, pool, table, idx)
             label = f"pallas, block_h={bh}, block_k={bk}" + (f", {prec}" if prec != "tf32" else "")
             label += f", splits={sp}" if sp else ""
             rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
@@ -157,7 +166,7 @@ def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_le
         )
         args = (ql, qr, values, scales, pool[..., lat:], table, idx)
         err = rel_err(fp8(*args)[0], ref_o)
-        ms = median_ms(functools.partial(fp8, *args), warmup=1, iters=5)
+        ms = timer(fp8, *args)
         fp8_bytes = b * t * topk * (lat + 4 * lat // 128 + 2 * rope)  # E4M3 latent + f32 scales + bf16 rope
         check = f"rel err {err:.1e} (FP8 rounding)"
         rows.append(row(case, shape, "pallas, FP8 latent rows", ms, flops, fp8_bytes, bw, rate, check))
