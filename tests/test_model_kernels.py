@@ -21,7 +21,8 @@ def _fresh_jits():
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16-pools", "fp8-latent+mxfp8-indexer"])
 def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized):
-    cfg = tiny_cfg.replace(qk_rope_head_dim=16)  # the sparse MLA kernel reads rope tiles of >= 16 values
+    # the sparse MLA kernel reads rope tiles of >= 16 values; the indexer prolog kernel column groups of >= 16
+    cfg = tiny_cfg.replace(qk_rope_head_dim=16, index_num_heads=16, index_head_dim=64, index_rope_dim=32)
     model = HybridLM(cfg, quant=_quant() if quantized else None, rngs=nnx.Rngs(3))
     ids = random_ids(41, (2, 12))
     ref, ref_cache = prefill_then_decode(model, ids, _fresh_jits(), 9, 16)
@@ -33,6 +34,7 @@ def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized
     for name in (
         "sparse_mla",
         "indexer_scores",
+        "indexer_prolog",
         "kda_decode",
         "kda_chunk",
         "moe_grouped_matmul",

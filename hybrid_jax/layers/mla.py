@@ -6,16 +6,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hybrid_jax import inspect
 from hybrid_jax.cache import MLAState, Pool, StepInfo
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, linear
-from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies
+from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies, rope_tables
 from hybrid_jax.quant.config import QuantConfig
 from pallas_kernels.attention import attention
-from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.indexer import indexer_prolog, indexer_topk
+from pallas_kernels.indexer.api import prolog_uses_kernel
 from pallas_kernels.paged import gather_pages
 from pallas_kernels.sparse_attention import sparse_mla
 
@@ -75,14 +77,38 @@ class LightningIndexer(nnx.Module):
         rot = apply_rope(x[..., :r], positions, inv, interleaved=False, factor=attention_factor(cfg.rope_scaling))
         return jnp.concatenate([rot, x[..., r:]], axis=-1)
 
+    def _fused_prolog(self, x: jax.Array, c_q: jax.Array, info: StepInfo):
+        """(q, k, w) through `indexer_prolog`'s one-launch kernel when it takes this call (decode-sized rows
+        on a GPU, plain bf16 projection kernels — not FP8-resident ones), else None."""
+        cfg = self.cfg
+        b, t, d = x.shape
+        nh, hd, r = cfg.index_num_heads, cfg.index_head_dim, cfg.index_rope_dim
+        plain = isinstance(self.wq_b, nnx.Linear) and isinstance(self.wk, nnx.Linear)
+        if not (plain and prolog_uses_kernel(b * t, c_q.shape[-1], d, nh, hd, r)):
+            return None
+        inv = inv_frequencies(r, cfg.rope_theta, cfg.rope_scaling) if r else np.zeros((0,), np.float32)
+        cos, sin = rope_tables(info.positions, inv, attention_factor(cfg.rope_scaling))
+        q, k, w = indexer_prolog(
+            x.reshape(b * t, d), c_q.reshape(b * t, -1), self.wq_b.kernel[...], self.wk.kernel[...],
+            self.k_norm.weight[...], self.k_norm.bias[...], self.weights_proj.kernel[...],
+            cos.reshape(b * t, -1), sin.reshape(b * t, -1), num_heads=nh, rope_dim=r, eps=cfg.index_norm_eps,
+            impl="pallas",
+        )  # fmt: skip
+        return q.reshape(b, t, nh, hd), k.reshape(b, t, hd), w.reshape(b, t, nh)
+
     def prolog(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None):
         """Everything before the scores: (q [B,T,N_I,H_I] with RoPE (its MXFP8 image when quantized),
-        head weights w [B,T,N_I] float32, the key pool with this call's normalised, rotated keys written)."""
+        head weights w [B,T,N_I] float32, the key pool with this call's normalised, rotated keys written).
+        Decode on a GPU: one fused kernel (`indexer_prolog`); otherwise the modules step by step."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self._rope(self.wq_b(c_q).reshape(b, t, cfg.index_num_heads, cfg.index_head_dim), info.positions)
-        k = self._rope(self.k_norm(self.wk(x)), info.positions)  # [B,T,H_I]
-        w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
+        fused = self._fused_prolog(x, c_q, info)
+        if fused is not None:
+            q, k, w = fused
+        else:
+            q = self._rope(self.wq_b(c_q).reshape(b, t, cfg.index_num_heads, cfg.index_head_dim), info.positions)
+            k = self._rope(self.k_norm(self.wk(x)), info.positions)  # [B,T,H_I]
+            w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
         if self.fmt == "mxfp8":
             q = Pool.from_rows(q, "mxfp8", 0, q.dtype).read(q.dtype)
         return q, w, _store(pool, k, info, self.fmt, 0)

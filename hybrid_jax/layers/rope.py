@@ -48,12 +48,17 @@ def _angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.
     return jnp.cos(ang), jnp.sin(ang)
 
 
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, R/2] float32 at integer positions [B, T], scaled by the attention factor."""
+    cos, sin = _angles(positions, inv_freq)
+    return cos * factor, sin * factor
+
+
 def apply_rope(
     x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, interleaved: bool, factor: float = 1.0
 ) -> jax.Array:
     """Rotate x [B, T, (N,) R] at integer positions [B, T]."""
-    cos, sin = _angles(positions, inv_freq)
-    cos, sin = cos * factor, sin * factor
+    cos, sin = rope_tables(positions, inv_freq, factor)
     if x.ndim == 4:  # per-head input: broadcast the tables over heads
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x32 = x.astype(jnp.float32)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 from pallas_kernels._blocking import over_query_blocks, query_block_size
 from pallas_kernels._pallas import auto_impl, pow2
 from pallas_kernels.indexer.kernel import MX_BLOCK, indexer_scores_pallas
+from pallas_kernels.indexer.prolog import column_groups, indexer_prolog_pallas
+from pallas_kernels.indexer.prolog_reference import indexer_prolog_reference
 from pallas_kernels.indexer.reference import indexer_topk_reference
 from pallas_kernels.indexer.select import top_k_radix
 from pallas_kernels.paged import slot_index
@@ -94,3 +96,74 @@ def indexer_topk(
         idx = jnp.pad(idx, extra, constant_values=-1)
         vals = jnp.pad(vals, extra, constant_values=-jnp.inf)
     return idx, vals
+
+
+# Rows (batch x new tokens) up to which "auto" runs the fused prolog kernel on a GPU: decode. Prefill-sized
+# projections are matmuls that cuBLAS tiles better than one program per head.
+PROLOG_MAX_ROWS = 64
+
+
+def prolog_supported(rows: int, q_in: int, d: int, num_heads: int, head_dim: int, rope_dim: int) -> bool:
+    """Whether the fused prolog kernel takes these shapes on a GPU: power-of-two column groups of >= 16
+    (tensor-core tiles), contraction dims in whole 16-row slabs, decode-sized row counts."""
+    widths = [w for _, w in column_groups(head_dim, rope_dim)] + [num_heads]
+    return rows <= PROLOG_MAX_ROWS and all(w >= 16 and w == pow2(w) for w in widths) and q_in % 16 == 0 and d % 16 == 0
+
+
+def prolog_uses_kernel(rows: int, q_in: int, d: int, num_heads: int, head_dim: int, rope_dim: int) -> bool:
+    """What `indexer_prolog(impl="auto")` runs: the kernel on a GPU for supported (decode) shapes."""
+    return auto_impl("indexer_prolog", prolog_supported(rows, q_in, d, num_heads, head_dim, rope_dim))
+
+
+def indexer_prolog(
+    x,
+    c_q,
+    wq_b,
+    wk,
+    ln_w,
+    ln_b,
+    wp,
+    cos,
+    sin,
+    *,
+    num_heads: int,
+    rope_dim: int,
+    eps: float,
+    impl: str = "auto",
+    interpret: bool | None = None,
+):
+    """The lightning indexer's inputs for one step (ARCH_SPEC §4; math in `prolog_reference`).
+
+    x [M, D], c_q [M, Q] in the compute dtype; wq_b [Q, N·H], wk [D, H] projection kernels; ln_w / ln_b [H]
+    the key LayerNorm; wp [D, N] the head-weight projection (float32); cos / sin [M, R/2] RoPE tables (half-
+    split, on the first R = rope_dim channels). Returns (q [M, N, H] and k [M, H] in x.dtype, w [M, N]
+    float32 = (x W_w) N^-1/2).
+    impl: "reference" (jnp), "pallas" (`prolog.indexer_prolog_pallas`: the whole prolog in one launch), or
+    "auto" (`prolog_uses_kernel`: the kernel on a GPU for decode-sized rows, else the reference).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"indexer_prolog: unknown impl={impl!r}; expected one of {IMPLS}")
+    m, d = x.shape
+    h = wk.shape[1]
+    checks = {
+        "c_q": (c_q.shape, (m, c_q.shape[1])),
+        "wq_b": (wq_b.shape, (c_q.shape[1], num_heads * h)),
+        "wk": (wk.shape, (d, h)),
+        "ln_w": (ln_w.shape, (h,)),
+        "ln_b": (ln_b.shape, (h,)),
+        "wp": (wp.shape, (d, num_heads)),
+        "cos": (cos.shape, (m, rope_dim // 2)),
+        "sin": (sin.shape, (m, rope_dim // 2)),
+    }
+    for name, (got, want) in checks.items():
+        if tuple(got) != want:
+            raise ValueError(f"indexer_prolog: {name}.shape={tuple(got)}, expected {want}")
+    if rope_dim % 2 or not 0 <= rope_dim <= h:
+        raise ValueError(f"indexer_prolog: rope_dim={rope_dim} must be even and in [0, head dim {h}]")
+    kw = dict(num_heads=num_heads, rope_dim=rope_dim, eps=eps)
+    if impl == "auto":
+        impl = "pallas" if prolog_uses_kernel(m, c_q.shape[1], d, num_heads, h, rope_dim) else "reference"
+    if impl == "reference":
+        return indexer_prolog_reference(x, c_q, wq_b, wk, ln_w, ln_b, wp, cos, sin, **kw)
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    return indexer_prolog_pallas(x, c_q, wq_b, wk, ln_w, ln_b, wp, cos, sin, interpret=interpret, **kw)
