@@ -7,6 +7,10 @@ constants, tuples, bitcasts and get-tuple-element launch nothing; control flow (
 is counted through its bodies (a loop body once). On a GPU this is the number of launches per step; on a
 CPU it counts the same graph's thunks, which is only a proxy.
 
+Each stage is compiled and timed twice: with the indexer's prolog step by step (XLA's kernels) and through
+the fused prolog kernel (`indexer_prolog`, the GPU default for decode); times are per call of CHAIN chained
+calls in one executable (`common.chained_ms`: no host dispatch).
+
 Stages of the sparse layer (what the issue calls the decode prolog and the rest):
     indexer prolog — the indexer's projections, key norm, RoPE, quantization and the key-pool write;
     indexer top-k  — scores and selection (given the prolog's outputs);
@@ -19,14 +23,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
+import contextlib
 import re
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import median_ms, report
+from benchmarks.common import CHAIN, chained_ms, report
 from benchmarks.e2e_stages import _info
+from pallas_kernels import use_pallas
 
 _NO_KERNEL = {
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id", "replica-id",
@@ -93,24 +98,31 @@ def rows_for(model, b: int, context: int, label: str) -> list[dict]:
     c_q = layer.q_a_layernorm(layer.q_a_proj(x)) if cfg.q_lora_rank is not None else x
     state = cache.layers[i]
 
+    # first argument an array: chained_ms makes each call depend on the previous one through it
     stages = {
-        "indexer prolog": (lambda idx, x, c_q, info, pool: idx.prolog(x, c_q, info, pool),
-                           (layer.indexer, x, c_q, info, state.index_k)),
-        "indexer (prolog + scores + top-k)": (lambda idx, x, c_q, info, pool: idx(x, c_q, info, pool),
-                                              (layer.indexer, x, c_q, info, state.index_k)),
-        "sparse layer mixer": (lambda m, x, info, st: m(x, info, st), (layer, x, info, state)),
-        "whole model decode step": (lambda m, ids, c: m.decode_step(ids, c), (model, jnp.zeros((b,), jnp.int32),
+        "indexer prolog": (lambda x, idx, c_q, info, pool: idx.prolog(x, c_q, info, pool),
+                           (x, layer.indexer, c_q, info, state.index_k)),
+        "indexer (prolog + scores + top-k)": (lambda x, idx, c_q, info, pool: idx(x, c_q, info, pool),
+                                              (x, layer.indexer, c_q, info, state.index_k)),
+        "sparse layer mixer": (lambda x, m, info, st: m(x, info, st), (x, layer, info, state)),
+        "whole model decode step": (lambda ids, m, c: m.decode_step(ids, c), (jnp.zeros((b,), jnp.int32), model,
                                                                                 cache)),
     }  # fmt: skip
+    # the prolog step by step (XLA's kernels) and as the one fused kernel (`indexer_prolog`, the GPU default)
+    versions = {
+        "prolog step by step": lambda: use_pallas(False, ops=["indexer_prolog"]),
+        "prolog fused": contextlib.nullcontext,
+    }
     out = []
-    for name, (fn, args) in stages.items():
-        jitted = jax.jit(fn)
-        kinds = count_kernels(jitted.lower(*args).compile().as_text())
-        ms = median_ms(functools.partial(jitted, *args))
-        top = ", ".join(f"{k} {v}" for k, v in kinds.most_common(4))
-        out.append({"model": label, "stage": name, "batch": b, "kernels": sum(kinds.values()),
-                    "median ms": f"{ms:.3f}", "most common": top})  # fmt: skip
-        print("  " + " | ".join(str(v) for v in out[-1].values()), flush=True)
+    for version, context_fn in versions.items():
+        for name, (fn, args) in stages.items():
+            with context_fn():  # read at trace time: trace (lower + compile) inside
+                kinds = count_kernels(jax.jit(fn).lower(*args).compile().as_text())
+                ms = chained_ms(fn, *args)
+            top = ", ".join(f"{k} {v}" for k, v in kinds.most_common(4))
+            out.append({"model": label, "version": version, "stage": name, "batch": b,
+                        "kernels": sum(kinds.values()), "ms per call": f"{ms:.3f}", "most common": top})  # fmt: skip
+            print("  " + " | ".join(str(v) for v in out[-1].values()), flush=True)
     return out
 
 
@@ -127,7 +139,10 @@ def main() -> None:
     model = build_model(args.model, "hierarchical" if args.quant else "none")  # bf16 weights
     label = args.model + (" (hierarchical quant)" if args.quant else "")
     rows = [r for b in args.batch for r in rows_for(model, b, args.context, label)]
-    title = f"Kernels per decode step (compiled HLO on {jax.default_backend()}), context {args.context}"
+    title = (
+        f"Kernels per decode step (compiled HLO on {jax.default_backend()}), context {args.context}, "
+        f"{CHAIN} chained calls"
+    )
     report("kernel_count.py", title, rows, record=not args.no_record)
 
 
