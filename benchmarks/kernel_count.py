@@ -8,7 +8,7 @@ is counted through its bodies (a loop body once). On a GPU this is the number of
 CPU it counts the same graph's thunks, which is only a proxy.
 
 Each stage is compiled and timed twice: with the indexer's prolog step by step (XLA's kernels) and through
-the fused prolog kernel (`indexer_prolog`, the GPU default for decode); times are per call of CHAIN chained
+the fused prolog kernel (`indexer_prolog`, opt-in); times are per call of CHAIN chained
 calls in one executable (`common.chained_ms`: no host dispatch).
 
 Stages of the sparse layer (what the issue calls the decode prolog and the rest):
@@ -108,16 +108,16 @@ def rows_for(model, b: int, context: int, label: str) -> list[dict]:
         "whole model decode step": (lambda ids, m, c: m.decode_step(ids, c), (jnp.zeros((b,), jnp.int32), model,
                                                                                 cache)),
     }  # fmt: skip
-    # the prolog step by step (XLA's kernels) and as the one fused kernel (`indexer_prolog`, the GPU default)
+    # the prolog step by step (XLA's kernels, the default) and as the one fused kernel (`indexer_prolog`)
     versions = {
-        "prolog step by step": lambda: use_pallas(False, ops=["indexer_prolog"]),
-        "prolog fused": contextlib.nullcontext,
+        "prolog step by step": contextlib.nullcontext,
+        "prolog fused": lambda: use_pallas(ops=["indexer_prolog"]),
     }
     out = []
     for version, context_fn in versions.items():
         for name, (fn, args) in stages.items():
-            with context_fn():  # read at trace time: trace (lower + compile) inside
-                kinds = count_kernels(jax.jit(fn).lower(*args).compile().as_text())
+            with context_fn():  # read at trace time: a fresh function to trace inside (jit caches by function)
+                kinds = count_kernels(jax.jit(lambda *a, fn=fn: fn(*a)).lower(*args).compile().as_text())
                 ms = chained_ms(fn, *args)
             top = ", ".join(f"{k} {v}" for k, v in kinds.most_common(4))
             out.append({"model": label, "version": version, "stage": name, "batch": b,

@@ -76,6 +76,9 @@ def test_sparse_mla_kernel_bf16_products():
     assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
     np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-2, atol=2e-2)
     assert rel_err(o, ref_o) < 1e-2  # bf16 queries and probabilities
+    # the default precision follows the inputs: bf16 queries -> bf16 products (the same kernel, same output)
+    default, _ = sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", interpret=True)
+    np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(o, np.float32))
     with pytest.raises(ValueError, match="precision='fp16'"):
         sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", precision="fp16")
 

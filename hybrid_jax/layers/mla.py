@@ -78,8 +78,9 @@ class LightningIndexer(nnx.Module):
         return jnp.concatenate([rot, x[..., r:]], axis=-1)
 
     def _fused_prolog(self, x: jax.Array, c_q: jax.Array, info: StepInfo):
-        """(q, k, w) through `indexer_prolog`'s one-launch kernel when it takes this call (decode-sized rows
-        on a GPU, plain bf16 projection kernels — not FP8-resident ones), else None."""
+        """(q, k, w) through `indexer_prolog`'s one-launch kernel when it takes this call (decode-sized rows,
+        plain bf16 projection kernels — not FP8-resident ones — and the kernel asked for with
+        `use_pallas(ops=["indexer_prolog"])`: opt-in, slower than XLA on the H200), else None."""
         cfg = self.cfg
         b, t, d = x.shape
         nh, hd, r = cfg.index_num_heads, cfg.index_head_dim, cfg.index_rope_dim
@@ -99,7 +100,7 @@ class LightningIndexer(nnx.Module):
     def prolog(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None):
         """Everything before the scores: (q [B,T,N_I,H_I] with RoPE (its MXFP8 image when quantized),
         head weights w [B,T,N_I] float32, the key pool with this call's normalised, rotated keys written).
-        Decode on a GPU: one fused kernel (`indexer_prolog`); otherwise the modules step by step."""
+        The modules step by step, or (opt-in, decode) one fused kernel (`indexer_prolog`)."""
         cfg = self.cfg
         b, t, _ = x.shape
         fused = self._fused_prolog(x, c_q, info)

@@ -98,9 +98,16 @@ def indexer_topk(
     return idx, vals
 
 
-# Rows (batch x new tokens) up to which "auto" runs the fused prolog kernel on a GPU: decode. Prefill-sized
+# Rows (batch x new tokens) up to which the fused prolog kernel takes a call: decode. Prefill-sized
 # projections are matmuls that cuBLAS tiles better than one program per head.
 PROLOG_MAX_ROWS = 64
+# The kernel is opt-in (`use_pallas(ops=["indexer_prolog"])`), not the GPU default: on the H200 it is slower
+# than XLA's step-by-step prolog (hybrid_small, batch 1, 10 chained calls, BENCHMARKS.md kernel_count.py at
+# fb4b779: 0.058 ms fused vs 0.017 ms for XLA's 13 kernels; whole decode step 3.05 vs 2.95 ms). One program
+# per head streams its [Q, H] weight columns serially and the key and head-weight programs each stream a
+# whole [D, H] / [D, N] matrix alone: a few CTAs that are latency-bound, where XLA's GEMV kernels spread the
+# same bytes over every SM — fewer launches do not pay for that at these sizes.
+PROLOG_DEFAULT_ON_GPU = False
 
 
 def prolog_supported(rows: int, q_in: int, d: int, num_heads: int, head_dim: int, rope_dim: int) -> bool:
@@ -111,8 +118,10 @@ def prolog_supported(rows: int, q_in: int, d: int, num_heads: int, head_dim: int
 
 
 def prolog_uses_kernel(rows: int, q_in: int, d: int, num_heads: int, head_dim: int, rope_dim: int) -> bool:
-    """What `indexer_prolog(impl="auto")` runs: the kernel on a GPU for supported (decode) shapes."""
-    return auto_impl("indexer_prolog", prolog_supported(rows, q_in, d, num_heads, head_dim, rope_dim))
+    """What `indexer_prolog(impl="auto")` runs: the kernel for supported (decode) shapes inside a
+    `use_pallas` block covering "indexer_prolog" (or on a GPU if PROLOG_DEFAULT_ON_GPU), else the reference."""
+    supported = prolog_supported(rows, q_in, d, num_heads, head_dim, rope_dim)
+    return auto_impl("indexer_prolog", supported, default_on_gpu=PROLOG_DEFAULT_ON_GPU)
 
 
 def indexer_prolog(
@@ -139,7 +148,8 @@ def indexer_prolog(
     split, on the first R = rope_dim channels). Returns (q [M, N, H] and k [M, H] in x.dtype, w [M, N]
     float32 = (x W_w) N^-1/2).
     impl: "reference" (jnp), "pallas" (`prolog.indexer_prolog_pallas`: the whole prolog in one launch), or
-    "auto" (`prolog_uses_kernel`: the kernel on a GPU for decode-sized rows, else the reference).
+    "auto" (`prolog_uses_kernel`: the reference unless a `use_pallas` block asks for the kernel — measured
+    slower than XLA on the H200, see PROLOG_DEFAULT_ON_GPU).
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_prolog: unknown impl={impl!r}; expected one of {IMPLS}")
