@@ -77,8 +77,11 @@ def test_sparse_mla_kernel_bf16_products():
     np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-2, atol=2e-2)
     assert rel_err(o, ref_o) < 1e-2  # bf16 queries and probabilities
     # the default precision follows the inputs: bf16 queries -> bf16 products (the same kernel, same output)
-    default, _ = sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", interpret=True)
-    np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(o, np.float32))
+    ql, qr = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
+    kw = dict(scale=0.1, impl="pallas", interpret=True)
+    default, _ = sparse_mla(ql, qr, pool, table, idx, **kw)
+    explicit, _ = sparse_mla(ql, qr, pool, table, idx, precision="bf16", **kw)
+    np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(explicit, np.float32))
     with pytest.raises(ValueError, match="precision='fp16'"):
         sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", precision="fp16")
 
