@@ -137,7 +137,7 @@ def test_state_summary_kernel_matches_reference(seed, t, dk, dv, scalar):
 
 @pytest.mark.parametrize("impl", ["chunked", "pallas"])
 def test_variable_length_batch_equals_separate_sequences(impl):
-    lengths = [5, 0, 70, 33]  # an empty sequence too
+    lengths = [5, 0, 70, 33, 64]  # an empty sequence too, one of whole chunks
     cu = np.concatenate([[0], np.cumsum(lengths)])
     (q, k, v, g, beta), _ = _prefill_inputs(11, 1, int(cu[-1]), 2, 16, 16, False, jnp.float32, False)
     s0 = jax.random.normal(jax.random.key(5), (len(lengths), 2, 16, 16))
@@ -150,6 +150,9 @@ def test_variable_length_batch_equals_separate_sequences(impl):
             continue
         ref_o, ref_s = kda(*(x[:, a:b] for x in (q, k, v, g, beta)), initial_state=s0[i : i + 1], impl="recurrent")
         assert rel_err(o[:, a:b], ref_o) < 1e-5 and rel_err(s[i : i + 1], ref_s) < 1e-5
+    if impl == "pallas":  # chunk-aligned packing: 1 + 0 + 2 + 1 + 1 chunks, not 5 rows of the longest (70)
+        jaxpr = str(jax.make_jaxpr(lambda *a: kda(*a, initial_state=s0, cu_seqlens=cu, **kw))(q, k, v, g, beta))
+        assert "f32[1,320,2,16]" in jaxpr and "f32[5,70," not in jaxpr
     with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 3\]"):
         kda(q, k, v, g, beta, cu_seqlens=[0, 3])
 

@@ -58,14 +58,10 @@ def kda(
     (row-by-row forward substitution in float32; opt-in, not yet timed on the GPU).
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
-    The sequences run as one padded batch (pads at each row's end change no state).
+    The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
+    at each sequence start; the jnp forms run them as one batch padded to the longest (pads at each row's end
+    change no state).
     """
-    if cu_seqlens is not None:
-        return _varlen(
-            q, k, v, g, beta, cu_seqlens, initial_state,
-            dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, chunk_size=chunk_size, block_v=block_v,
-                 precision=precision, num_warps=num_warps, interpret=interpret, solve=solve),
-        )  # fmt: skip
     if impl not in IMPLS:
         raise ValueError(f"kda: unknown impl={impl!r}; expected one of {IMPLS}")
     if q.ndim != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
@@ -78,9 +74,21 @@ def kda(
         raise ValueError(f"kda: solve={solve!r} must be 'neumann' or 'substitution'")
     if precision not in (None, "tf32", "bf16", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
+    if cu_seqlens is not None:
+        if impl == "pallas" or (impl == "auto" and auto_impl("kda_prefill", True)):
+            precision = precision or ("bf16" if jnp.dtype(q.dtype) == jnp.bfloat16 else "tf32")
+            return _varlen_packed(
+                q, k, v, g, beta, cu_seqlens, initial_state,
+                dict(scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v, precision=precision,
+                     interpret=interpret, num_warps=num_warps, solve=solve),
+            )  # fmt: skip
+        return _varlen(
+            q, k, v, g, beta, cu_seqlens, initial_state,
+            dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, chunk_size=chunk_size),
+        )  # fmt: skip
     if impl == "auto":
-        # Prefill: the Pallas kernels on GPU. H200, 32K tokens x 32 heads (BENCHMARKS.md, 9526b38): 12.8 ms with
-        # bf16 products / 17.2 ms TF32 against 52.6 ms for the jnp chunked form under XLA (fla: 4.4 ms).
+        # Prefill: the Pallas kernels on GPU. H200, 32K tokens x 32 heads (BENCHMARKS.md, b143688): 10.2 ms with
+        # bf16 products against 53.2 ms for the jnp chunked form under XLA (fla: 4.3 ms).
         impl = "recurrent" if q.shape[1] == 1 else "chunked"
         if q.shape[1] > 1 and auto_impl("kda_prefill", True):
             impl = "pallas"
@@ -88,16 +96,17 @@ def kda(
         if precision is None:  # products as precise as the inputs: bf16 operands for bf16 inputs, as fla
             precision = "bf16" if jnp.dtype(q.dtype) == jnp.bfloat16 else "tf32"
         return _kda_pallas(
-            q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps, solve
-        )
+            q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
+            precision=precision, interpret=interpret, num_warps=num_warps, solve=solve,
+        )  # fmt: skip
     kw = dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     if impl == "recurrent":
         return kda_recurrent(q, k, v, g, beta, **kw)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
 
 
-def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
-    """Packed sequences [1, T, ...] -> a padded batch [S, T_max, ...] -> kda -> packed outputs."""
+def _sequence_offsets(cu_seqlens, q) -> np.ndarray:
+    """cu_seqlens validated as host ints rising from 0 to T over a batch of one."""
     if isinstance(cu_seqlens, jax.core.Tracer):
         raise ValueError("kda: cu_seqlens must be concrete host values (they fix the padded shapes)")
     cu = np.asarray(cu_seqlens, np.int64)
@@ -106,29 +115,69 @@ def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
         raise ValueError(
             f"kda: cu_seqlens={cu.tolist()} must rise from 0 to T={t} over a batch of one (got batch {q.shape[0]})"
         )
+    return cu
+
+
+def _gather_rows(x, src):
+    """x [1, T, ...] -> x[0][src] with zeros where src < 0 (padding: g = 0, beta = 0 change no state)."""
+    rows = x[0][np.maximum(src, 0)]
+    mask = (src >= 0).reshape(src.shape + (1,) * (rows.ndim - src.ndim))
+    return jnp.where(mask, rows, jnp.zeros((), rows.dtype))
+
+
+def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
+    """Packed sequences [1, T, ...] -> a padded batch [S, T_max, ...] -> kda -> packed outputs (the jnp
+    forms; the Pallas path packs chunk-aligned instead, `_varlen_packed`)."""
+    cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
-    t_max = max(1, int(lengths.max()))
-    steps = np.arange(t_max)
+    steps = np.arange(max(1, int(lengths.max())))
     inside = steps[None, :] < lengths[:, None]  # [S, T_max]
-    src = np.where(inside, cu[:-1, None] + steps[None, :], 0)
-
-    def unpack(x, fill=0.0):
-        rows = x[0][src]  # [S, T_max, ...]
-        mask = inside.reshape(inside.shape + (1,) * (rows.ndim - 2))
-        return jnp.where(mask, rows, jnp.asarray(fill, rows.dtype))
-
-    o, s = kda(
-        unpack(q), unpack(k), unpack(v), unpack(g), unpack(beta), initial_state=initial_state, **kw
-    )  # padded steps: g = 0 and beta = 0 leave each state as it was
+    src = np.where(inside, cu[:-1, None] + steps[None, :], -1)
+    o, s = kda(*(_gather_rows(x, src) for x in (q, k, v, g, beta)), initial_state=initial_state, **kw)
     flat = np.nonzero(inside.reshape(-1))[0]  # packed order = row-major over the valid entries
     return o.reshape(-1, *o.shape[2:])[flat][None], s
 
 
+def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
+    """The Pallas path of a packed batch: each sequence zero-padded to whole 64-token chunks and laid end to
+    end ([1, Σ ceil(L_s / 64)·64, ...]: at most 63 pad tokens per sequence, where a batch padded to the
+    longest sequence would compute S x T_max), the state pass resetting the state at each sequence's first
+    chunk and writing it out at its last (`kda_chunked_pallas(chunk_first=, chunk_last=)`)."""
+    cu = _sequence_offsets(cu_seqlens, q)
+    lengths = np.diff(cu)
+    n_seq, n, dk, dv = lengths.size, q.shape[2], q.shape[3], v.shape[3]
+    chunks = -(-lengths // CHUNK)  # [S]
+    if chunks.sum() == 0:  # nothing to run: every sequence is empty
+        s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
+        return jnp.zeros(v.shape, q.dtype), s0.astype(jnp.float32)
+    start = np.cumsum(chunks) - chunks  # first chunk of each sequence
+    slot = np.arange(int(chunks.sum()) * CHUNK)
+    seq = np.repeat(np.arange(n_seq), chunks * CHUNK)  # sequence of each packed slot
+    offset = slot - start[seq] * CHUNK
+    src = np.where(offset < lengths[seq], cu[seq] + offset, -1)
+    chunk_first = np.full(int(chunks.sum()), -1, np.int32)
+    chunk_last = np.full(int(chunks.sum()), -1, np.int32)
+    live = chunks > 0
+    chunk_first[start[live]] = np.arange(n_seq)[live]
+    chunk_last[(start + chunks - 1)[live]] = np.arange(n_seq)[live]
+    s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
+    if s0.shape != (n_seq, n, dk, dv):
+        raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
+    o, s = _kda_pallas(
+        *(_gather_rows(x, src[None]) for x in (q, k, v, g, beta)), s0,
+        seq_chunks=(jnp.asarray(chunk_first), jnp.asarray(chunk_last)), **kw,
+    )  # fmt: skip
+    token_slot = np.nonzero(src >= 0)[0]  # packed slots in token order (src rises within and across sequences)
+    return o[0, token_slot][None], s
+
+
 def _kda_pallas(
-    q, k, v, g, beta, initial_state, scale, use_qk_l2norm, block_v, precision, interpret, num_warps, solve="neumann"
-):
+    q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
+    solve="neumann", seq_chunks=None,
+):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16), runs, unpads.
-    Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged."""
+    Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged.
+    seq_chunks: (chunk_first, chunk_last) of chunk-aligned packed sequences; initial_state then [S,N,K,V]."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     if block_v <= 0 or block_v & (block_v - 1):
@@ -142,14 +191,14 @@ def _kda_pallas(
     q, k, g = pad(q, 0, pk - dk), pad(k, 0, pk - dk), pad(g.astype(jnp.float32), 0, pk - dk)
     v, beta = pad(v, 0, pv - dv), pad(beta.astype(jnp.float32), 0)
     if initial_state is None:
-        s0 = jnp.zeros((b, n, pk, pv), jnp.float32)
+        s0 = jnp.zeros((b, n, pk, pv), jnp.float32)  # (packed sequences always pass theirs)
     else:
         s0 = jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, pk - dk), (0, pv - dv)])
     o, s = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
         interpret=jax.default_backend() == "cpu" if interpret is None else interpret, num_warps=num_warps,
-        solve=solve,
+        solve=solve, **({} if seq_chunks is None else dict(chunk_first=seq_chunks[0], chunk_last=seq_chunks[1])),
     )  # fmt: skip
     return o[:, :t, :, :dv], s[:, :, :dk, :dv]
 

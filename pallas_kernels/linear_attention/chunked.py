@@ -182,17 +182,38 @@ def _intra_kernel(
     gl_ref[...] = jnp.exp2(g_last)[:, None]
 
 
-def _state_kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *, nc, precision):
+def _state_kernel(*refs, nc, precision, packed):
+    """The state pass over one (row, head, V-block). Packed sequences (`packed`): chunk_first / chunk_last
+    [nc] int32 name the sequence a chunk starts / ends (-1: none); the state is reset to that sequence's
+    initial state where one starts and written to its final state where one ends."""
+    if packed:
+        first_ref, last_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
+    else:
+        w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
     dot = _products(precision)
 
     def body(c, s):
+        if packed:
+            start = first_ref[c]
+            s = jax.lax.cond(start >= 0, lambda: s0_ref[jnp.maximum(start, 0)].astype(jnp.float32), lambda: s)
         rows = pl.ds(c * CHUNK, CHUNK)
         v_new = u_ref[rows, :] - dot(w_ref[rows, :], s)  # [C, BV]
         o = dot(qg_ref[rows, :], s) + dot(aqk_ref[rows, :], v_new)
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        return gl_ref[c] * s + dot(kg_ref[rows, :], v_new, CONTRACT_FIRST)
+        s = gl_ref[c] * s + dot(kg_ref[rows, :], v_new, CONTRACT_FIRST)
+        if packed:
+            end = last_ref[c]
 
-    s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
+            @pl.when(end >= 0)
+            def _():
+                s_ref[jnp.maximum(end, 0)] = s
+
+        return s
+
+    if packed:  # every sequence's first chunk loads its own start state
+        jax.lax.fori_loop(0, nc, body, jnp.zeros(s_ref.shape[1:], jnp.float32))
+    else:
+        s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
 
 def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precision):
@@ -267,31 +288,49 @@ def _gate_spec(nc, dk):
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2,
-    solve="neumann",
+    solve="neumann", chunk_first=None, chunk_last=None,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
-    s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32)."""
+    s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
+
+    Packed sequences: with chunk_first / chunk_last [T / 64] int32 (the sequence whose first / last chunk
+    each chunk is, -1 for none), B = 1 holds S sequences each starting at a chunk boundary (zero-padded to
+    whole chunks: g = 0, beta = 0 leave the state as it is); s0 is then [S, N, K, V] and the final states
+    come back per sequence — a sequence with no chunk keeps its s0 (the final states alias s0's buffer)."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
+    packed = chunk_first is not None
     params = triton_params(interpret, num_warps, num_stages)
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve
     )
-    state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
+    if packed:
+        if b != 1 or chunk_first.shape != (nc,) or chunk_last.shape != (nc,):
+            raise ValueError(
+                f"kda_chunked_pallas: packed sequences need a batch of one and [{nc}] chunk maps, got batch {b}, "
+                f"chunk_first {chunk_first.shape}, chunk_last {chunk_last.shape}"
+            )
+        state = pl.BlockSpec((s0.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
+        chunk_map = [pl.BlockSpec((nc,), lambda i, h, j: (0,))] * 2
+        extra = (chunk_first.astype(jnp.int32), chunk_last.astype(jnp.int32))
+    else:
+        state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
+        chunk_map, extra = [], ()
     return pl.pallas_call(
-        functools.partial(_state_kernel, nc=nc, precision=precision),
+        functools.partial(_state_kernel, nc=nc, precision=precision, packed=packed),
         grid=(b, n, dv // block_v),
         in_specs=[
-            _seq_spec(t, dk), _seq_spec(t, block_v, tile=True), _seq_spec(t, dk), _seq_spec(t, dk),
+            *chunk_map, _seq_spec(t, dk), _seq_spec(t, block_v, tile=True), _seq_spec(t, dk), _seq_spec(t, dk),
             _seq_spec(t, CHUNK), _gate_spec(nc, dk), state,
         ],
         out_specs=[_seq_spec(t, block_v, tile=True), state],
         out_shape=[jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)],
+        input_output_aliases={len(extra) + 6: 1} if packed else {},
         interpret=interpret,
         name="kda_chunk_state",
         **params,
-    )(w, u, qg, kg, aqk, gl, s0)  # fmt: skip
+    )(*extra, w, u, qg, kg, aqk, gl, s0.astype(jnp.float32))  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages"))
