@@ -103,6 +103,21 @@ def test_chunked_prefill_kernel_strong_gates_and_bf16(dk):
         assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5
 
 
+@pytest.mark.parametrize("precision", ["ieee", "bf16"])
+def test_intra_kernel_remat_part_changes_nothing(precision):
+    """parts "remat" (k and G read again after the inverse, gated outputs written before it) computes the same
+    values in the same order: identical outputs."""
+    from pallas_kernels.linear_attention.chunked import PARTS, kda_chunked_pallas
+
+    (q, k, v, g, beta), s0 = _prefill_inputs(9, 1, 128, 2, 32, 32, False, jnp.bfloat16, True)
+    kw = dict(scale=32**-0.5, l2norm=True, block_v=16, precision=precision, interpret=True)
+    args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), s0)
+    base = kda_chunked_pallas(*args, **kw)
+    remat = kda_chunked_pallas(*args, parts=PARTS | {"remat"}, **kw)
+    for a, b in zip(base, remat, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_chunked_prefill_kernel_bf16_products():
     # fla-like precision: bfloat16 operands, float32 accumulation (and a float32 (I + A)^-1 chain)
     (q, k, v, g, beta), s0 = _prefill_inputs(5, 1, 90, 2, 32, 32, False, jnp.bfloat16, True)

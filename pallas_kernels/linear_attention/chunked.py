@@ -36,7 +36,8 @@ from pallas_kernels._pallas import triton_params
 CHUNK = 64
 SUB = 16  # sub-block rows: the smallest tensor-core tile
 # Parts of the intra-chunk phase; leaving some out (zeros / identity in their place) is a profiling aid only
-# (`benchmarks/linear_attention.py --phases` times the phase with each part removed).
+# (`benchmarks/linear_attention.py --phases` times the phase with each part removed). Adding "remat" is a
+# candidate optimisation, opt-in until timed (see `_intra_kernel`; `--variants 32x4:bf16:neumann:remat`).
 PARTS = frozenset({"diag", "off", "solve"})
 LOG2E = 1.4426950408889634
 # Warps of the intra-chunk kernel: at 4 it needed 255 registers per thread and spilled (Nsight Compute on
@@ -148,6 +149,20 @@ def _intra_kernel(
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
     a_kk = jnp.where(row > col, a_kk * beta[:, None], 0.0)
 
+    def _gated_outputs(q, k, G):  # what the state pass reads besides A_qk, W, U: no part of the inverse
+        g_last = g_ref[CHUNK - 1, :]  # [K]
+        qg_ref[...] = (jnp.exp2(G) * q).astype(qg_ref.dtype)
+        kg_ref[...] = (jnp.exp2(g_last[None, :] - G) * k).astype(kg_ref.dtype)
+        gl_ref[...] = jnp.exp2(g_last)[:, None]
+
+    # parts "remat" (opt-in, untimed): the gated outputs are written before the inverse, and k, G are read
+    # again after it, so q, k, G ([C, K] float32 tiles, 3 x 32 registers a thread at 8 warps) are not live
+    # across the inverse's chain — the kernel ran at 255 registers with spills (Nsight Compute).
+    remat = "remat" in parts
+    if remat:
+        _gated_outputs(q, k, G)
+        del q
+
     # T = (I + A_kk)⁻¹ with D the diagonal sub-blocks and L the rest: (I + D)⁻¹ = X by the Neumann product
     # (D¹⁶ = 0), then I + A = (I + D)(I + X L) and M = X L is block-strictly-lower (M⁴ = 0).
     t_inv = eye
@@ -173,13 +188,14 @@ def _intra_kernel(
         m = dot_solve(x, a_kk - d)
         t_inv = dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
-    g_last = g_ref[CHUNK - 1, :]  # [K]
-    decay = jnp.exp2(G)  # [C, K]
+    if remat:  # k and G again from memory (the chunk's tiles, just read: L2): nothing [C, K] spans the solve
+        k = k_ref[...].astype(f32) * k_scale[:, None]
+        G = g_ref[...]
+    else:
+        _gated_outputs(q, k, G)
+    decay = jnp.exp2(G)
     w_ref[...] = dot(t_inv, beta[:, None] * decay * k).astype(w_ref.dtype)
     u_ref[...] = dot(t_inv, beta[:, None] * v_ref[...].astype(f32))
-    qg_ref[...] = (decay * q).astype(qg_ref.dtype)
-    kg_ref[...] = (jnp.exp2(g_last[None, :] - G) * k).astype(kg_ref.dtype)
-    gl_ref[...] = jnp.exp2(g_last)[:, None]
 
 
 def _state_kernel(*refs, nc, precision, packed):
@@ -284,11 +300,21 @@ def _gate_spec(nc, dk):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages", "solve"),
+    static_argnames=(
+        "scale",
+        "l2norm",
+        "block_v",
+        "precision",
+        "interpret",
+        "num_warps",
+        "num_stages",
+        "solve",
+        "parts",
+    ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2,
-    solve="neumann", chunk_first=None, chunk_last=None,
+    solve="neumann", chunk_first=None, chunk_last=None, parts=PARTS,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -303,8 +329,9 @@ def kda_chunked_pallas(
     packed = chunk_first is not None
     params = triton_params(interpret, num_warps, num_stages)
     aqk, w, u, qg, kg, gl = _intra(
-        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve
-    )
+        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
+        parts=parts,
+    )  # fmt: skip
     if packed:
         if b != 1 or chunk_first.shape != (nc,) or chunk_last.shape != (nc,):
             raise ValueError(
