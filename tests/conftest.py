@@ -14,7 +14,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.isfinite(a).all() and np.isfinite(b).all(), "NaN/Inf in compared arrays"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    den = np.linalg.norm(b)
+    # an all-zero reference (e.g. every query selected nothing): the absolute error, not 0 / 0
+    return float(np.linalg.norm(a - b) / den) if den > 0 else float(np.linalg.norm(a))
 
 
 def variant_config() -> HybridConfig:
