@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_jax import HybridLM
+from hybrid_jax.layers.rope import attention_factor, inv_frequencies, rope_tables
 from pallas_kernels import use_pallas
 from pallas_kernels.indexer import api, indexer_prolog
 from tests.conftest import rel_err
@@ -54,8 +55,9 @@ def test_kernel_matches_reference(seed, m, d, q_in, n, hr, dtype):
     assert got[2].dtype == jnp.float32 and got[0].dtype == dtype
 
 
-def test_reference_is_the_layers_math(tiny_cfg):
-    """The op's reference reproduces the layer's module-by-module prolog (q, k, w) exactly."""
+def test_reference_and_layer_kernel_path_match_the_modules(tiny_cfg):
+    """The op's reference reproduces the layer's module-by-module prolog (q, k, w), and the layer's fused path
+    (the kernel, asked for with use_pallas) matches it up to bf16 rounding flips."""
     cfg = tiny_cfg.replace(index_num_heads=16, index_head_dim=64, index_rope_dim=32)
     model = HybridLM(cfg, rngs=nnx.Rngs(5))
     layer = model.layers[cfg.layer_types.index("sparse")].self_attn
@@ -69,12 +71,22 @@ def test_reference_is_the_layers_math(tiny_cfg):
         idx._rope(idx.k_norm(idx.wk(x)), positions),
         idx.weights_proj(x.astype(jnp.float32)) * 16**-0.5,
     )
+    assert idx._fused_prolog(x, c_q, _Positions(positions)) is None  # CPU, no use_pallas: the modules
     with use_pallas(ops=["indexer_prolog"]):
         fused = idx._fused_prolog(x, c_q, _Positions(positions))
     assert fused is not None
-    for name, a, s in zip("qkw", fused, steps, strict=True):
-        assert a.shape == s.shape and a.dtype == s.dtype, name
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(s, np.float32), rtol=2e-2, atol=2e-2)
+    inv = inv_frequencies(32, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = (a.reshape(b * t, -1) for a in rope_tables(positions, inv, attention_factor(cfg.rope_scaling)))
+    ref = indexer_prolog(
+        x.reshape(b * t, -1), c_q.reshape(b * t, -1), idx.wq_b.kernel[...], idx.wk.kernel[...],
+        idx.k_norm.weight[...], idx.k_norm.bias[...], idx.weights_proj.kernel[...], cos, sin,
+        num_heads=16, rope_dim=32, eps=cfg.index_norm_eps, impl="reference",
+    )  # fmt: skip
+    for name, a, r, s in zip("qkw", fused, ref, steps, strict=True):
+        assert a.shape == s.shape and a.dtype == s.dtype == r.dtype, name
+        s32 = np.asarray(s, np.float32)
+        np.testing.assert_allclose(np.asarray(r, np.float32).reshape(s.shape), s32, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a, np.float32), s32, rtol=2e-2, atol=2e-2)
 
 
 class _Positions:  # the one StepInfo field the prolog reads

@@ -167,7 +167,6 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     f_pad = max(f_out, f_in)
     pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
     e_ids = idx.reshape(-1).astype(jnp.int32)  # [P] pair p = token p // k
-    rows = jnp.pad(jnp.repeat(x, k, axis=0), [(0, 0), (0, d_in - d)])
     p = e_ids.shape[0]
     s1 = split_k or auto_split_k(p, f_pad, d_in, bn_f, bk_d)
     s2 = split_k or auto_split_k(p, d_out, f_pad, bn_d, bk_f)
@@ -175,7 +174,7 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     # also gate/up's output: whole bn_f tiles; all tiles are powers of two, so the larger one is the lcm).
     d_in = -(-d_in // (s1 * bk_d)) * s1 * bk_d
     f_pad = -(-f_pad // max(s2 * bk_f, bn_f)) * max(s2 * bk_f, bn_f)
-    rows = jnp.pad(rows, [(0, 0), (0, d_in - rows.shape[1])])
+    rows = jnp.pad(jnp.repeat(x, k, axis=0), [(0, 0), (0, d_in - d)])
     gate, up = (pad3(a, d_in, f_pad) for a in (gate_proj, up_proj))
     kw = dict(interpret=interpret)
     h = gate_up_gemv(e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, **kw)

@@ -73,7 +73,7 @@ def sparse_mla(
     TF32, BENCHMARKS.md at 32f2129), else "tf32" — `interpret`
     default on CPU; `splits` parts of the selected rows run as separate programs and are merged by LSE —
     default `num_splits`: more than one only when the grid would be small, i.e. decode at a small batch), or
-    "auto" (Pallas on GPU when L and R are powers of two with R >= 16 — 4-6x the reference on the H200,
+    "auto" (Pallas on GPU when L and R are powers of two with R >= 16 — 4-12x the reference on the H200,
     BENCHMARKS.md — else the reference).
     Split pools: pass `kv_pages` = the latent pool [P,G,L] and `rope_pages` [P,G,R] (the model's cache keeps
     them apart; the kernel reads both, so no step concatenates the pools). FP8 latent cache: in addition
