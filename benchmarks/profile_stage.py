@@ -2,8 +2,13 @@
 stage (chained calls in one executable) summarised per kernel. Prints the table (no BENCHMARKS.md row: it
 explains a number, it is not one) and writes the optimized HLO beside the trace to map kernel names to ops.
 
-    python -m benchmarks.profile_stage [--model hybrid_small] [--stage kda|sparse|moe|step] [--batch 1 16]
-        [--context 2048] [--out DIR]
+Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step; `--model kimi` is the
+Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing). `--stage kda_prefill`
+is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with its defaults and
+with the "remat" part), what `benchmarks.linear_attention` times, split into its kernels.
+
+    python -m benchmarks.profile_stage [--model hybrid_small|kimi] [--stage kda|sparse|moe|step|kda_prefill]
+        [--batch 1 16] [--context 2048] [--tokens 32768] [--out DIR]
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import collections
 import gzip
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -64,21 +70,60 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
     trace = out_dir / f"trace_{stage}_b{b}"
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):
         jax.block_until_ready(fn(leaves, x, *extra))
-    times = kernel_times(trace)
-    total = sum(sum(v) for v in times.values()) / args.calls
-    print(f"\n{stage} stage (layer {layer}), B={b}: {total:.1f} us of kernels per call, "
-          f"{sum(len(v) for v in times.values()) / args.calls:.0f} kernels per call")  # fmt: skip
+    print_table(f"{stage} stage (layer {layer}), B={b}", kernel_times(trace), args.calls, args.top)
+
+
+def print_table(title: str, times: dict[str, list[float]], calls: int, top: int) -> None:
+    total = sum(sum(v) for v in times.values()) / calls
+    launches = sum(len(v) for v in times.values()) / calls
+    print(f"\n{title}: {total:.1f} us of kernels per call, {launches:.0f} kernels per call")
     print("| kernel | launches per call | us per call | share |\n|---|---|---|---|")
-    ranked = sorted(times.items(), key=lambda kv: -sum(kv[1]))[: args.top]
-    for name, ds in ranked:
-        per = sum(ds) / args.calls
-        print(f"| {name[:90]} | {len(ds) / args.calls:g} | {per:.1f} | {per / total:.0%} |")
+    for name, ds in sorted(times.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        per = sum(ds) / calls
+        print(f"| {name[:90]} | {len(ds) / calls:g} | {per:.1f} | {per / total:.0%} |")
+
+
+def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
+    """The KDA op at prefill, bf16 inputs: default Pallas path, then with the "remat" part."""
+    from benchmarks.linear_attention import DK, DV, N, _pallas_prefill
+
+    ks = jax.random.split(jax.random.key(tokens), 5)
+    q, k, v = (jax.random.normal(x, (1, tokens, N, DK), jnp.bfloat16) for x in ks[:3])
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (1, tokens, N, DK))) * 0.1
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, tokens, N)))
+    for remat in (False, True):
+        fn = jax.jit(_pallas_prefill(32, 4, "bf16", "neumann", remat))
+        jax.block_until_ready(fn(q, k, v, g, beta))
+        trace = out_dir / f"trace_kda_prefill_{tokens}{'_remat' if remat else ''}"
+        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+            for _ in range(args.calls):
+                out = fn(q, k, v, g, beta)
+            jax.block_until_ready(out)
+        title = f"KDA prefill T={tokens} N={N} K={DK} V={DV}, bf16 products{', remat' if remat else ''}"
+        print_table(title, kernel_times(trace), args.calls, args.top)
+
+
+def kimi_model(args):
+    """The Kimi-shaped folder of `benchmarks.e2e` (made by its transformers side when missing), loaded."""
+    from benchmarks.e2e import _torch_side, build_model
+
+    if not args.kimi_dir.is_dir():
+        make = ["make", str(args.kimi_dir), "--layers", str(args.kimi_layers), "--experts", str(args.kimi_experts),
+                "--vocab", str(args.kimi_vocab)]  # fmt: skip
+        _torch_side(args.torch_python, make, timeout=900)
+    return build_model("kimi", kimi_dir=args.kimi_dir)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="hybrid_small")
-    p.add_argument("--stage", default="kda", choices=["kda", "sparse", "moe", "step"])
+    p.add_argument("--model", default="hybrid_small", help="a preset, or kimi (the Kimi-shaped folder)")
+    p.add_argument("--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill"])
+    p.add_argument("--tokens", type=int, default=32768, help="kda_prefill only")
+    p.add_argument("--kimi-dir", type=Path, default=Path(tempfile.gettempdir()) / "hybrid_jax_e2e_kimi")
+    p.add_argument("--kimi-layers", type=int, default=8)
+    p.add_argument("--kimi-experts", type=int, default=32)
+    p.add_argument("--kimi-vocab", type=int, default=163840)
+    p.add_argument("--torch-python", default=sys.executable)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--calls", type=int, default=20)
@@ -87,10 +132,13 @@ def main() -> None:
     args = p.parse_args()
     from benchmarks.e2e import build_model
 
-    model = build_model(args.model)  # bf16 weights
-    cfg = model.config
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="profile_stage_"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.stage == "kda_prefill":
+        profile_kda_prefill(args.tokens, args, out_dir)
+        return
+    model = kimi_model(args) if args.model == "kimi" else build_model(args.model)  # bf16 weights
+    cfg = model.config
     kind = {"kda": "linear", "sparse": "sparse"}.get(args.stage)
     layer = next((i for i, t in enumerate(cfg.layer_types) if kind is None or t == kind), 0)
     if args.stage == "moe":
