@@ -9,7 +9,17 @@ import contextvars
 import jax
 
 # The ops whose "auto" the switch below can steer (names for `use_pallas(ops=...)`).
-OPS = ("kda_prefill", "kda_decode", "kda_summary", "indexer", "indexer_prolog", "sparse_mla", "moe", "attention")
+OPS = (
+    "kda_prefill",
+    "kda_decode",
+    "kda_summary",
+    "indexer",
+    "indexer_prolog",
+    "sparse_mla",
+    "moe",
+    "attention",
+    "projection",
+)
 _PREFER_PALLAS = contextvars.ContextVar("prefer_pallas", default=None)  # (enabled, frozenset of ops)
 
 

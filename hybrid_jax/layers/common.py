@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.projection import auto_uses_kernel, project
+
 # Initialisers used for random models (tests, benchmarks). Real weights come from checkpoints.
 _normal = nnx.initializers.normal(stddev=0.02)
 
@@ -107,7 +109,7 @@ def linear(
     if dt.fp8_weights:
         return Fp8Linear(in_dim, out_dim, axes, dt, rngs, stddev=0.02 if stddev is None else stddev)
     init = _normal if stddev is None else nnx.initializers.normal(stddev=stddev)
-    return nnx.Linear(
+    return Projection(
         in_dim,
         out_dim,
         use_bias=False,
@@ -116,6 +118,20 @@ def linear(
         kernel_init=nnx.with_metadata(init, logical_axes=axes),
         rngs=rngs,
     )
+
+
+class Projection(nnx.Linear):
+    """`nnx.Linear` (same parameters, same values) whose decode-sized calls — at most 16 rows, on a GPU —
+    go through the `projection` op's weight-streaming GEMV kernel (`pallas_kernels.projection`): XLA turns
+    a one-row bf16 product into multiply + reduce at 20-35% of the weight-read floor (H200, Kimi widths)."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if self.bias is None:
+            w = self.kernel[...].astype(self.dtype or self.kernel[...].dtype)
+            x = inputs.astype(w.dtype)
+            if auto_uses_kernel(x, w):
+                return project(x, w, impl="pallas")
+        return super().__call__(inputs)
 
 
 class RMSNorm(nnx.Module):
