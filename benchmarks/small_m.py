@@ -28,6 +28,7 @@ SHAPES = {  # in, out: Kimi-Linear-48B widths
 # Pallas GEMV variants beside the automatic tiles: (label, project() keyword arguments)
 PALLAS_VARIANTS = (
     ("block_n 64", dict(block_n=64)),
+    ("block_k 32", dict(block_k=32)),
     ("4 stages", dict(num_stages=4)),
     ("8 warps", dict(num_warps=8)),
 )
@@ -69,11 +70,12 @@ def main() -> None:
             if m > api.MAX_ROWS:
                 continue
             bn, bk = api.auto_tiles(d, f)
-            auto = f"pallas gemv (block_n {bn}, block_k {bk}, split {api.auto_split_k(d, f, bn, bk)})"
+            kind = "one-row kernel" if m == 1 else "rows padded to 16"
+            auto = f"pallas gemv, {kind} (block_n {bn}, block_k {bk}, split {api.auto_split_k(d, f, bn, bk)})"
             variants = (("", {}),) + (() if args.no_pallas_variants else PALLAS_VARIANTS)
             for label, kw in variants:
                 ms = loop_ms(lambda mod, x: mod(x), _Proj(d, f, pallas=kw), x)
-                impl = auto if not label else f"pallas gemv, {label}"
+                impl = auto if not label else f"pallas gemv, {kind}, {label}"
                 rows.append(roofline_row("projection", f"{name}, {m} rows", impl, ms, flops, nbytes, bw, rate))
     title = (
         f"bf16 projections at decode row counts; ceilings: copy {bw / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} TFLOP/s"

@@ -18,7 +18,7 @@ from tests.conftest import rel_err
 @settings(max_examples=8, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
-    lead=st.sampled_from([(1,), (3,), (2, 1), (16,), (1, 1, 5)]),
+    lead=st.sampled_from([(1,), (1, 1), (3,), (2, 1), (16,), (1, 1, 5)]),
     kdim=st.sampled_from([16, 48, 96, 192]),
     width=st.sampled_from([16, 80, 160, 256]),
     dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
@@ -59,18 +59,23 @@ def test_errors_name_the_values():
         project(jnp.ones((17, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16), impl="pallas")
     with pytest.raises(ValueError, match=r"w \(40, 32\) has no power-of-two tiles"):
         project(jnp.ones((1, 40), jnp.bfloat16), jnp.ones((40, 32), jnp.bfloat16), impl="pallas")
-    with pytest.raises(ValueError, match=r"split_k \* block_k = 5 \* 64"):
-        project(jnp.ones((1, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16), impl="pallas", split_k=5)
+    for rows, seen in ((1, 1), (2, 16)):  # both kernels (the second sees its rows padded to 16)
+        with pytest.raises(ValueError, match=rf"{seen} row\(s\) of K = 64, .*split_k \* block_k = 5 \* 64"):
+            project(jnp.ones((rows, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16), impl="pallas", split_k=5)
 
 
 def test_auto_rules(monkeypatch):
-    x1, x17 = jnp.ones((1, 1, 64), jnp.bfloat16), jnp.ones((17, 64), jnp.bfloat16)
-    w = jnp.ones((64, 128), jnp.bfloat16)
+    x1, x17 = jnp.ones((1, 1, 256), jnp.bfloat16), jnp.ones((17, 256), jnp.bfloat16)
+    w = jnp.ones((256, 256), jnp.bfloat16)  # 2 output tiles x 4 slabs: split 4
     assert not api.auto_uses_kernel(x1, w)  # CPU: the reference unless use_pallas() says otherwise
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert api.auto_uses_kernel(x1, w)
+    assert not api.auto_uses_kernel(jnp.ones((2, 256), jnp.bfloat16), w)  # 2+ rows: XLA's GEMM by default
     assert not api.auto_uses_kernel(x17, w)  # a GEMM: XLA's
     assert not api.auto_uses_kernel(x1, w.astype(jnp.float32))  # 4-byte weights stay with XLA
+    assert not api.auto_uses_kernel(x1, jnp.ones((256, 128 * 264), jnp.bfloat16))  # wide enough: no split
+    with pallas_kernels.use_pallas(ops=["projection"]):  # forced: wherever the kernels apply
+        assert api.auto_uses_kernel(jnp.ones((2, 256), jnp.bfloat16), w)
     mesh = jax.make_mesh((1,), ("tp",))
     with jax.set_mesh(mesh):  # a one-device mesh partitions nothing
         assert api.auto_uses_kernel(x1, w)

@@ -8,14 +8,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from pallas_kernels._pallas import auto_impl
-from pallas_kernels.projection.kernel import ROWS, gemv_partials
+from pallas_kernels._pallas import auto_impl, forced_choice
+from pallas_kernels.projection.kernel import ROWS, gemv_partials, gemv_row_partials
 from pallas_kernels.projection.reference import project_reference
 
 IMPLS = ("auto", "reference", "pallas")
-# impl="auto" runs the kernel for up to MAX_ROWS rows (one tensor-core tile) on 2-byte weights; more rows are
-# a GEMM that XLA tiles well.
+# The kernels take up to MAX_ROWS rows (one tensor-core tile). impl="auto" runs them for AUTO_MAX_ROWS: on the
+# H200 (BENCHMARKS.md, small_m.py at 83d5e63, Kimi widths, chained calls) one row is where XLA loses — its
+# multiply + reduce form took 0.029-0.039 ms per 2304 x 4096 / 4096 x 2304 / 2304 x 1024 / 2304 x 9216 weight
+# against the kernel's 0.017-0.026 — while from 4 rows XLA's GEMM matches or beats the padded-MMA kernel
+# (2304 x 4096 at 4 rows: 0.018 vs 0.026 ms). Weights wide enough to need no split (the 163840-wide lm_head:
+# XLA 0.196 vs 0.203 ms) stay with XLA too.
 MAX_ROWS = ROWS
+AUTO_MAX_ROWS = 1
 # Programs `auto_split_k` aims for: two per H200 SM, so that every SM streams weights while its other
 # program waits on memory.
 TARGET_PROGRAMS = 264
@@ -55,14 +60,20 @@ def kernel_allowed() -> bool:
 
 
 def kernel_supported(x: jax.Array, w: jax.Array) -> bool:
-    """Shapes and dtypes the kernel takes: at most MAX_ROWS rows, a 2-byte weight, 16-multiple tiles."""
+    """Shapes and dtypes the kernels take: at most MAX_ROWS rows, a 2-byte weight, 16-multiple tiles."""
     rows = math.prod(x.shape[:-1])
     return 0 < rows <= MAX_ROWS and w.dtype.itemsize == 2 and auto_tiles(*w.shape) is not None
 
 
 def auto_uses_kernel(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `project(x, w, impl="auto")` runs the kernel (callers keep their own XLA path otherwise)."""
-    return auto_impl("projection", kernel_supported(x, w) and kernel_allowed())
+    """Whether `project(x, w, impl="auto")` runs a kernel (callers keep their own XLA path otherwise): inside
+    a `use_pallas()` block covering "projection" wherever the kernels apply; by default on a GPU for
+    AUTO_MAX_ROWS rows of a weight that needs a contraction split (rules above)."""
+    supported = kernel_supported(x, w) and kernel_allowed()
+    if supported and forced_choice("projection") is None:
+        bn, bk = auto_tiles(*w.shape)
+        supported = math.prod(x.shape[:-1]) <= AUTO_MAX_ROWS and auto_split_k(*w.shape, bn, bk) > 1
+    return auto_impl("projection", supported)
 
 
 def project(
@@ -80,10 +91,11 @@ def project(
 ) -> jax.Array:
     """x [..., K], w [K, N] -> x W [..., N] in out_dtype (default x's dtype), float32 accumulation.
 
-    impl: "reference" (float32 jnp), "pallas" (`kernel.gemv_partials`: rows padded to 16, a grid of output
-    tiles x contraction splits streaming W, the split partials added in XLA; x is cast to w's dtype), or
-    "auto" (the kernel on a GPU for up to MAX_ROWS rows of a 2-byte weight outside a multi-device mesh —
-    `kernel_allowed` — else the reference). Tiles: `block_n` / `block_k` powers of two (default
+    impl: "reference" (float32 jnp), "pallas" (a grid of output tiles x contraction splits streaming W, the
+    split partials added in XLA, x cast to w's dtype: `kernel.gemv_row_partials` for one row,
+    `kernel.gemv_partials` with the rows padded to 16 for more), or "auto" (`auto_uses_kernel`: a kernel on
+    a GPU for one row of a 2-byte weight that needs a split, outside a multi-device mesh — `kernel_allowed`
+    — else the reference). Tiles: `block_n` / `block_k` powers of two (default
     `auto_tiles`), `split_k` a divisor of K / block_k (default `auto_split_k`).
     """
     if impl not in IMPLS:
@@ -107,9 +119,11 @@ def project(
     split_k = split_k or auto_split_k(kdim, width, block_n, block_k)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    xp = jnp.pad(x.reshape(rows, kdim).astype(w.dtype), [(0, ROWS - rows), (0, 0)])
-    parts = gemv_partials(
-        xp, w, block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
-        num_stages=num_stages,
-    )  # fmt: skip
-    return jnp.sum(parts, axis=0)[:rows].reshape(*x.shape[:-1], width).astype(out_dtype)
+    kw = dict(block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
+              num_stages=num_stages)  # fmt: skip
+    if rows == 1:
+        y = jnp.sum(gemv_row_partials(x.reshape(kdim).astype(w.dtype), w, **kw), axis=0)
+    else:
+        xp = jnp.pad(x.reshape(rows, kdim).astype(w.dtype), [(0, ROWS - rows), (0, 0)])
+        y = jnp.sum(gemv_partials(xp, w, **kw), axis=0)[:rows]
+    return y.reshape(*x.shape[:-1], width).astype(out_dtype)

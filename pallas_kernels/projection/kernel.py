@@ -6,11 +6,15 @@ weight in that form, 20-35% of the read floor, with the [K, N] products material
 kernels) and a padded 16-row GEMM launches too few programs to keep every SM streaming.
 
 Here a grid of (N / BN output tiles) x (S contraction splits) programs each streams a [K / S, BN] slab of W
-in BK-row steps through one tensor-core product per step with the rows padded to 16 (the smallest MMA
-tile; the padding costs no bytes of W), and writes a float32 partial [16, BN]; XLA adds the S partials
-(fused into whatever consumes the result):
+in BK-row steps and writes a float32 partial; XLA adds the S partials (fused into whatever consumes the
+result):
 
     P_s = x[:, K_s] W[K_s, :]      (grid (N / BN, S)),      y = Σ_s P_s
+
+One row (`gemv_row_partials`) accumulates x_k W[k, :] on the CUDA cores as a [BK, BN] tile summed over BK at
+the end (no MMA tile to fill; partials [S, N]). Up to 16 rows (`gemv_partials`) take one tensor-core
+product per step with the rows padded to 16 (the smallest MMA tile; the padding costs no bytes of W, but
+its partials are [S, 16, N]).
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). K must divide into S x BK and N into
 BN; `api.project` picks the tiles.
@@ -38,16 +42,51 @@ def _kernel(x_ref, w_ref, o_ref, *, bk, nk):
     o_ref[...] = jax.lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
+def _row_kernel(x_ref, w_ref, o_ref, *, bk, nk):
+    # x_ref [K / S], w_ref [K / S, BN], o_ref [BN]. Partial products stay a [BK, BN] tile until the end: a
+    # reduction over the tile's rows at every step would cross warps (through shared memory) at every step.
+    def body(kk, acc):
+        cols = pl.ds(kk * bk, bk)
+        return acc + x_ref[cols].astype(jnp.float32)[:, None] * w_ref[cols, :].astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, o_ref.shape[-1]), jnp.float32))
+    o_ref[...] = jnp.sum(acc, axis=0)
+
+
+def _check(name, x_rows, kdim, w, block_n, block_k, split_k):
+    if w.shape[0] != kdim or kdim % (split_k * block_k) or w.shape[1] % block_n:
+        raise ValueError(
+            f"{name}: x has {x_rows} row(s) of K = {kdim}, w {w.shape} must be [K, N] with K a multiple of "
+            f"split_k * block_k = {split_k} * {block_k} and N a multiple of block_n = {block_n}"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "interpret", "num_warps", "num_stages"))
+def gemv_row_partials(x, w, *, block_n, block_k, split_k, interpret=False, num_warps=4, num_stages=3):
+    """x [K] (w's dtype), w [K, N] -> partial sums [S, N] float32."""
+    (kdim,), width = x.shape, w.shape[1]
+    _check("gemv_row_partials", 1, kdim, w, block_n, block_k, split_k)
+    ks = kdim // split_k
+    return pl.pallas_call(
+        functools.partial(_row_kernel, bk=block_k, nk=ks // block_k),
+        grid=(width // block_n, split_k),
+        in_specs=[pl.BlockSpec((ks,), lambda j, s: (s,)), pl.BlockSpec((ks, block_n), lambda j, s: (s, j))],
+        out_specs=pl.BlockSpec((None, block_n), lambda j, s: (s, j)),
+        out_shape=jax.ShapeDtypeStruct((split_k, width), jnp.float32),
+        interpret=interpret,
+        name="projection_gemv_row",
+        **triton_params(interpret, num_warps, num_stages),
+    )(x, w)
+
+
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "interpret", "num_warps", "num_stages"))
 def gemv_partials(x, w, *, block_n, block_k, split_k, interpret=False, num_warps=4, num_stages=3):
     """x [16, K] (rows padded to 16, w's dtype), w [K, N] -> partial sums [S, 16, N] float32."""
     rows, kdim = x.shape
     width = w.shape[1]
-    if rows != ROWS or w.shape[0] != kdim or kdim % (split_k * block_k) or width % block_n:
-        raise ValueError(
-            f"gemv_partials: x {x.shape} must be [{ROWS}, K] with K = w's rows ({w.shape}), a multiple of "
-            f"split_k * block_k = {split_k} * {block_k}, and N a multiple of block_n = {block_n}"
-        )
+    if rows != ROWS:
+        raise ValueError(f"gemv_partials: x {x.shape} must have its rows padded to {ROWS}")
+    _check("gemv_partials", rows, kdim, w, block_n, block_k, split_k)
     ks = kdim // split_k
     return pl.pallas_call(
         functools.partial(_kernel, bk=block_k, nk=ks // block_k),
