@@ -70,7 +70,7 @@ def main() -> None:
             if m > api.MAX_ROWS:
                 continue
             bn, bk = api.auto_tiles(d, f)
-            kind = "one-row kernel" if m == 1 else "rows padded to 16"
+            kind = "one row" if m == 1 else "rows padded to 16"
             auto = f"pallas gemv, {kind} (block_n {bn}, block_k {bk}, split {api.auto_split_k(d, f, bn, bk)})"
             variants = (("", {}),) + (() if args.no_pallas_variants else PALLAS_VARIANTS)
             for label, kw in variants:

@@ -59,7 +59,7 @@ def test_errors_name_the_values():
         project(jnp.ones((17, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16), impl="pallas")
     with pytest.raises(ValueError, match=r"w \(40, 32\) has no power-of-two tiles"):
         project(jnp.ones((1, 40), jnp.bfloat16), jnp.ones((40, 32), jnp.bfloat16), impl="pallas")
-    for rows, seen in ((1, 1), (2, 16)):  # both kernels (the second sees its rows padded to 16)
+    for rows, seen in ((1, 1), (2, 16)):  # one row, and rows padded to 16
         with pytest.raises(ValueError, match=rf"{seen} row\(s\) of K = 64, .*split_k \* block_k = 5 \* 64"):
             project(jnp.ones((rows, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16), impl="pallas", split_k=5)
 

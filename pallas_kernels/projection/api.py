@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 from pallas_kernels._pallas import auto_impl, forced_choice
-from pallas_kernels.projection.kernel import ROWS, gemv_partials, gemv_row_partials
+from pallas_kernels.projection.kernel import ROWS, gemv_partials
 from pallas_kernels.projection.reference import project_reference
 
 IMPLS = ("auto", "reference", "pallas")
@@ -92,8 +92,8 @@ def project(
     """x [..., K], w [K, N] -> x W [..., N] in out_dtype (default x's dtype), float32 accumulation.
 
     impl: "reference" (float32 jnp), "pallas" (a grid of output tiles x contraction splits streaming W, the
-    split partials added in XLA, x cast to w's dtype: `kernel.gemv_row_partials` for one row,
-    `kernel.gemv_partials` with the rows padded to 16 for more), or "auto" (`auto_uses_kernel`: a kernel on
+    split partials added in XLA, x cast to w's dtype and its rows padded to 16: `kernel.gemv_partials`), or
+    "auto" (`auto_uses_kernel`: a kernel on
     a GPU for one row of a 2-byte weight that needs a split, outside a multi-device mesh — `kernel_allowed`
     — else the reference). Tiles: `block_n` / `block_k` powers of two (default
     `auto_tiles`), `split_k` a divisor of K / block_k (default `auto_split_k`).
@@ -121,9 +121,7 @@ def project(
         interpret = jax.default_backend() == "cpu"
     kw = dict(block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
               num_stages=num_stages)  # fmt: skip
-    if rows == 1:
-        y = jnp.sum(gemv_row_partials(x.reshape(kdim).astype(w.dtype), w, **kw), axis=0)
-    else:
-        xp = jnp.pad(x.reshape(rows, kdim).astype(w.dtype), [(0, ROWS - rows), (0, 0)])
-        y = jnp.sum(gemv_partials(xp, w, **kw), axis=0)[:rows]
+    xp = jnp.pad(x.reshape(rows, kdim).astype(w.dtype), [(0, ROWS - rows), (0, 0)])
+    y = jnp.sum(gemv_partials(xp, w, one_row=rows == 1, **kw), axis=0)  # [N] for one row, else [16, N]
+    y = y[None] if rows == 1 else y[:rows]
     return y.reshape(*x.shape[:-1], width).astype(out_dtype)
