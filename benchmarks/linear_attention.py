@@ -177,37 +177,40 @@ PHASE_PARTS = (
 )
 
 
-def parse_variant(text: str) -> tuple[int, int, str, str, bool]:
-    """Variant text, e.g. 64x4, 64x4:bf16, 64x4:bf16:substitution or 64x4:bf16:neumann:remat ->
-    (block_v, num_warps, precision, solve, remat)."""
+def parse_variant(text: str) -> tuple[int, int, str, str, str]:
+    """Variant text, e.g. 64x4, 64x4:bf16, 64x4:bf16:substitution, 64x4:bf16:neumann:remat or
+    64x4:bf16:neumann:split -> (block_v, num_warps, precision, solve, extra)."""
     shape, prec, solve, extra = (text.split(":") + ["", "", ""])[:4]
     bv, nw = (int(x) for x in shape.split("x"))
-    if extra not in ("", "remat"):
-        raise ValueError(f"--variants {text!r}: the fourth field can only be 'remat'")
-    return bv, nw, prec or "tf32", solve or "neumann", extra == "remat"
+    if extra not in ("", "remat", "split"):
+        raise ValueError(f"--variants {text!r}: the fourth field can only be 'remat' or 'split'")
+    return bv, nw, prec or "tf32", solve or "neumann", extra
 
 
-def _pallas_prefill(block_v, num_warps, precision, solve, remat):
-    """The Pallas prefill of one variant. remat: `chunked.kda_chunked_pallas` called directly with the
-    "remat" part (the benchmark shapes need no padding: T a multiple of 64, K = V = 128)."""
-    if not remat:
+def _pallas_prefill(block_v, num_warps, precision, solve, extra=""):
+    """The Pallas prefill of one variant. extra "remat" / "split": `chunked.kda_chunked_pallas` called
+    directly with the "remat" part or with phase 1 as two kernels (intra="split"); the benchmark shapes need
+    no padding (T a multiple of 64, K = V = 128)."""
+    if not extra:
         return functools.partial(kda, impl="pallas", block_v=block_v, num_warps=num_warps, precision=precision,
                                  solve=solve)  # fmt: skip
     from pallas_kernels.linear_attention.chunked import PARTS, kda_chunked_pallas
+
+    opts = dict(parts=PARTS | {"remat"}) if extra == "remat" else dict(intra="split")
 
     def run(q, k, v, g, beta):
         s0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
         return kda_chunked_pallas(
             q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), s0, scale=q.shape[-1] ** -0.5, l2norm=True,
-            block_v=block_v, precision=precision, num_warps=num_warps, solve=solve, parts=PARTS | {"remat"},
-            interpret=jax.default_backend() == "cpu",
+            block_v=block_v, precision=precision, num_warps=num_warps, solve=solve,
+            interpret=jax.default_backend() == "cpu", **opts,
         )  # fmt: skip
 
     return run
 
 
 def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[dict]:
-    variants = variants or [(bv, nw, "tf32", "neumann", False) for bv, nw in PREFILL_VARIANTS]
+    variants = variants or [(bv, nw, "tf32", "neumann", "") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for t in lengths:
         ks = jax.random.split(jax.random.key(t), 5)
@@ -221,8 +224,8 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
         ref_o, _ = ref(q, k, v, g, beta)
         ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=5)
         rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
-        for bv, nw, prec, solve, remat in variants:
-            fn = jax.jit(_pallas_prefill(bv, nw, prec, solve, remat))
+        for bv, nw, prec, solve, extra in variants:
+            fn = jax.jit(_pallas_prefill(bv, nw, prec, solve, extra))
             t0 = time.perf_counter()
             o, _ = jax.block_until_ready(fn(q, k, v, g, beta))
             print(f"  (T={t} pallas {bv}x{nw} {prec}: compile + first call {time.perf_counter() - t0:.1f} s)",
@@ -230,7 +233,7 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
             err = rel_err(o, ref_o)
             ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
-            label += (f", {solve}" if solve != "neumann" else "") + (", remat" if remat else "")
+            label += (f", {solve}" if solve != "neumann" else "") + (f", {extra}" if extra else "")
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
         if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
             for parts, label, nw in PHASE_PARTS:
@@ -293,8 +296,8 @@ def main() -> None:
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
     p.add_argument(
         "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
-        help="Pallas prefill variants as block_v x num_warps [:precision [:solve [:remat]]], e.g. 64x4, 64x4:bf16, "
-        "64x4:bf16:substitution or 32x4:bf16:neumann:remat",
+        help="Pallas prefill variants as block_v x num_warps [:precision [:solve [:remat | split]]], e.g. 64x4, "
+        "64x4:bf16, 64x4:bf16:substitution, 32x4:bf16:neumann:remat or 32x4:bf16:neumann:split",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument("--no-record", action="store_true")

@@ -39,6 +39,9 @@ SUB = 16  # sub-block rows: the smallest tensor-core tile
 # (`benchmarks/linear_attention.py --phases` times the phase with each part removed). Adding "remat" is a
 # candidate optimisation, opt-in until timed (see `_intra_kernel`; `--variants 32x4:bf16:neumann:remat`).
 PARTS = frozenset({"diag", "off", "solve"})
+# Phase 1 as one fused kernel ("fused", `_intra_kernel`) or two ("split", `_a_kernel` + `_solve_kernel`);
+# "split" is opt-in until timed (`benchmarks/linear_attention.py --variants 32x4:bf16:neumann:split`).
+INTRA = "fused"
 LOG2E = 1.4426950408889634
 # Warps of the intra-chunk kernel: at 4 it needed 255 registers per thread and spilled (Nsight Compute on
 # the H200, 4K tokens: 12% occupancy, a third of its stalls on local memory); `num_warps` sets the state pass.
@@ -245,9 +248,18 @@ def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precisio
 
 
 def _intra(
-    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann"
-):
-    """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1])."""
+    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
+    intra=INTRA,
+):  # fmt: skip
+    """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1]); intra="split" runs it
+    as two kernels (`_intra_split`)."""
+    if intra == "split":
+        return _intra_split(
+            q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret,
+            num_warps=num_warps, parts=parts, solve=solve,
+        )  # fmt: skip
+    if intra != "fused":
+        raise ValueError(f"kda_chunked_pallas: intra={intra!r} must be 'fused' or 'split'")
     params = triton_params(interpret, num_warps, 2)
     b, t, n, dk = q.shape
     dv = v.shape[-1]
@@ -288,6 +300,154 @@ def _intra(
     )(q, k, v, g, beta)[:6]  # fmt: skip
 
 
+# ---------------------------------------------------------------- phase 1 as two kernels (intra="split")
+#
+# The fused `_intra_kernel` keeps the chunk's [C, C] and [C, K] tiles live across the diagonal loop, the
+# off-diagonal products, the inverse and W / U; on the H200 it is ~8.4 of ~10 ms of a 32K-token prefill, and
+# its parts alone add up to far less than the whole (register pressure: 255 registers, spills). Split in
+# two, each kernel holds a fraction of that state:
+#   `_a_kernel`: A_qk and β-scaled strict-lower A_kk (float32, through HBM), q_g, k_g, exp(G_C) — one 16-row
+#   stripe of the chunk at a time: its diagonal sub-block exactly per element (a 16-step loop over [16, K]
+#   tiles, each key row broadcast: no gathered rows), its earlier sub-blocks as one [16, K] x [K, C]
+#   product (rescaled both sides at the row before the stripe, as in the fused kernel, columns >= the
+#   stripe masked away);
+#   `_solve_kernel`: (I + A_kk)⁻¹ (Neumann chain, or substitution over A_kk's rows read from HBM) and
+#   W = T (β exp(G) ⊙ k), U = T (β v).
+
+
+def _a_kernel(
+    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm, precision, parts
+):  # fmt: skip
+    dot = _products(precision)
+    f32 = jnp.float32
+    r16 = jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+    row = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 1)
+
+    def inv_norm(x):  # [R, K] -> [R]
+        if not l2norm:
+            return jnp.ones((x.shape[0],), f32)
+        return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6)
+
+    g_last = g_ref[CHUNK - 1, :]  # [K]
+    gl_ref[...] = jnp.exp2(g_last)[:, None]
+    k_scale = inv_norm(k_ref[...].astype(f32))  # [C]: the whole chunk's keys enter every stripe's products
+    for i in range(CHUNK // SUB):  # one 16-row stripe at a time: nothing [C, K] outlives its stripe
+        rows = pl.ds(i * SUB, SUB)
+        q_raw = q_ref[rows, :].astype(f32)
+        k_raw = k_ref[rows, :].astype(f32)
+        qs = inv_norm(q_raw) * scale  # [16]
+        ks = inv_norm(k_raw)
+        gi = g_ref[rows, :]  # [16, K] G·log2(e)
+        qg_ref[rows, :] = (jnp.exp2(gi) * q_raw * qs[:, None]).astype(qg_ref.dtype)
+        kg_ref[rows, :] = (jnp.exp2(g_last[None, :] - gi) * k_raw * ks[:, None]).astype(kg_ref.dtype)
+
+        def diag(j, carry, i=i, q_raw=q_raw, k_raw=k_raw, gi=gi):
+            dqk, dkk = carry
+            src = i * SUB + j
+            kj = k_ref[src, :].astype(f32)  # [K] raw; its norm is applied with the stripe's below
+            e = jnp.exp2(jnp.where((r16 >= j)[:, None], gi - g_ref[src, :][None, :], -jnp.inf))
+            kd = kj[None, :] * e
+            hit = col == src
+            dqk = jnp.where(hit, jnp.sum(q_raw * kd, axis=1)[:, None], dqk)
+            return dqk, jnp.where(hit, jnp.sum(k_raw * kd, axis=1)[:, None], dkk)
+
+        zeros = jnp.zeros((SUB, CHUNK), f32)
+        a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros)) if "diag" in parts else (zeros, zeros)
+        a_qk = a_qk * qs[:, None] * k_scale[None, :]
+        a_kk = a_kk * ks[:, None] * k_scale[None, :]
+        if i and "off" in parts:
+            # earlier sub-blocks: exp(G_a − G_b) = exp(G_a − P) · exp(P − G_b) with P = G at the row before the
+            # stripe, both ≤ 1 on the entries kept
+            p = g_ref[i * SUB - 1, :][None, :]  # [1, K]
+            left = jnp.exp2(gi - p)
+            right = k_ref[...].astype(f32) * k_scale[:, None] * jnp.exp2(jnp.minimum(p - g_ref[...], 0.0))
+            keep = col < i * SUB
+            a_qk += jnp.where(keep, dot(q_raw * qs[:, None] * left, right, CONTRACT_LAST), 0.0)
+            a_kk += jnp.where(keep, dot(k_raw * ks[:, None] * left, right, CONTRACT_LAST), 0.0)
+        aqk_ref[rows, :] = a_qk.astype(aqk_ref.dtype)
+        beta = beta_ref[rows].astype(f32)
+        akk_ref[rows, :] = jnp.where(col < row + i * SUB, a_kk * beta[:, None], 0.0)
+
+
+def _solve_kernel(k_ref, v_ref, g_ref, beta_ref, akk_ref, w_ref, u_ref, *, l2norm, precision, solve, parts):
+    dot = _products(precision)
+    dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
+    f32 = jnp.float32
+    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    eye = (row == col).astype(f32)
+    t_inv = eye
+    if "solve" in parts and solve == "substitution":
+        # row i of T − I is −A_i − Σ_{j<i} A_ij (T − I)_j, A's rows read from the input (no barrier needed)
+        def step(i, t):
+            a = -akk_ref[i, :]
+            a = a + jnp.sum(a[:, None] * t, axis=0)
+            return jnp.where(row == i, a[None, :], t)
+
+        t_inv = jax.lax.fori_loop(1, CHUNK, step, jnp.zeros((CHUNK, CHUNK), f32)) + eye
+    elif "solve" in parts:
+        a_kk = akk_ref[...]
+        rb, cb = row // SUB, col // SUB
+        d = jnp.where(rb == cb, a_kk, 0.0)
+        d2 = dot_solve(d, d)
+        d4 = dot_solve(d2, d2)
+        d8 = dot_solve(d4, d4)
+        x = dot_solve(dot_solve(dot_solve(eye - d, eye + d2), eye + d4), eye + d8)
+        m = dot_solve(x, a_kk - d)
+        t_inv = dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
+    k = k_ref[...].astype(f32)
+    if l2norm:
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1) + 1e-6)[:, None]
+    beta = beta_ref[...].astype(f32)[:, None]
+    w_ref[...] = dot(t_inv, beta * jnp.exp2(g_ref[...]) * k).astype(w_ref.dtype)
+    u_ref[...] = dot(t_inv, beta * v_ref[...].astype(f32))
+
+
+def _intra_split(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, solve):
+    """Phase 1 as `_a_kernel` then `_solve_kernel`: the same six outputs as `_intra`."""
+    params = triton_params(interpret, num_warps, 2)
+    b, t, n, dk = q.shape
+    dv = v.shape[-1]
+    nc = t // CHUNK
+    f32 = jnp.float32
+    inter = jnp.bfloat16 if precision == "bf16" else f32
+
+    def chunk_spec(width):
+        return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
+
+    beta_spec = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
+    g = _chunk_cumsum(g, interpret=interpret, params=params)
+    aqk, akk, qg, kg, gl = pl.pallas_call(
+        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
+        grid=(b, n, nc),
+        in_specs=[chunk_spec(dk), chunk_spec(dk), chunk_spec(dk), beta_spec],
+        out_specs=[
+            chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(dk), chunk_spec(dk),
+            pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, t, n, CHUNK), inter), jax.ShapeDtypeStruct((b, t, n, CHUNK), f32),
+            jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, t, n, dk), inter),
+            jax.ShapeDtypeStruct((b, nc, n, dk, 1), f32),
+        ],
+        interpret=interpret,
+        name="kda_chunk_a",
+        **params,
+    )(q, k, g, beta)  # fmt: skip
+    w, u = pl.pallas_call(
+        functools.partial(_solve_kernel, l2norm=l2norm, precision=precision, solve=solve, parts=parts),
+        grid=(b, n, nc),
+        in_specs=[chunk_spec(dk), chunk_spec(dv), chunk_spec(dk), beta_spec, chunk_spec(CHUNK)],
+        out_specs=[chunk_spec(dk), chunk_spec(dv)],
+        out_shape=[jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, t, n, dv), f32)],
+        interpret=interpret,
+        name="kda_chunk_solve",
+        **params,
+    )(k, v, g, beta, akk)  # fmt: skip
+    return aqk, w, u, qg, kg, gl
+
+
 def _seq_spec(t, width, tile=False):
     if tile:
         return pl.BlockSpec((None, t, None, width), lambda i, h, j: (i, 0, h, j))
@@ -310,11 +470,12 @@ def _gate_spec(nc, dk):
         "num_stages",
         "solve",
         "parts",
+        "intra",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2,
-    solve="neumann", chunk_first=None, chunk_last=None, parts=PARTS,
+    solve="neumann", chunk_first=None, chunk_last=None, parts=PARTS, intra=INTRA,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -330,7 +491,7 @@ def kda_chunked_pallas(
     params = triton_params(interpret, num_warps, num_stages)
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
-        parts=parts,
+        parts=parts, intra=intra,
     )  # fmt: skip
     if packed:
         if b != 1 or chunk_first.shape != (nc,) or chunk_last.shape != (nc,):
