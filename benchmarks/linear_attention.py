@@ -182,21 +182,21 @@ def parse_variant(text: str) -> tuple[int, int, str, str, str]:
     64x4:bf16:neumann:split -> (block_v, num_warps, precision, solve, extra)."""
     shape, prec, solve, extra = (text.split(":") + ["", "", ""])[:4]
     bv, nw = (int(x) for x in shape.split("x"))
-    if extra not in ("", "remat", "split"):
-        raise ValueError(f"--variants {text!r}: the fourth field can only be 'remat' or 'split'")
+    if extra not in ("", "remat", "fused", "split", "split_tile"):
+        raise ValueError(f"--variants {text!r}: the fourth field can only be remat, fused, split or split_tile")
     return bv, nw, prec or "tf32", solve or "neumann", extra
 
 
 def _pallas_prefill(block_v, num_warps, precision, solve, extra=""):
-    """The Pallas prefill of one variant. extra "remat" / "split": `chunked.kda_chunked_pallas` called
-    directly with the "remat" part or with phase 1 as two kernels (intra="split"); the benchmark shapes need
-    no padding (T a multiple of 64, K = V = 128)."""
+    """The Pallas prefill of one variant. extra "remat" or an `intra` of `chunked.INTRAS`:
+    `chunked.kda_chunked_pallas` called directly with the fused phase 1's "remat" part or with that phase 1
+    form; the benchmark shapes need no padding (T a multiple of 64, K = V = 128)."""
     if not extra:
         return functools.partial(kda, impl="pallas", block_v=block_v, num_warps=num_warps, precision=precision,
                                  solve=solve)  # fmt: skip
     from pallas_kernels.linear_attention.chunked import PARTS, kda_chunked_pallas
 
-    opts = dict(parts=PARTS | {"remat"}) if extra == "remat" else dict(intra="split")
+    opts = dict(parts=PARTS | {"remat"}, intra="fused") if extra == "remat" else dict(intra=extra)
 
     def run(q, k, v, g, beta):
         s0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
@@ -296,8 +296,8 @@ def main() -> None:
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
     p.add_argument(
         "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
-        help="Pallas prefill variants as block_v x num_warps [:precision [:solve [:remat | split]]], e.g. 64x4, "
-        "64x4:bf16, 64x4:bf16:substitution, 32x4:bf16:neumann:remat or 32x4:bf16:neumann:split",
+        help="Pallas prefill variants as block_v x num_warps [:precision [:solve [:remat | fused | split | "
+        "split_tile]]], e.g. 64x4, 64x4:bf16, 64x4:bf16:substitution or 32x4:bf16:neumann:fused",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument("--no-record", action="store_true")

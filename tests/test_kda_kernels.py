@@ -112,14 +112,18 @@ def test_intra_kernel_remat_part_changes_nothing(precision):
     (q, k, v, g, beta), s0 = _prefill_inputs(9, 1, 128, 2, 32, 32, False, jnp.bfloat16, True)
     kw = dict(scale=32**-0.5, l2norm=True, block_v=16, precision=precision, interpret=True)
     args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), s0)
-    base = kda_chunked_pallas(*args, **kw)
-    remat = kda_chunked_pallas(*args, parts=PARTS | {"remat"}, **kw)
+    base = kda_chunked_pallas(*args, intra="fused", **kw)
+    remat = kda_chunked_pallas(*args, parts=PARTS | {"remat"}, intra="fused", **kw)
     for a, b in zip(base, remat, strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("precision,solve", [("ieee", "neumann"), ("ieee", "substitution"), ("bf16", "neumann")])
-def test_split_intra_matches_fused_and_reference(precision, solve):
+@pytest.mark.parametrize(
+    "precision,solve,intra",
+    [("ieee", "neumann", "split"), ("ieee", "substitution", "split"), ("bf16", "neumann", "split"),
+     ("ieee", "neumann", "split_tile"), ("bf16", "neumann", "split_tile")],
+)  # fmt: skip
+def test_split_intra_matches_fused_and_reference(precision, solve, intra):
     """intra="split" (`_a_kernel` + `_solve_kernel`) against the fused phase 1 and the jnp reference, with
     strong gates (log decays down to -25 per token: products that factor exp(G) at the chunk start would
     overflow), a non-zero initial state, two chunks, two heads."""
@@ -130,12 +134,12 @@ def test_split_intra_matches_fused_and_reference(precision, solve):
     kw = dict(scale=64**-0.5, l2norm=True, block_v=16, precision=precision, interpret=True, solve=solve)
     args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), s0)
     fused = kda_chunked_pallas(*args, intra="fused", **kw)
-    split = kda_chunked_pallas(*args, intra="split", **kw)
+    split = kda_chunked_pallas(*args, intra=intra, **kw)
     ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
     tol = 1e-5 if precision == "ieee" else 2e-2
     assert rel_err(split[0], fused[0]) < tol and rel_err(split[1], fused[1]) < tol
     assert rel_err(split[0], ref_o) < max(tol, 1e-2) and rel_err(split[1], ref_s) < max(tol, 1e-4)
-    with pytest.raises(ValueError, match="intra='both' must be 'fused' or 'split'"):
+    with pytest.raises(ValueError, match="intra='both' must be one of"):
         kda_chunked_pallas(*args, intra="both", **kw)
 
 
