@@ -214,6 +214,6 @@ def test_auto_runs_the_prefill_kernel_on_gpu(monkeypatch):
     assert "pallas_call" not in traced(70)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     jaxpr = traced(70)
-    assert "name=kda_chunk_intra" in jaxpr and "name=kda_chunk_state" in jaxpr
+    assert all(f"name=kda_chunk_{k}" in jaxpr for k in ("a", "solve", "state"))  # phase 1 split by default
     assert seen == ["bf16"]
     assert "pallas_call" not in traced(1)
