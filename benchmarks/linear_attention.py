@@ -182,8 +182,8 @@ def parse_variant(text: str) -> tuple[int, int, str, str, str]:
     64x4:bf16:neumann:split -> (block_v, num_warps, precision, solve, extra)."""
     shape, prec, solve, extra = (text.split(":") + ["", "", ""])[:4]
     bv, nw = (int(x) for x in shape.split("x"))
-    if extra not in ("", "remat", "fused", "split", "split_tile"):
-        raise ValueError(f"--variants {text!r}: the fourth field can only be remat, fused, split or split_tile")
+    if extra not in ("", "remat", "fused", "split"):
+        raise ValueError(f"--variants {text!r}: the fourth field can only be remat, fused or split")
     return bv, nw, prec or "tf32", solve or "neumann", extra
 
 
@@ -296,8 +296,8 @@ def main() -> None:
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
     p.add_argument(
         "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
-        help="Pallas prefill variants as block_v x num_warps [:precision [:solve [:remat | fused | split | "
-        "split_tile]]], e.g. 64x4, 64x4:bf16, 64x4:bf16:substitution or 32x4:bf16:neumann:fused",
+        help="Pallas prefill variants as block_v x num_warps [:precision [:solve [:remat | fused | split]]], e.g. "
+        "64x4, 64x4:bf16, 64x4:bf16:substitution or 32x4:bf16:neumann:fused",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument("--no-record", action="store_true")

@@ -118,12 +118,8 @@ def test_intra_kernel_remat_part_changes_nothing(precision):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize(
-    "precision,solve,intra",
-    [("ieee", "neumann", "split"), ("ieee", "substitution", "split"), ("bf16", "neumann", "split"),
-     ("ieee", "neumann", "split_tile"), ("bf16", "neumann", "split_tile")],
-)  # fmt: skip
-def test_split_intra_matches_fused_and_reference(precision, solve, intra):
+@pytest.mark.parametrize("precision,solve", [("ieee", "neumann"), ("ieee", "substitution"), ("bf16", "neumann")])
+def test_split_intra_matches_fused_and_reference(precision, solve):
     """intra="split" (`_a_kernel` + `_solve_kernel`) against the fused phase 1 and the jnp reference, with
     strong gates (log decays down to -25 per token: products that factor exp(G) at the chunk start would
     overflow), a non-zero initial state, two chunks, two heads."""
@@ -134,7 +130,7 @@ def test_split_intra_matches_fused_and_reference(precision, solve, intra):
     kw = dict(scale=64**-0.5, l2norm=True, block_v=16, precision=precision, interpret=True, solve=solve)
     args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), s0)
     fused = kda_chunked_pallas(*args, intra="fused", **kw)
-    split = kda_chunked_pallas(*args, intra=intra, **kw)
+    split = kda_chunked_pallas(*args, intra="split", **kw)
     ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
     tol = 1e-5 if precision == "ieee" else 2e-2
     assert rel_err(split[0], fused[0]) < tol and rel_err(split[1], fused[1]) < tol

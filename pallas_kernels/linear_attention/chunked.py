@@ -16,6 +16,8 @@ Phase 1 (`_intra_kernel`, grid (B, N, chunks)), per chunk, on whole [64, 64] / [
   Neumann product (I − D)(I + D²)(I + D⁴)(I + D⁸) and M = X (A_kk − D) (block-strictly-lower, M⁴ = 0),
   (I + A_kk)⁻¹ = (I − M)(I + M²) X. W = T (exp(G) ⊙ k), U = T v, q_g = exp(G) ⊙ q, k_g = exp(G_C − G) ⊙ k,
   exp(G_C).
+By default (INTRA = "split") phase 1 runs as two kernels with the same mathematics, `_a_kernel` (A_qk, A_kk,
+q_g, k_g, exp(G_C), 16-row stripe by stripe) then `_solve_kernel` (the inverse, W, U) — see their section.
 Phase 2 (`_state_kernel`, grid (B, N, V/BV)), chunk after chunk with S [K, BV] on chip:
     V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
 Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk); W, q_g, k_g, A_qk in bfloat16 with
@@ -39,11 +41,12 @@ SUB = 16  # sub-block rows: the smallest tensor-core tile
 # (`benchmarks/linear_attention.py --phases` times the phase with each part removed). Adding "remat" (fused
 # phase 1 only, see `_intra_kernel`) measured no gain: 8.26 vs 8.41 ms for that kernel (H200, 32K, c2f09cb).
 PARTS = frozenset({"diag", "off", "solve"})
-# Phase 1 as one fused kernel ("fused", `_intra_kernel`) or two ("split", `_a_kernel` + `_solve_kernel`;
-# "split_tile": its diagonal sub-blocks as 3-D tiles, `_diag_tile`, opt-in until timed). H200, 32K tokens x 32
-# heads, bf16 (BENCHMARKS.md, ef660df, same run): fused 10.68 ms, split 8.57 (A kernel 4.78 + solve 1.78 +
-# state 1.26 + cumsum 0.29); split with substitution 10.47; fla's chunk_kda 4.62.
-INTRAS = ("fused", "split", "split_tile")
+# Phase 1 as one fused kernel ("fused", `_intra_kernel`) or two ("split", `_a_kernel` + `_solve_kernel`).
+# H200, 32K tokens x 32 heads, bf16 (BENCHMARKS.md, ef660df / 99f1e83, same runs): fused 10.68 / 10.62 ms,
+# split 8.57 / 8.57 (A kernel 4.78 + solve 1.78 + state 1.26 + cumsum 0.29); split with substitution 10.47;
+# the split's diagonal sub-blocks as [16, 16, 32] tiles summed over K instead of its 16-step loop 14.04
+# (tried at 99f1e83, removed); fla's chunk_kda 4.36-4.62.
+INTRAS = ("fused", "split")
 INTRA = "split"
 LOG2E = 1.4426950408889634
 # Warps of the intra-chunk kernel: at 4 it needed 255 registers per thread and spilled (Nsight Compute on
@@ -256,10 +259,10 @@ def _intra(
 ):  # fmt: skip
     """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1]); intra="split" runs it
     as two kernels (`_intra_split`)."""
-    if intra in ("split", "split_tile"):
+    if intra == "split":
         return _intra_split(
             q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret,
-            num_warps=num_warps, parts=parts, solve=solve, diag_tile=intra == "split_tile",
+            num_warps=num_warps, parts=parts, solve=solve,
         )  # fmt: skip
     if intra != "fused":
         raise ValueError(f"kda_chunked_pallas: intra={intra!r} must be one of {INTRAS}")
@@ -319,14 +322,9 @@ def _intra(
 
 
 def _a_kernel(
-    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm, precision, parts,
-    diag_tile=False,
+    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm, precision, parts
 ):  # fmt: skip
-    """diag_tile: the diagonal sub-block as [16, 16, 32] tiles (all its pairs at once, K in slices of 32, summed
-    over K on the last axis) placed into the stripe's columns by an exact float32 product with a 0/1 matrix,
-    instead of the 16-step loop over key rows (whose two row sums per step cross threads)."""
     dot = _products(precision)
-    place = _products("ieee")  # 0/1 placement: float32 FMAs, exact
     f32 = jnp.float32
     r16 = jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
     row = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 0)
@@ -361,12 +359,7 @@ def _a_kernel(
             return dqk, jnp.where(hit, jnp.sum(k_raw * kd, axis=1)[:, None], dkk)
 
         zeros = jnp.zeros((SUB, CHUNK), f32)
-        if "diag" not in parts:
-            a_qk, a_kk = zeros, zeros
-        elif diag_tile:
-            a_qk, a_kk = _diag_tile(q_ref, k_ref, g_ref, i, place)
-        else:
-            a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros))
+        a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros)) if "diag" in parts else (zeros, zeros)
         a_qk = a_qk * qs[:, None] * k_scale[None, :]
         a_kk = a_kk * ks[:, None] * k_scale[None, :]
         if i and "off" in parts:
@@ -381,28 +374,6 @@ def _a_kernel(
         aqk_ref[rows, :] = a_qk.astype(aqk_ref.dtype)
         beta = beta_ref[rows].astype(f32)
         akk_ref[rows, :] = jnp.where(col < row + i * SUB, a_kk * beta[:, None], 0.0)
-
-
-def _diag_tile(q_ref, k_ref, g_ref, i, place, kslice=32):
-    """Stripe i's diagonal sub-block on the raw q, k: [16, C] with the block at columns 16i..16i+15."""
-    f32 = jnp.float32
-    rows = pl.ds(i * SUB, SUB)
-    a = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB, 1), 0)
-    b = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB, 1), 1)
-    vq = jnp.zeros((SUB, SUB), f32)
-    vk = jnp.zeros((SUB, SUB), f32)
-    for s in range(q_ref.shape[-1] // kslice):
-        cols = pl.ds(s * kslice, kslice)
-        g = g_ref[rows, cols]  # [16, ks]
-        kk = k_ref[rows, cols].astype(f32)
-        e = jnp.exp2(jnp.where(a >= b, g[:, None, :] - g[None, :, :], -jnp.inf))  # [16, 16, ks]
-        kd = kk[None, :, :] * e
-        vq += jnp.sum(q_ref[rows, cols].astype(f32)[:, None, :] * kd, axis=2)
-        vk += jnp.sum(kk[:, None, :] * kd, axis=2)
-    pr = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 0)
-    pc = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 1)
-    put = (pc == pr + i * SUB).astype(f32)  # [16, C]: column b of the block to column 16i + b
-    return place(vq, put), place(vk, put)
 
 
 def _solve_kernel(k_ref, v_ref, g_ref, beta_ref, akk_ref, w_ref, u_ref, *, l2norm, precision, solve, parts):
@@ -439,9 +410,7 @@ def _solve_kernel(k_ref, v_ref, g_ref, beta_ref, akk_ref, w_ref, u_ref, *, l2nor
     u_ref[...] = dot(t_inv, beta * v_ref[...].astype(f32))
 
 
-def _intra_split(
-    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, solve, diag_tile=False
-):  # fmt: skip
+def _intra_split(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, solve):
     """Phase 1 as `_a_kernel` then `_solve_kernel`: the same six outputs as `_intra`."""
     params = triton_params(interpret, num_warps, 2)
     b, t, n, dk = q.shape
@@ -456,9 +425,7 @@ def _intra_split(
     beta_spec = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
     g = _chunk_cumsum(g, interpret=interpret, params=params)
     aqk, akk, qg, kg, gl = pl.pallas_call(
-        functools.partial(
-            _a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, diag_tile=diag_tile
-        ),
+        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
         grid=(b, n, nc),
         in_specs=[chunk_spec(dk), chunk_spec(dk), chunk_spec(dk), beta_spec],
         out_specs=[
