@@ -1,4 +1,4 @@
-"""The Triton lowering of kernels on a CPU-only machine: each kernel traced and lowered for an abstract
+"""The Triton lowering of kernels on a CPU-only machine: kernels traced and lowered for an abstract
 NVIDIA H200 (`lowering_platforms=("cuda",)`), which runs Pallas's Triton lowering (jaxpr -> Triton IR) without
 a GPU. Interpret-mode tests check the values; this catches kernels that use an operation the Triton lowering
 does not support (e.g. a value slice or a general concatenate) before a GPU run does. Triton's own compilation
@@ -44,3 +44,47 @@ def test_kda_prefill_kernels_lower(intra, solve):
 
     kernels = {"fused": 3, "split": 4}[intra]  # cumsum, phase 1 (one or two), state pass
     assert _lowered_for_h200(run, q, g, beta, s0).count("xla.gpu.triton") == kernels
+
+
+def test_kda_decode_step_kernel_lowers():
+    from pallas_kernels.linear_attention import kda_decode_step
+
+    b, n, dk = 2, 4, 128
+    q = jnp.ones((b, n, dk), jnp.bfloat16)
+    state = jnp.zeros((b, n, dk, dk), jnp.float32)
+
+    def run(q, state):
+        return kda_decode_step(q, q, q, q.astype(jnp.float32), jnp.ones((b, n)), state, impl="pallas", interpret=False)
+
+    assert _lowered_for_h200(run, q, state).count("xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("impl,tokens", [("pallas", 40), ("gemv", 1)])
+def test_moe_kernels_lower(impl, tokens):
+    from pallas_kernels.moe import moe_experts
+
+    e, d, f, k = 8, 256, 128, 2
+    x = jnp.ones((tokens, d), jnp.bfloat16)
+    idx = jnp.zeros((tokens, k), jnp.int32).at[:, 1].set(1)
+    w = jnp.full((tokens, k), 0.5, jnp.float32)
+    gate = jnp.ones((e, d, f), jnp.bfloat16)
+    down = jnp.ones((e, f, d), jnp.bfloat16)
+
+    def run(x, idx, w, gate, down):
+        return moe_experts(x, idx, w, gate, gate, down, impl=impl, interpret=False)
+
+    assert _lowered_for_h200(run, x, idx, w, gate, down).count("xla.gpu.triton") >= 1
+
+
+def test_attention_kernel_lowers():
+    from pallas_kernels.attention import attention
+
+    b, t, n, h = 1, 128, 4, 64
+    q = jnp.ones((b, t, n, h), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def run(q, pos):
+        return attention(q, q, q, q_positions=pos, kv_lengths=jnp.full((b,), t, jnp.int32), scale=0.125,
+                         impl="pallas", interpret=False)  # fmt: skip
+
+    assert _lowered_for_h200(run, q, pos).count("xla.gpu.triton") == 1
