@@ -57,6 +57,17 @@ def _torch_side(python: str, cmd: list[str], timeout: float) -> tuple[list[dict]
     return results, log
 
 
+def ensure_kimi_dir(args) -> None:
+    """The Kimi-shaped Hugging Face folder `args.kimi_dir`, made by the transformers side when missing (layers,
+    experts and vocabulary from `args`)."""
+    if args.kimi_dir.is_dir():
+        return
+    make = ["make", str(args.kimi_dir), "--layers", str(args.kimi_layers), "--experts", str(args.kimi_experts),
+            "--vocab", str(args.kimi_vocab)] + (["--tiny"] if getattr(args, "tiny", False) else [])  # fmt: skip
+    _, log = _torch_side(args.torch_python, make, timeout=900)
+    print(log.strip().splitlines()[-1] if log.strip() else "", flush=True)
+
+
 def _peak_gib() -> float | None:
     import jax
 
@@ -328,11 +339,7 @@ def main() -> None:
     # The transformers side first, in its own processes, before JAX takes the GPU's memory.
     torch_rows = []
     if "kimi" in args.models:
-        if not args.kimi_dir.is_dir():
-            make = ["make", str(args.kimi_dir), "--layers", str(args.kimi_layers), "--experts", str(args.kimi_experts),
-                    "--vocab", str(args.kimi_vocab)] + (["--tiny"] if args.tiny else [])  # fmt: skip
-            _, log = _torch_side(args.torch_python, make, timeout=900)
-            print(log.strip().splitlines()[-1] if log.strip() else "", flush=True)
+        ensure_kimi_dir(args)
         if not args.no_baseline:
             ttft = args.baseline_ttft if args.baseline_ttft is not None else [t for t in args.ttft if t <= 32768]
             cmd = ["bench", str(args.kimi_dir), "--ttft", *map(str, ttft), "--batches", *map(str, args.batches),

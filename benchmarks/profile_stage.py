@@ -105,12 +105,9 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
 
 def kimi_model(args):
     """The Kimi-shaped folder of `benchmarks.e2e` (made by its transformers side when missing), loaded."""
-    from benchmarks.e2e import _torch_side, build_model
+    from benchmarks.e2e import build_model, ensure_kimi_dir
 
-    if not args.kimi_dir.is_dir():
-        make = ["make", str(args.kimi_dir), "--layers", str(args.kimi_layers), "--experts", str(args.kimi_experts),
-                "--vocab", str(args.kimi_vocab)]  # fmt: skip
-        _torch_side(args.torch_python, make, timeout=900)
+    ensure_kimi_dir(args)
     return build_model("kimi", kimi_dir=args.kimi_dir)
 
 

@@ -121,13 +121,15 @@ def linear(
 
 
 class Projection(nnx.Linear):
-    """`nnx.Linear` (same parameters, same values) whose decode-sized calls — at most 16 rows, on a GPU —
-    go through the `projection` op's weight-streaming GEMV kernel (`pallas_kernels.projection`): XLA turns
-    a one-row bf16 product into multiply + reduce at 20-35% of the weight-read floor (H200, Kimi widths)."""
+    """`nnx.Linear` (same parameters, same values) whose calls go through the `projection` op's
+    weight-streaming GEMV kernel where `projection.auto_uses_kernel` says so — by default one row (a batch-1
+    decode step) on a GPU: XLA turns a one-row bf16 product into multiply + reduce with the products written to
+    memory (H200, Kimi widths: 0.029-0.039 ms per weight against the kernel's 0.017-0.026)."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if self.bias is None:
-            w = self.kernel[...].astype(self.dtype or self.kernel[...].dtype)
+            kernel = self.kernel[...]
+            w = kernel.astype(self.dtype or kernel.dtype)
             x = inputs.astype(w.dtype)
             if auto_uses_kernel(x, w):
                 return project(x, w, impl="pallas")

@@ -91,6 +91,43 @@ def _chunk_cumsum(g, *, interpret, params):
     )(g)
 
 
+def _inv_norm(x, l2norm: bool):
+    """[R, K] float32 -> [R]: each row's L2 normalisation factor (eps 1e-6 under the root), ones without it."""
+    if not l2norm:
+        return jnp.ones((x.shape[0],), jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6)
+
+
+def _unit_lower_inverse(a_kk, dot_solve, solve, akk_rows):
+    """(I + A)⁻¹ of a strictly lower [C, C] float32 A_kk.
+
+    "neumann": with D the diagonal sub-blocks and L the rest, (I + D)⁻¹ = X by the Neumann product
+    (I − D)(I + D²)(I + D⁴)(I + D⁸) (D¹⁶ = 0), then I + A = (I + D)(I + X L) and M = X L is block-strictly-lower
+    (M⁴ = 0): (I + A)⁻¹ = (I − M)(I + M²) X — ten dependent [C, C] products through `dot_solve`.
+    "substitution": row by row in float32, no products: row i of T − I is −A_i − Σ_{j<i} A_ij (T − I)_j, with
+    A's row i read through `akk_rows(i)` (a register tile has no dynamic rows: the rows come from memory).
+    """
+    f32 = jnp.float32
+    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    eye = (row == col).astype(f32)
+    if solve == "substitution":
+
+        def step(i, t):
+            a = -akk_rows(i)  # [C], zero from column i on
+            a = a + jnp.sum(a[:, None] * t, axis=0)
+            return jnp.where(row == i, a[None, :], t)
+
+        return jax.lax.fori_loop(1, CHUNK, step, jnp.zeros((CHUNK, CHUNK), f32)) + eye
+    d = jnp.where(row // SUB == col // SUB, a_kk, 0.0)
+    d2 = dot_solve(d, d)
+    d4 = dot_solve(d2, d2)
+    d8 = dot_solve(d4, d4)
+    x = dot_solve(dot_solve(dot_solve(eye - d, eye + d2), eye + d4), eye + d8)
+    m = dot_solve(x, a_kk - d)
+    return dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
+
+
 def _intra_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, aqk_ref, w_ref, u_ref, qg_ref, kg_ref, gl_ref, *akk_ref, scale, l2norm,
     precision, kslice, parts=PARTS, solve="neumann", barrier=True,
@@ -105,17 +142,11 @@ def _intra_kernel(
     row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
     rb, cb = row // SUB, col // SUB  # sub-block of each entry
-    eye = (row == col).astype(f32)
-
-    def inv_norm(x):  # [C, K] -> [C]: L2 normalisation factor of each row
-        if not l2norm:
-            return jnp.ones((x.shape[0],), f32)
-        return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6)
 
     # Row factors only: the normalised tiles are formed after the diagonal loop so that no [C, K] tile
     # stays live across it (register pressure: the loop is most of the kernel's instructions).
-    q_scale = inv_norm(q_ref[...].astype(f32)) * scale  # [C]
-    k_scale = inv_norm(k_ref[...].astype(f32))  # [C]
+    q_scale = _inv_norm(q_ref[...].astype(f32), l2norm) * scale  # [C]
+    k_scale = _inv_norm(k_ref[...].astype(f32), l2norm)  # [C]
 
     # Diagonal sub-blocks, exact per element: column j of every sub-block at once (row a of the chunk pairs
     # with key row 16·⌊a/16⌋ + j), masked before the exponential; K in slices; on the raw q, k (the row
@@ -172,30 +203,15 @@ def _intra_kernel(
         _gated_outputs(q, k, G)
         del q
 
-    # T = (I + A_kk)⁻¹ with D the diagonal sub-blocks and L the rest: (I + D)⁻¹ = X by the Neumann product
-    # (D¹⁶ = 0), then I + A = (I + D)(I + X L) and M = X L is block-strictly-lower (M⁴ = 0).
-    t_inv = eye
-    if "solve" in parts and solve == "substitution":
-        # Row by row in float32, no products: row i of T − I is −A_i − Σ_{j<i} A_ij (T − I)_j, with A's row
-        # read back from memory (a register tile has no dynamic rows).
-        akk_ref[0][...] = a_kk
-        if barrier:
-            pltriton.debug_barrier()
-
-        def step(i, t):
-            a = -akk_ref[0][i, :]  # [C], zero from column i on
-            a = a + jnp.sum(a[:, None] * t, axis=0)
-            return jnp.where(row == i, a[None, :], t)
-
-        t_inv = jax.lax.fori_loop(1, CHUNK, step, jnp.zeros((CHUNK, CHUNK), f32)) + eye
-    elif "solve" in parts:
-        d = jnp.where(rb == cb, a_kk, 0.0)
-        d2 = dot_solve(d, d)
-        d4 = dot_solve(d2, d2)
-        d8 = dot_solve(d4, d4)
-        x = dot_solve(dot_solve(dot_solve(eye - d, eye + d2), eye + d4), eye + d8)
-        m = dot_solve(x, a_kk - d)
-        t_inv = dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
+    # T = (I + A_kk)⁻¹ (`_unit_lower_inverse`); substitution reads A's rows back from memory, written through
+    # akk_ref (after a CTA barrier on GPU)
+    t_inv = jnp.eye(CHUNK, dtype=f32)
+    if "solve" in parts:
+        if solve == "substitution":
+            akk_ref[0][...] = a_kk
+            if barrier:
+                pltriton.debug_barrier()
+        t_inv = _unit_lower_inverse(a_kk, dot_solve, solve, lambda i: akk_ref[0][i, :])
 
     if remat:  # k and G again from memory (the chunk's tiles, just read: L2): nothing [C, K] spans the solve
         k = k_ref[...].astype(f32) * k_scale[:, None]
@@ -331,9 +347,7 @@ def _a_kernel(
     col = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 1)
 
     def inv_norm(x):  # [R, K] -> [R]
-        if not l2norm:
-            return jnp.ones((x.shape[0],), f32)
-        return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6)
+        return _inv_norm(x, l2norm)
 
     g_last = g_ref[CHUNK - 1, :]  # [K]
     gl_ref[...] = jnp.exp2(g_last)[:, None]
@@ -380,31 +394,11 @@ def _solve_kernel(k_ref, v_ref, g_ref, beta_ref, akk_ref, w_ref, u_ref, *, l2nor
     dot = _products(precision)
     dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
     f32 = jnp.float32
-    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    eye = (row == col).astype(f32)
-    t_inv = eye
-    if "solve" in parts and solve == "substitution":
-        # row i of T − I is −A_i − Σ_{j<i} A_ij (T − I)_j, A's rows read from the input (no barrier needed)
-        def step(i, t):
-            a = -akk_ref[i, :]
-            a = a + jnp.sum(a[:, None] * t, axis=0)
-            return jnp.where(row == i, a[None, :], t)
-
-        t_inv = jax.lax.fori_loop(1, CHUNK, step, jnp.zeros((CHUNK, CHUNK), f32)) + eye
-    elif "solve" in parts:
-        a_kk = akk_ref[...]
-        rb, cb = row // SUB, col // SUB
-        d = jnp.where(rb == cb, a_kk, 0.0)
-        d2 = dot_solve(d, d)
-        d4 = dot_solve(d2, d2)
-        d8 = dot_solve(d4, d4)
-        x = dot_solve(dot_solve(dot_solve(eye - d, eye + d2), eye + d4), eye + d8)
-        m = dot_solve(x, a_kk - d)
-        t_inv = dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
+    t_inv = jnp.eye(CHUNK, dtype=f32)
+    if "solve" in parts:  # A_kk is this kernel's input: substitution reads its rows without a barrier
+        t_inv = _unit_lower_inverse(akk_ref[...], dot_solve, solve, lambda i: akk_ref[i, :])
     k = k_ref[...].astype(f32)
-    if l2norm:
-        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1) + 1e-6)[:, None]
+    k = k * _inv_norm(k, l2norm)[:, None]
     beta = beta_ref[...].astype(f32)[:, None]
     w_ref[...] = dot(t_inv, beta * jnp.exp2(g_ref[...]) * k).astype(w_ref.dtype)
     u_ref[...] = dot(t_inv, beta * v_ref[...].astype(f32))
