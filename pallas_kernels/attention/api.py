@@ -13,6 +13,12 @@ IMPLS = ("auto", "reference", "pallas")
 MAX_HEAD_DIM = 256  # padded head dims the kernel's tiles fit in shared memory with (H200, 2 stages)
 
 
+def default_tiles(dtype) -> dict:
+    """The kernel's tiles and Triton parameters when `attention` is not given them (block_q, block_k,
+    num_warps, num_stages)."""
+    return dict(block_q=64, block_k=64 if jnp.dtype(dtype).itemsize <= 2 else 32, num_warps=4, num_stages=2)
+
+
 def attention(
     q,
     k,
@@ -26,6 +32,7 @@ def attention(
     block_k: int | None = None,
     precision: str = "tf32",
     num_warps: int = 4,
+    num_stages: int = 2,
     interpret: bool | None = None,
 ):
     """Causal (G)QA: q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv] -> (out [B,T,N,Hv] in q.dtype, lse [B,T,N]).
@@ -73,6 +80,7 @@ def attention(
     out, lse = flash_attention_pallas(
         qr, kr, vr, pos, kvl, scale=float(scale), block_q=block_q, block_k=bk, precision=precision,
         interpret=jax.default_backend() == "cpu" if interpret is None else interpret, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     out = out[:, :rows, :hv].reshape(b, nk, t, g, hv).transpose(0, 2, 1, 3, 4).reshape(b, t, n, hv)
     lse = lse[:, :rows].reshape(b, nk, t, g).transpose(0, 2, 1, 3).reshape(b, t, n)
