@@ -47,6 +47,22 @@ def test_flash_attention_matches_reference(seed, b, t, extra, heads, dims, block
     assert rel_err(o, ref_o) < 1e-5
 
 
+@pytest.mark.parametrize("block_q", [32, None])
+def test_flash_attention_mla_dims_unmasked_blocks_and_padded_rows(block_q):
+    """The MLA prefill widths (q/k 192 read as 128 + 64, v 128), a prompt after 37 cached tokens: most key
+    blocks go through the unmasked loop, and the last query block's padded rows (70 rows -> 96 or 128)
+    take part in it without leaking into real rows or reading as real."""
+    from pallas_kernels.attention.kernel import head_pieces
+
+    assert head_pieces(192) == ((0, 128), (128, 64)) and head_pieces(40) == ((0, 32), (32, 16))
+    q, k, v, pos, kvl = _case(7, 1, 70, 120, 2, 2, 192, 128, [37], [107], dtype=jnp.bfloat16)
+    kw = dict(q_positions=pos, kv_lengths=kvl, scale=192**-0.5)
+    ref_o, ref_lse = attention(q, k, v, impl="reference", **kw)
+    o, lse = attention(q, k, v, impl="pallas", block_q=block_q, block_k=16, interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=2e-3, atol=2e-3)
+    assert rel_err(o, ref_o) < 2e-2
+
+
 def test_flash_attention_rows_that_see_nothing_and_bf16():
     q, k, v, pos, kvl = _case(3, 2, 20, 40, 4, 4, 32, 32, [0, 10], [20, 30])
     pos = pos.at[1, :5].set(-1)  # padding queries: nothing visible

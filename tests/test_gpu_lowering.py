@@ -76,15 +76,17 @@ def test_moe_kernels_lower(impl, tokens):
     assert _lowered_for_h200(run, x, idx, w, gate, down).count("xla.gpu.triton") >= 1
 
 
-def test_attention_kernel_lowers():
+@pytest.mark.parametrize("dims", [(64, 64), (192, 128)])
+def test_attention_kernel_lowers(dims):
     from pallas_kernels.attention import attention
 
-    b, t, n, h = 1, 128, 4, 64
+    (b, t, n), (h, hv) = (1, 256, 4), dims  # 192: the MLA prefill's q/k, read as 128 + 64 pieces
     q = jnp.ones((b, t, n, h), jnp.bfloat16)
+    v = jnp.ones((b, t, n, hv), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
-    def run(q, pos):
-        return attention(q, q, q, q_positions=pos, kv_lengths=jnp.full((b,), t, jnp.int32), scale=0.125,
+    def run(q, v, pos):
+        return attention(q, q, v, q_positions=pos, kv_lengths=jnp.full((b,), t, jnp.int32), scale=0.125,
                          impl="pallas", interpret=False)  # fmt: skip
 
-    assert _lowered_for_h200(run, q, pos).count("xla.gpu.triton") == 1
+    assert _lowered_for_h200(run, q, v, pos).count("xla.gpu.triton") == 1

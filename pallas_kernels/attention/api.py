@@ -16,7 +16,9 @@ MAX_HEAD_DIM = 256  # padded head dims the kernel's tiles fit in shared memory w
 def default_tiles(dtype) -> dict:
     """The kernel's tiles and Triton parameters when `attention` is not given them (block_q, block_k,
     num_warps, num_stages)."""
-    return dict(block_q=64, block_k=64 if jnp.dtype(dtype).itemsize <= 2 else 32, num_warps=4, num_stages=2)
+    if jnp.dtype(dtype).itemsize <= 2:  # measured best at the Kimi MLA shapes (benchmarks/attention.py)
+        return dict(block_q=128, block_k=64, num_warps=8, num_stages=2)
+    return dict(block_q=64, block_k=32, num_warps=4, num_stages=2)
 
 
 def attention(
@@ -28,11 +30,11 @@ def attention(
     kv_lengths,
     scale,
     impl: str = "auto",
-    block_q: int = 64,
+    block_q: int | None = None,
     block_k: int | None = None,
     precision: str = "tf32",
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool | None = None,
 ):
     """Causal (G)QA: q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv] -> (out [B,T,N,Hv] in q.dtype, lse [B,T,N]).
@@ -40,11 +42,13 @@ def attention(
     Key s is visible to query t iff s <= q_positions[b, t] and s < kv_lengths[b]; a query that sees no key
     gets 0 and LSE -inf.
     impl: "reference" (f32 jnp, materialised logits per query block), "pallas" (`kernel.flash_attention_pallas`:
-    online softmax, key blocks up to each query block's last visible position; `block_q` rows x `block_k`
-    keys per step — default 64, 32 for float32 inputs — products in the input dtype with float32
-    accumulation, `precision` "tf32" or "ieee" for float32 inputs), or "auto" (Pallas on GPU when the head
-    dims padded to powers of two are <= 256, else the reference: the absorbed MLA decode, 512 + 64 wide,
-    stays on the reference).
+    online softmax, key blocks up to each query block's last visible position, the blocks every row sees
+    whole without a mask; products in the input dtype with float32 accumulation, `precision` "tf32" or
+    "ieee" for float32 inputs), or "auto" (Pallas on GPU when the q/k head dim rounded up to a multiple of
+    16 and the v head dim rounded up to a power of two are <= 256, else the reference: the absorbed MLA
+    decode, 512 + 64 wide, stays on the reference).
+    Tiles (`block_q` rows x `block_k` keys, Triton's `num_warps` / `num_stages`) default to
+    `default_tiles(q.dtype)`; a default `block_q` shrinks to the rows there are (a grouped decode's G rows).
     """
     if impl not in IMPLS:
         raise ValueError(f"attention: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -52,7 +56,7 @@ def attention(
     s, nk, hv = k.shape[1], k.shape[2], v.shape[-1]
     if n % nk or k.shape[-1] != h or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"attention: inconsistent shapes q={q.shape} k={k.shape} v={v.shape}")
-    hp, hvp = pow2(h), pow2(hv)
+    hp, hvp = -(-h // 16) * 16, pow2(hv)  # q/k read as power-of-two pieces (kernel.head_pieces)
     supported = max(hp, hvp) <= MAX_HEAD_DIM
     if impl == "auto":
         impl = "pallas" if auto_impl("attention", supported) else "reference"
@@ -60,12 +64,17 @@ def attention(
         return attention_reference(q, k, v, q_positions=q_positions, kv_lengths=kv_lengths, scale=scale)
     if not supported:
         raise ValueError(f"attention(impl='pallas'): head dims {h}, {hv} pad past {MAX_HEAD_DIM}")
-    bk = block_k or (64 if q.dtype.itemsize <= 2 else 32)
+    g = n // nk
+    rows = t * g
+    tiles = default_tiles(q.dtype)
+    if block_q is None:
+        block_q = min(tiles["block_q"], max(16, pow2(rows)))
+    bk = block_k or tiles["block_k"]
     for name, val in (("block_q", block_q), ("block_k", bk)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"attention: {name}={val} must be a power of two >= 16")
-    g = n // nk
-    rows = t * g
+    num_warps = num_warps or tiles["num_warps"]
+    num_stages = num_stages or tiles["num_stages"]
     rp = -(-rows // block_q) * block_q
     sp = -(-s // bk) * bk
     # rows of one KV head's group: query t, head g -> row t * G + g
