@@ -17,7 +17,7 @@ def default_tiles(dtype) -> dict:
     """The kernel's tiles and Triton parameters when `attention` is not given them (block_q, block_k,
     num_warps, num_stages)."""
     if jnp.dtype(dtype).itemsize <= 2:  # measured best at the Kimi MLA shapes (benchmarks/attention.py)
-        return dict(block_q=128, block_k=64, num_warps=8, num_stages=2)
+        return dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
     return dict(block_q=64, block_k=32, num_warps=4, num_stages=2)
 
 
