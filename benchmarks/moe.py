@@ -27,7 +27,9 @@ SHAPES = {  # D, F, E, k
     "hybrid_small": (1536, 512, 32, 4),
     "tiny": (64, 32, 8, 2),
 }
-VARIANTS = ((64, 128, 64), (128, 128, 64), (64, 64, 64), (16, 128, 64))
+# (block_m, block_n, block_k, num_warps, num_stages) of the grouped kernels
+VARIANTS = ((64, 128, 64, 4, 2), (128, 128, 64, 4, 2), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3),
+            (64, 128, 64, 4, 3), (16, 128, 64, 4, 2))  # fmt: skip
 # (block_n, block_k, split_k) of the per-pair GEMV kernels (None: `gemv.auto_split_k`); block_k and the
 # split divide D = 2304 (no padded weight copies); split 1 = the version without split-K (5f27973)
 GEMV_BLOCKS = ((64, 64, 1), (64, 64, None), (32, 64, None), (64, 128, None))
@@ -66,9 +68,9 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
         for bn, bk, sk in GEMV_BLOCKS:  # one Pallas program per pair, output tile and split
             name = f"pallas per-pair gemv, block_n={bn} k={bk} split {sk or 'auto'}"
             variants[name] = dict(impl="gemv", block_n=bn, block_k=bk, split_k=sk)
-    for bm, bn, bk in VARIANTS:
-        variants[f"pallas grouped matmul, block_m={bm} n={bn} k={bk}"] = dict(
-            impl="pallas", block_m=bm, block_n=bn, block_k=bk
+    for bm, bn, bk, nw, ns in VARIANTS:
+        variants[f"pallas grouped matmul, block_m={bm} n={bn} k={bk}, {nw} warps, {ns} stages"] = dict(
+            impl="pallas", block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns
         )
     out, ref = [], None
     for name, kw in variants.items():

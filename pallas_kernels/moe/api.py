@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._pallas import auto_impl, forced_choice, pow2
 from pallas_kernels.moe.gemv import auto_split_k, down_gemv, gate_up_gemv
-from pallas_kernels.moe.kernel import grouped_matmul_pallas
+from pallas_kernels.moe.kernel import grouped_gate_up_pallas, grouped_matmul_pallas
 from pallas_kernels.moe.reference import moe_experts_gather, moe_experts_reference, sort_by_expert
 
 IMPLS = ("auto", "reference", "pallas", "gather", "gemv")
@@ -75,6 +75,8 @@ def moe_experts(
     block_n: int | None = None,
     block_k: int = 64,
     split_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
     precision: str = "tf32",
     interpret: bool | None = None,
 ):
@@ -86,8 +88,9 @@ def moe_experts(
     `gemv.down_gemv`: one Pallas program per token-expert pair, output tile and contraction split, reading
     the pair's expert weights in place — decode-sized calls), "pallas"
     (`kernel.grouped_matmul_pallas` on rows sorted by expert and padded per expert to whole blocks of
-    `block_m` rows — default `auto_block_m`; `block_n` / `block_k`
-    output and contraction tiles, powers of two, `block_n` default 128, 64 for "gemv"; `split_k`: "gemv"'s
+    `block_m` rows — default `auto_block_m`; gate and up in one kernel writing SiLU(gate) * up, then down;
+    `block_n` / `block_k` output and contraction tiles, powers of two, `block_n` default 128, 64 for
+    "gemv"; `num_warps` / `num_stages` Triton's parameters of the grouped kernels; `split_k`: "gemv"'s
     contraction splits, a power of two, default `gemv.auto_split_k`), or "auto"
     (`auto_choice`: on a GPU "gemv" for up to `GEMV_MAX_PAIRS` pairs — one decoded token — the grouped
     kernel from `PALLAS_MIN_PAIRS` pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the
@@ -145,14 +148,16 @@ def moe_experts(
     d_pad, f_pad = max(d_pad, d_pad2), max(f_pad, f_pad2)
     token = order // k
     xs = jnp.zeros((rows, d_pad), x.dtype).at[dest, :d].set(x[token])
-    kw = dict(block_m=block_m, precision=precision, interpret=interpret)
+    kw = dict(block_m=block_m, precision=precision, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
-    gate = grouped_matmul_pallas(xs, pad3(gate_proj, d_pad, f_pad), block_expert, block_n=bn_f, block_k=bk_d, **kw)
-    up = grouped_matmul_pallas(xs, pad3(up_proj, d_pad, f_pad), block_expert, block_n=bn_f, block_k=bk_d, **kw)
-    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    gate, up = pad3(gate_proj, d_pad, f_pad), pad3(up_proj, d_pad, f_pad)
+    h = grouped_gate_up_pallas(xs, gate, up, block_expert, block_n=bn_f, block_k=bk_d, **kw)  # SiLU(g) * u
     y = grouped_matmul_pallas(h, pad3(down_proj, f_pad, d_pad), block_expert, block_n=bn_d, block_k=bk_f, **kw)
-    y = y[dest, :d] * w.reshape(-1)[order][:, None].astype(jnp.float32)
-    return jnp.zeros((n, d), jnp.float32).at[token].add(y)
+    # Each token's k rows gathered back and summed in a fixed order (a scatter-add would add them in
+    # whatever order the atomics land: not deterministic run to run).
+    sorted_at = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
+    y = y[dest[sorted_at], :d].reshape(n, k, d)  # [N, k, D], pair (t, j) at [t, j]
+    return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y, precision=jax.lax.Precision.HIGHEST)
 
 
 def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret):

@@ -6,6 +6,10 @@ weight tiles straight from W [E, K, N] and accumulates x_block [BM, K] @ W_e [K,
 work and weight traffic scale with the rows each expert really has (no dense expansion over experts, which
 is what XLA makes of `lax.ragged_dot`: E times the FLOPs and an [M, E·K] operand).
 
+`grouped_gate_up_pallas` is the first half of an expert in one pass: the gate and up products of a row
+block share each x tile (read once, two accumulators) and the program writes SiLU(gate) * up in x's dtype —
+neither float32 product goes to HBM and comes back.
+
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). K must be a multiple of BK and N of
 BN (powers of two); `moe_experts(impl="pallas")` pads.
 """
@@ -40,12 +44,60 @@ def _kernel(be_ref, x_ref, w_ref, o_ref, *, bk, nk, precision):
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_m", "block_n", "block_k", "precision", "interpret", "num_warps", "out_dtype")
-)
+def _gate_up_kernel(be_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk, nk, precision):
+    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    e = be_ref[0]
+
+    @pl.when(e >= 0)
+    def _():
+        def body(kk, carry):
+            acc_g, acc_u = carry
+            xk = x_ref[:, pl.ds(kk * bk, bk)]  # [BM, BK], shared by both products
+            acc_g += jnp.dot(xk, wg_ref[e, pl.ds(kk * bk, bk), :], precision=prec, preferred_element_type=jnp.float32)
+            acc_u += jnp.dot(xk, wu_ref[e, pl.ds(kk * bk, bk), :], precision=prec, preferred_element_type=jnp.float32)
+            return acc_g, acc_u
+
+        zero = jnp.zeros(o_ref.shape, jnp.float32)
+        g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
+        o_ref[...] = (g * jax.nn.sigmoid(g) * u).astype(o_ref.dtype)
+
+    @pl.when(e < 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+_STATIC = ("block_m", "block_n", "block_k", "precision", "interpret", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def grouped_gate_up_pallas(
+    x, w_gate, w_up, block_expert, *, block_m, block_n, block_k, precision="tf32", interpret=False, num_warps=4,
+    num_stages=2,
+):  # fmt: skip
+    """x [R, K] rows sorted by expert (R a multiple of block_m), w_gate / w_up [E, K, N], block_expert
+    [R / block_m] int32 (-1 = unused block: zeros) -> SiLU(x W_gate) * (x W_up) [R, N] in x.dtype (float32
+    products)."""
+    r, kdim = x.shape
+    e, _, n = w_gate.shape
+    kernel = functools.partial(_gate_up_kernel, bk=block_k, nk=kdim // block_k, precision=precision)
+    weights = pl.BlockSpec((e, kdim, block_n), lambda i, j: (0, 0, j))
+    return pl.pallas_call(
+        kernel,
+        grid=(r // block_m, n // block_n),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)), pl.BlockSpec((block_m, kdim), lambda i, j: (i, 0)),
+                  weights, weights],  # fmt: skip
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((r, n), x.dtype),
+        interpret=interpret,
+        name="moe_gate_up",
+        **triton_params(interpret, num_warps, num_stages),
+    )(block_expert, x, w_gate, w_up)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("out_dtype",))
 def grouped_matmul_pallas(
     x, w, block_expert, *, block_m, block_n, block_k, precision="tf32", interpret=False, num_warps=4,
-    out_dtype=jnp.float32,
+    num_stages=2, out_dtype=jnp.float32,
 ):  # fmt: skip
     """x [R, K] rows sorted by expert (R a multiple of block_m), w [E, K, N], block_expert [R / block_m]
     int32 (-1 = unused block: zeros, no weight read) -> [R, N] in out_dtype: row block b times
@@ -65,5 +117,5 @@ def grouped_matmul_pallas(
         out_shape=jax.ShapeDtypeStruct((r, n), out_dtype),
         interpret=interpret,
         name="moe_grouped_matmul",
-        **triton_params(interpret, num_warps, 2),
+        **triton_params(interpret, num_warps, num_stages),
     )(block_expert, x, w)
