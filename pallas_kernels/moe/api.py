@@ -27,9 +27,14 @@ GEMV_MAX_PAIRS = 8
 PALLAS_MIN_PAIRS = 512
 DENSE_MAX_EXPERTS = 32
 # - the kernel's row blocks: DECODE_BLOCK_M rows while an expert gets fewer than that many rows on average
-#   (less padding: 256 experts, 64 tokens, 0.95 ms in 16-row blocks vs 1.25 ms in 64-row blocks), 64 rows
-#   from there.
+#   (less padding: 256 experts, 64 tokens, 0.95 ms in 16-row blocks vs 1.25 ms in 64-row blocks), then
+#   PREFILL_TILES: 128-row blocks, 8 warps, 3 pipeline stages (4d70aed, Kimi widths, 32 experts: 14.3 ms at
+#   32K tokens vs 16.4 in 64-row blocks with 4 warps and 2 stages, 4.38 vs 4.74 ms at 4K; hybrid_small
+#   widths 4.19 vs 4.43 and 1.18 vs 1.24 ms). With 16-row blocks 4 warps and 2 stages stay (64 Kimi tokens:
+#   0.200 ms vs 0.235 for the prefill tiles).
 DECODE_BLOCK_M = 16
+DECODE_TILES = dict(num_warps=4, num_stages=2)
+PREFILL_TILES = dict(block_m=128, num_warps=8, num_stages=3)
 
 
 def auto_choice(pairs: int, experts: int) -> str:
@@ -48,7 +53,8 @@ def auto_choice(pairs: int, experts: int) -> str:
 
 def auto_block_m(pairs: int, experts: int) -> int:
     """The grouped kernel's row block when none is given (rule above)."""
-    return DECODE_BLOCK_M if pairs < max(PALLAS_MIN_PAIRS, DECODE_BLOCK_M * experts) else 64
+    small = pairs < max(PALLAS_MIN_PAIRS, DECODE_BLOCK_M * experts)
+    return DECODE_BLOCK_M if small else PREFILL_TILES["block_m"]
 
 
 def _pad_weights(a, rows: int, cols: int, dtype):
@@ -75,8 +81,8 @@ def moe_experts(
     block_n: int | None = None,
     block_k: int = 64,
     split_k: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     precision: str = "tf32",
     interpret: bool | None = None,
 ):
@@ -90,7 +96,8 @@ def moe_experts(
     (`kernel.grouped_matmul_pallas` on rows sorted by expert and padded per expert to whole blocks of
     `block_m` rows — default `auto_block_m`; gate and up in one kernel writing SiLU(gate) * up, then down;
     `block_n` / `block_k` output and contraction tiles, powers of two, `block_n` default 128, 64 for
-    "gemv"; `num_warps` / `num_stages` Triton's parameters of the grouped kernels; `split_k`: "gemv"'s
+    "gemv"; `num_warps` / `num_stages` Triton's parameters of the grouped kernels, default by row block
+    (`DECODE_TILES` for 16-row blocks, else `PREFILL_TILES`); `split_k`: "gemv"'s
     contraction splits, a power of two, default `gemv.auto_split_k`), or "auto"
     (`auto_choice`: on a GPU "gemv" for up to `GEMV_MAX_PAIRS` pairs — one decoded token — the grouped
     kernel from `PALLAS_MIN_PAIRS` pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the
@@ -109,6 +116,8 @@ def moe_experts(
         raise ValueError(f"moe_experts: down_proj.shape={down_proj.shape} != {(e, f, d)}")
     if block_m is None:
         block_m = auto_block_m(idx.size, e)
+    triton = DECODE_TILES if block_m <= DECODE_BLOCK_M else PREFILL_TILES
+    num_warps, num_stages = num_warps or triton["num_warps"], num_stages or triton["num_stages"]
     if block_n is None:
         block_n = 64 if impl == "gemv" else 128
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
