@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import CHAIN, ceilings, chained_ms, median_ms, rel_err, report, roofline_row
-from pallas_kernels.moe import moe_experts
+from pallas_kernels.moe import api, moe_experts
 
 SHAPES = {  # D, F, E, k
     "kimi": (2304, 1024, 256, 8),
@@ -72,9 +72,14 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
         variants[f"pallas grouped matmul, block_m={bm} n={bn} k={bk}, {nw} warps, {ns} stages"] = dict(
             impl="pallas", block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns
         )
+    if tokens * k <= 256:  # the per-pair kernels' CUDA-core form (before the tensor-core steps, 0ea4acd)
+        variants["pallas per-pair gemv, CUDA-core multiply-adds, block_n=64 k=64 split auto"] = functools.partial(
+            api._experts_gemv, block_n=64, block_k=64, split_k=None, interpret=False, mma=False
+        )
     out, ref = [], None
     for name, kw in variants.items():
-        y, ms = _timer(jax.jit(functools.partial(moe_experts, **kw)), args, decode)
+        fn = kw if callable(kw) else functools.partial(moe_experts, **kw)
+        y, ms = _timer(jax.jit(fn), args, decode)
         check = "" if ref is None else f"rel err {rel_err(y, ref):.1e}"
         ref = y if ref is None else ref
         out.append(roofline_row("moe experts", label, name, ms, flops, nbytes, bw, rate, check))

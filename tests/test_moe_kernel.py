@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.moe import gemv, moe_experts
+from pallas_kernels.moe import api, gemv, moe_experts
 from pallas_kernels.moe.gemv import auto_split_k
 from tests.conftest import rel_err
 
@@ -131,6 +131,20 @@ def test_gemv_kernels_match_reference(seed, n, d, f, e, k, skew, block, split_k)
     got = moe_experts(*args, impl="gemv", block_n=block[0], block_k=block[1], split_k=split_k, interpret=True)
     assert got.shape == ref.shape and got.dtype == jnp.float32
     assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("split_k", [None, 2])
+def test_gemv_tensor_core_form_matches_multiply_adds(split_k):
+    """bf16 rows take the tensor-core form (the row broadcast to a 16-row tile); it matches the CUDA-core
+    form and the reference (both round h to bf16 between the products)."""
+    x, idx, w, gate, up, down = _case(11, 3, 72, 48, 9, 3, 3.0)
+    args = (x.astype(jnp.bfloat16), idx, w, *(a.astype(jnp.bfloat16) for a in (gate, up, down)))
+    ref = moe_experts(*args, impl="reference")
+    mma = moe_experts(*args, impl="gemv", block_n=16, block_k=16, split_k=split_k, interpret=True)
+    fma = api._experts_gemv(*args, 16, 16, split_k, True, mma=False)
+    assert rel_err(mma, fma) < 5e-3 and rel_err(mma, ref) < 1e-2
+    traced = str(jax.make_jaxpr(lambda *a: moe_experts(*a, impl="gemv", interpret=True))(*args))
+    assert "broadcast_in_dim" in traced and "dot_general" in traced  # the MMA kernel's body
 
 
 def test_gemv_split_k_rule_and_errors():

@@ -174,7 +174,7 @@ def moe_experts(
     return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y, precision=jax.lax.Precision.HIGHEST)
 
 
-def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret):
+def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, mma=True):
     """impl="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k."""
     n, d = x.shape
     k = idx.shape[1]
@@ -195,7 +195,8 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     f_pad = -(-f_pad // max(s2 * bk_f, bn_f)) * max(s2 * bk_f, bn_f)
     rows = jnp.pad(jnp.repeat(x, k, axis=0), [(0, 0), (0, d_in - d)])
     gate, up = (pad3(a, d_in, f_pad) for a in (gate_proj, up_proj))
-    kw = dict(interpret=interpret)
+    mma = mma and jnp.dtype(x.dtype).itemsize == 2  # float32 rows keep exact multiply-adds (no TF32)
+    kw = dict(interpret=interpret, mma=mma, num_stages=3 if mma else 2)
     h = gate_up_gemv(e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, **kw)
     y = down_gemv(e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, **kw)
     y = y[:, :d].reshape(n, k, d)

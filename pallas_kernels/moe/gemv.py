@@ -33,6 +33,46 @@ SPLIT_TARGET = 1024
 MAX_SPLIT_K = 16
 
 
+MMA_ROWS = 16  # rows of one tensor-core tile: the pair's row broadcast to it
+
+
+def _mma_step(xk, w):
+    """Σ_k x_k w[k, :] as one tensor-core product: the row xk [BK] broadcast to 16 rows; [16, BN] float32."""
+    rows = jnp.broadcast_to(xk[None, :], (MMA_ROWS, xk.shape[0]))
+    return jnp.dot(rows, w, preferred_element_type=jnp.float32)
+
+
+def _first_row(acc):
+    """Row 0 of a [16, BN] tile whose rows are equal (a masked sum: lowers everywhere, runs once)."""
+    row = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+    return jnp.sum(jnp.where(row == 0, acc, 0.0), axis=0)
+
+
+def _gate_up_mma_kernel(e_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, bk, nk):
+    e = e_ref[0]
+
+    def body(kk, acc):
+        cols = pl.ds(kk * bk, bk)
+        xk = x_ref[cols]
+        return acc[0] + _mma_step(xk, wg_ref[e, cols, :]), acc[1] + _mma_step(xk, wu_ref[e, cols, :])
+
+    zero = jnp.zeros((MMA_ROWS, g_ref.shape[-1]), jnp.float32)
+    g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
+    g_ref[...] = _first_row(g)
+    u_ref[...] = _first_row(u)
+
+
+def _down_mma_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
+    e = e_ref[0]
+
+    def body(kk, acc):
+        cols = pl.ds(kk * bk, bk)
+        return acc + _mma_step(h_ref[cols], wd_ref[e, cols, :])
+
+    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((MMA_ROWS, y_ref.shape[-1]), jnp.float32))
+    y_ref[...] = _first_row(acc)
+
+
 def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, bk, nk):
     e = e_ref[0]
     bn = g_ref.shape[-1]
@@ -63,7 +103,9 @@ def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
     y_ref[...] = jnp.sum(acc, axis=0)
 
 
-def _pair_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, interpret, num_warps):
+def _pair_call(
+    kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, interpret, num_warps, num_stages
+):  # fmt: skip
     """Grid (pairs, output tiles, contraction splits) -> n_out float32 partial sums, each [P, split_k, N]."""
     p, kdim = rows.shape
     n_exp, _, width = weights[0].shape
@@ -86,28 +128,37 @@ def _pair_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, s
         out_shape=[out] * n_out,
         interpret=interpret,
         name=name,
-        **triton_params(interpret, num_warps, 2),
+        **triton_params(interpret, num_warps, num_stages),
     )(e_ids, rows, *weights)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "interpret", "num_warps"))
-def gate_up_gemv(e_ids, x_rows, gate, up, *, block_n, block_k, split_k=1, interpret=False, num_warps=4):
+_STATIC = ("block_n", "block_k", "split_k", "mma", "interpret", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gate_up_gemv(
+    e_ids, x_rows, gate, up, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3
+):  # fmt: skip
     """e_ids [P] int32, x_rows [P, D] (D a multiple of split_k * block_k), gate/up [E, D, F] (F a multiple of
-    block_n) -> h [P, F] in x_rows.dtype: SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p])."""
+    block_n) -> h [P, F] in x_rows.dtype: SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p]). mma: each step one
+    tensor-core product (the row broadcast to 16) with the weight tiles streamed through shared memory;
+    else CUDA-core multiply-adds."""
     g, u = _pair_call(
-        _gate_up_kernel, "moe_gate_up_gemv", e_ids, x_rows, (gate, up), 2,
+        _gate_up_mma_kernel if mma else _gate_up_kernel, "moe_gate_up_gemv", e_ids, x_rows, (gate, up), 2,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return (jax.nn.silu(jnp.sum(g, axis=1)) * jnp.sum(u, axis=1)).astype(x_rows.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "interpret", "num_warps"))
-def down_gemv(e_ids, h, down, *, block_n, block_k, split_k=1, interpret=False, num_warps=4):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def down_gemv(e_ids, h, down, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3):
     """e_ids [P] int32, h [P, F] (F a multiple of split_k * block_k), down [E, F, D] (D a multiple of block_n)
-    -> y [P, D] float32: h_p down[e_p]."""
+    -> y [P, D] float32: h_p down[e_p] (mma as `gate_up_gemv`)."""
     (y,) = _pair_call(
-        _down_kernel, "moe_down_gemv", e_ids, h, (down,), 1,
+        _down_mma_kernel if mma else _down_kernel, "moe_down_gemv", e_ids, h, (down,), 1,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return jnp.sum(y, axis=1)
 
