@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import ceilings, chained_ms, rel_err, report, roofline_row
-from pallas_kernels.attention import attention
-from pallas_kernels.attention import api
+from pallas_kernels.attention import api, attention
 
 # block_q x block_k x num_warps x num_stages, beside the defaults
 VARIANTS = ("64x64x4x2", "128x64x8x2", "128x128x8x2", "128x64x8x4")

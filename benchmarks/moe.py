@@ -74,7 +74,7 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
         )
     if tokens * k <= 256:  # the per-pair kernels' CUDA-core form (before the tensor-core steps, 0ea4acd)
         variants["pallas per-pair gemv, CUDA-core multiply-adds, block_n=64 k=64 split auto"] = functools.partial(
-            api._experts_gemv, block_n=64, block_k=64, split_k=None, interpret=False, mma=False
+            api._experts_gemv, block_n=64, block_k=64, split_k=None, interpret=jax.default_backend() == "cpu", mma=False
         )
     out, ref = [], None
     for name, kw in variants.items():

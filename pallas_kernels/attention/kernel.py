@@ -110,9 +110,7 @@ def flash_attention_pallas(
     g, r, h = q.shape
     s, hv = k.shape[1], v.shape[-1]
     nq = r // block_q
-    kernel = functools.partial(
-        _kernel, pieces=head_pieces(h), scale=scale, block_k=block_k, precision=precision
-    )
+    kernel = functools.partial(_kernel, pieces=head_pieces(h), scale=scale, block_k=block_k, precision=precision)
     rows = lambda i, j: (i, nq - 1 - j)  # latest query block first  # noqa: E731
     return pl.pallas_call(
         kernel,

@@ -84,8 +84,12 @@ def grouped_gate_up_pallas(
     return pl.pallas_call(
         kernel,
         grid=(r // block_m, n // block_n),
-        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)), pl.BlockSpec((block_m, kdim), lambda i, j: (i, 0)),
-                  weights, weights],  # fmt: skip
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((block_m, kdim), lambda i, j: (i, 0)),
+            weights,
+            weights,
+        ],  # fmt: skip
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((r, n), x.dtype),
         interpret=interpret,
