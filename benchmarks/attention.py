@@ -27,6 +27,48 @@ def _parse(variant: str) -> dict:
     return dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
 
 
+def rows_for(t: int, n: int, h: int, hv: int, args, bw: float, rate: float) -> list[dict]:
+    """The rows of one prompt length T: the reference (short T), the kernel's tiles, cuDNN."""
+    ks = jax.random.split(jax.random.key(t), 3)
+    q = jax.random.normal(ks[0], (1, t, n, h), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (1, t, n, h), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, t, n, hv), jnp.bfloat16)
+    kw = dict(q_positions=jnp.arange(t, dtype=jnp.int32)[None], kv_lengths=jnp.full((1,), t, jnp.int32), scale=h**-0.5)
+    flops = 2 * n * (h + hv) * t * (t + 1) / 2
+    nbytes = (q.size + k.size + v.size + t * n * hv) * 2
+    shape = f"T={t}, {n} heads, qk {h} / v {hv}, bf16"
+    ref = jax.jit(lambda q, k, v: attention(q, k, v, impl="reference", **kw)[0])
+    want = ref(q, k, v)
+    rows = []
+
+    def row(impl, fn):
+        try:
+            ms = chained_ms(fn, q, k, v, n=3)
+        except Exception as e:  # tiles that do not fit (shared memory) still leave a row saying so
+            print(f"  {impl}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            rows.append({"case": "prefill attention", "shape": shape, "impl": impl, "median ms": "failed",
+                         "TFLOP/s": "", "GB/s": "", "% of floor": "", "check vs reference": type(e).__name__})  # fmt: skip
+            return
+        check = f"rel err {rel_err(fn(q, k, v), want):.1e}"
+        rows.append(roofline_row("prefill attention", shape, impl, ms, flops, nbytes, bw, rate, check))
+
+    if t <= args.reference_max_len:
+        row("jnp reference (float32)", ref)
+    for label in ["default"] + args.variants:
+        tiles = {} if label == "default" else _parse(label)
+        if label == "default":
+            label = "default " + "x".join(str(x) for x in api.default_tiles(q.dtype).values())
+        row(f"pallas flash, {label}", jax.jit(lambda q, k, v, t=tiles: attention(q, k, v, impl="pallas", **t, **kw)[0]))
+
+    def cudnn(q, k, v):
+        vp = jnp.pad(v, [(0, 0), (0, 0), (0, 0), (0, h - hv)])
+        out = jax.nn.dot_product_attention(q, k, vp, scale=h**-0.5, is_causal=True, implementation="cudnn")
+        return out[..., :hv]
+
+    row("cuDNN flash (jax.nn.dot_product_attention, v padded)", jax.jit(cudnn))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lens", type=int, nargs="+", default=[4096, 32768])
@@ -37,51 +79,8 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
-    n, (h, hv) = args.heads, args.dims
-    rows = []
-    for t in args.lens:
-        ks = jax.random.split(jax.random.key(t), 3)
-        q = jax.random.normal(ks[0], (1, t, n, h), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (1, t, n, h), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (1, t, n, hv), jnp.bfloat16)
-        pos = jnp.arange(t, dtype=jnp.int32)[None]
-        kvl = jnp.full((1,), t, jnp.int32)
-        kw = dict(q_positions=pos, kv_lengths=kvl, scale=h**-0.5)
-        flops = 2 * n * (h + hv) * t * (t + 1) / 2
-        nbytes = (q.size + k.size + v.size + t * n * hv) * 2
-        shape = f"T={t}, {n} heads, qk {h} / v {hv}, bf16"
-        ref = jax.jit(lambda q, k, v: attention(q, k, v, impl="reference", **kw)[0])
-        want = ref(q, k, v)
-
-        def row(impl, fn):
-            ms = chained_ms(fn, q, k, v, n=3)
-            check = f"rel err {rel_err(fn(q, k, v), want):.1e}"
-            rows.append(roofline_row("prefill attention", shape, impl, ms, flops, nbytes, bw, rate, check))
-
-        if t <= args.reference_max_len:
-            row("jnp reference (float32)", ref)
-        for label in ["default"] + args.variants:
-            tiles = {} if label == "default" else _parse(label)
-            if label == "default":
-                label = "default " + "x".join(str(x) for x in api.default_tiles(q.dtype).values())
-            fn = jax.jit(lambda q, k, v, tiles=tiles: attention(q, k, v, impl="pallas", **tiles, **kw)[0])
-            try:
-                row(f"pallas flash, {label}", fn)
-            except Exception as e:  # a variant whose tiles do not fit still leaves a row saying so
-                print(f"  {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                rows.append({"case": "prefill attention", "shape": shape, "impl": f"pallas flash, {label}",
-                             "median ms": "failed", "TFLOP/s": "", "GB/s": "", "% of floor": "",
-                             "check vs reference": type(e).__name__})  # fmt: skip
-
-        def cudnn(q, k, v):
-            vp = jnp.pad(v, [(0, 0), (0, 0), (0, 0), (0, h - hv)])
-            out = jax.nn.dot_product_attention(q, k, vp, scale=h**-0.5, is_causal=True, implementation="cudnn")
-            return out[..., :hv]
-
-        try:
-            row("cuDNN flash (jax.nn.dot_product_attention, v padded)", jax.jit(cudnn))
-        except Exception as e:
-            print(f"  cuDNN: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    h, hv = args.dims
+    rows = [r for t in args.lens for r in rows_for(t, args.heads, h, hv, args, bw, rate)]
     report("attention.py", "Dense causal prefill attention (MLA shapes)", rows, record=not args.no_record)
 
 

@@ -64,7 +64,7 @@ def _kernel(kvlen_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, pieces, 
     def step(j, carry, masked):
         m, l_sum, acc = carry
         s = None
-        for qp, (off, w) in zip(qs, pieces):
+        for qp, (off, w) in zip(qs, pieces, strict=True):
             kp = k_ref[pl.ds(j * block_k, block_k), pl.ds(off, w)]  # [BK, w]
             d = jax.lax.dot_general(qp, kp, contract, precision=prec, preferred_element_type=jnp.float32)
             s = d if s is None else s + d
