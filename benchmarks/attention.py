@@ -46,8 +46,9 @@ def rows_for(t: int, n: int, h: int, hv: int, args, bw: float, rate: float) -> l
             ms = chained_ms(fn, q, k, v, n=3)
         except Exception as e:  # tiles that do not fit (shared memory) still leave a row saying so
             print(f"  {impl}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            rows.append({"case": "prefill attention", "shape": shape, "impl": impl, "median ms": "failed",
-                         "TFLOP/s": "", "GB/s": "", "% of floor": "", "check vs reference": type(e).__name__})  # fmt: skip
+            failed = {"median ms": "failed", "TFLOP/s": "", "GB/s": "", "% of floor": ""}
+            rows.append({"case": "prefill attention", "shape": shape, "impl": impl, **failed,
+                         "check vs reference": type(e).__name__})  # fmt: skip
             return
         check = f"rel err {rel_err(fn(q, k, v), want):.1e}"
         rows.append(roofline_row("prefill attention", shape, impl, ms, flops, nbytes, bw, rate, check))
