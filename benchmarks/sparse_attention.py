@@ -59,7 +59,17 @@ def _same_topk(got, ref) -> str:
     return f"Top-K overlap {overlap:.4f}"
 
 
-def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, block_s=(64,)) -> list[dict]:
+# Indexer score-kernel variants "block_s:keys_per_program:precision"; 64:64:tf32 is the kernel as it was
+# until 8be418f (one 64-key block per program, float32 products).
+INDEXER_VARIANTS = ("64:64:tf32", "64:64:bf16", "64:512:bf16", "128:1024:bf16", "64:2048:bf16")
+
+
+def _indexer_variant(text: str) -> dict:
+    bs, kpp, prec = text.split(":")
+    return dict(block_s=int(bs), keys_per_program=int(kpp), precision=prec)
+
+
+def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, variants=("64:64:bf16",)) -> list[dict]:
     rows = []
     for s in contexts:
         for b in batches:
@@ -76,12 +86,16 @@ def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, blo
             ref_i, _ = ref(q, w, pool, table)
             ms = chained_ms(ref, q, w, pool, table)
             rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
-            for bs in block_s:
-                fn = jax.jit(lambda q, w, p, t, kw=kw, bs=bs: indexer_topk(q, w, p, t, impl="pallas", block_s=bs, **kw))
+            for variant in variants:
+                vk = _indexer_variant(variant)
+                fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
                 got_i, _ = fn(q, w, pool, table)
                 ms = chained_ms(fn, q, w, pool, table)
                 check = _same_topk(got_i, ref_i)
-                impl = f"pallas scores (bf16 pool, block_s={bs}) + top_k"
+                impl = (
+                    f"pallas scores (bf16 pool, block_s={vk['block_s']}, {vk['keys_per_program']} keys/program, "
+                    f"{vk['precision']} products) + top_k"
+                )
                 rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
             # the selection alone, on scores of the same shape: how much of the time the Top-K takes
             scores = jax.random.normal(ks[2], (b, s), jnp.float32)
@@ -185,14 +199,16 @@ def main() -> None:
     p.add_argument("--mla-heads", type=int, default=128)
     p.add_argument("--mla-context", type=int, default=8192)
     p.add_argument("--mla-prefill", type=int, default=4096, help="0 skips the sparse MLA prefill row")
-    p.add_argument("--block-s", type=int, nargs="+", default=[64, 128, 256], help="indexer key-block variants")
+    p.add_argument(
+        "--indexer-variants", nargs="+", default=list(INDEXER_VARIANTS), help="BLOCK_S:KEYS_PER_PROGRAM:PRECISION"
+    )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = indexer_rows(
         bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
-        tuple(args.block_s),
+        tuple(args.indexer_variants),
     )  # fmt: skip
     rows += sparse_mla_rows(
         bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill

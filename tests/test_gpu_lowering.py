@@ -90,3 +90,41 @@ def test_attention_kernel_lowers(dims):
                          impl="pallas", interpret=False)  # fmt: skip
 
     assert _lowered_for_h200(run, q, v, pos).count("xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("pool_format", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("keys_per_program", [None, 256])
+def test_indexer_kernel_lowers(pool_format, keys_per_program):
+    from pallas_kernels.indexer import indexer_topk
+
+    b, t, n, h, page, pages = 2, 1, 16, 128, 64, 8
+    q = jnp.ones((b, t, n, h), jnp.bfloat16)
+    w = jnp.ones((b, t, n), jnp.float32)
+    table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    pos = jnp.full((b, t), page * pages - 1, jnp.int32)
+    kv = jnp.full((b,), page * pages, jnp.int32)
+    pool = jnp.ones((b * pages, page, h), jnp.bfloat16 if pool_format == "bf16" else jnp.float8_e4m3fn)
+    scales = None if pool_format == "bf16" else jnp.full((b * pages, page, h // 32), 127, jnp.uint8)
+
+    def run(q, w, pool, table, pos, kv):
+        k_scales = None if scales is None else jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
+        return indexer_topk(q, w, pool, table, q_positions=pos, kv_lengths=kv, topk=64, scale=0.1, impl="pallas",
+                            k_scales=k_scales, keys_per_program=keys_per_program, interpret=False)  # fmt: skip
+
+    assert _lowered_for_h200(run, q, w, pool, table, pos, kv).count("xla.gpu.triton") >= 1
+
+
+def test_sparse_mla_kernel_lowers():
+    from pallas_kernels.sparse_attention import sparse_mla
+
+    b, t, n, lat, rope, page, pages, k = 2, 1, 32, 512, 64, 64, 4, 128
+    ql = jnp.ones((b, t, n, lat), jnp.bfloat16)
+    qr = jnp.ones((b, t, n, rope), jnp.bfloat16)
+    pool = jnp.ones((b * pages, page, lat + rope), jnp.bfloat16)
+    table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, t, k))
+
+    def run(ql, qr, pool, table, idx):
+        return sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", interpret=False)
+
+    assert _lowered_for_h200(run, ql, qr, pool, table, idx).count("xla.gpu.triton") >= 1

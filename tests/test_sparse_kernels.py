@@ -103,6 +103,25 @@ def test_sparse_mla_kernel_rejects_odd_widths():
         sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", interpret=True)
 
 
+def test_indexer_kernel_bf16_products_and_bad_knobs():
+    """bf16 queries and pool: the default products are bf16 (float32 accumulation); the selection agrees with
+    the float32 reference up to near-ties and the chosen scores to bf16 rounding."""
+    q, w, pool, table, pos, kv = _indexer_case(4, 2, 3, 16, 64, 8, [61, 40])
+    q, pool = q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16)
+    kw = dict(q_positions=pos, kv_lengths=kv, topk=12, scale=64**-0.5)
+    ref_i, ref_v = indexer_topk(q, w, pool, table, impl="reference", **kw)
+    got_i, got_v = indexer_topk(q, w, pool, table, impl="pallas", interpret=True, block_s=16, keys_per_program=32, **kw)
+    overlap = np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(np.asarray(got_i).reshape(-1, 12).tolist(),
+                                                                     np.asarray(ref_i).reshape(-1, 12).tolist(),
+                                                                     strict=True)])  # fmt: skip
+    assert overlap >= 0.9
+    np.testing.assert_allclose(np.asarray(got_v), np.asarray(ref_v), rtol=3e-2, atol=3e-2)
+    with pytest.raises(ValueError, match="keys_per_program=24"):
+        indexer_topk(q, w, pool, table, impl="pallas", block_s=16, keys_per_program=24, **kw)
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        indexer_topk(q, w, pool, table, impl="pallas", precision="fp8", **kw)
+
+
 def _indexer_case(seed, b, t, n, h, page, lengths):
     ks = jax.random.split(jax.random.key(seed), 4)
     pages_per_seq = -(-max(lengths) // page)
@@ -127,14 +146,16 @@ def _indexer_case(seed, b, t, n, h, page, lengths):
     page=st.sampled_from([4, 8]),
     short=st.integers(1, 37),
     select=st.sampled_from(["top_k", "radix"]),
+    keys_per_program=st.sampled_from([None, 32, 64]),  # one 16-key block, or 2 / 4 of them per program
 )
-def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short, select):
+def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short, select, keys_per_program):
     q, w, pool, table, pos, kv = _indexer_case(seed, b, t, n, 32, page, [37, short][:b])
     kw = dict(q_positions=pos, kv_lengths=kv, topk=topk, scale=32**-0.5)
     ref_i, ref_v = indexer_topk(q, w, pool, table, impl="reference", **kw)
     got_i, got_v = indexer_topk(
-        q, w, pool, table, impl="pallas", precision="ieee", interpret=True, block_s=16, select=select, **kw
-    )
+        q, w, pool, table, impl="pallas", precision="ieee", interpret=True, block_s=16, select=select,
+        keys_per_program=keys_per_program, **kw,
+    )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))  # same positions, same order, -1 pads
     with pytest.raises(ValueError, match="select='sort'"):
         indexer_topk(q, w, pool, table, impl="pallas", select="sort", **kw)

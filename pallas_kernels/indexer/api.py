@@ -16,6 +16,7 @@ from pallas_kernels.paged import slot_index
 
 IMPLS = ("auto", "reference", "pallas")
 SELECTS = ("top_k", "radix")
+PRECISIONS = ("bf16", "tf32", "ieee")
 
 
 def indexer_topk(
@@ -31,8 +32,9 @@ def indexer_topk(
     impl: str = "auto",
     k_scales=None,
     block_s: int = 64,
+    keys_per_program: int | None = None,
     select: str = "top_k",
-    precision: str = "tf32",
+    precision: str | None = None,
     interpret: bool | None = None,
 ):
     """Top-K key positions per query from the paged indexer key cache.
@@ -44,6 +46,10 @@ def indexer_topk(
     `lax.top_k` per block of queries), or "auto" (Pallas on GPU when H is a power of two >= 32, else the
     reference). With `k_scales` [P,G,H/32] E8M0 the pool holds MXFP8 E4M3 values: the kernel dequantizes the
     rows it reads, the reference dequantizes the pool first.
+    Kernel knobs: `block_s` keys per step, `keys_per_program` keys per program (a multiple of block_s;
+    default one block), `precision` of the score products: "bf16" (q and keys in bfloat16, float32
+    accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32" (the default otherwise) or
+    "ieee"; `select` "top_k" (`lax.top_k`) or "radix" (`select.top_k_radix`), the same result.
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -51,6 +57,16 @@ def indexer_topk(
         raise ValueError(f"indexer_topk: topk={topk} must be positive")
     if select not in SELECTS:
         raise ValueError(f"indexer_topk: unknown select={select!r}; expected one of {SELECTS}")
+    if precision is None:
+        precision = "bf16" if jnp.dtype(q.dtype).itemsize == 2 else "tf32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"indexer_topk: unknown precision={precision!r}; expected one of {PRECISIONS}")
+    span = block_s if keys_per_program is None else keys_per_program
+    if block_s < 16 or block_s & (block_s - 1) or span % block_s:
+        raise ValueError(
+            f"indexer_topk: block_s={block_s} must be a power of two >= 16 and keys_per_program={keys_per_program} "
+            "a multiple of it"
+        )
     h = q.shape[-1]
     if k_scales is not None and k_scales.shape[-1] * MX_BLOCK != h:
         raise ValueError(f"indexer_topk: k_scales width {k_scales.shape[-1]} is not head dim {h} / {MX_BLOCK}")
@@ -67,7 +83,7 @@ def indexer_topk(
     b, t, n, h = q.shape
     g = k_pages.shape[1]
     s_len = page_table.shape[1] * g
-    s_pad = -(-s_len // block_s) * block_s
+    s_pad = -(-s_len // span) * span
     slots = slot_index(page_table, jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (b, s_pad)), g)
     slots = jnp.where(jnp.arange(s_pad)[None, :] < s_len, slots, -1)
     n_pad = max(16, n)  # the tensor-core product needs 16 rows; zero heads with zero weight add nothing
@@ -83,7 +99,7 @@ def indexer_topk(
     def block(qb, wb, pb):
         scores = indexer_scores_pallas(
             qb, wb, pb.astype(jnp.int32), kv_lengths.astype(jnp.int32), slots, rows, scales,
-            scale=float(scale), block_s=block_s, precision=precision, interpret=interp,
+            scale=float(scale), block_s=block_s, steps=span // block_s, precision=precision, interpret=interp,
         )[..., :s_len]  # fmt: skip
         # ties: the lower position first (both selections)
         vals, idx = jax.lax.top_k(scores, k_eff) if select == "top_k" else top_k_radix(scores, k_eff)

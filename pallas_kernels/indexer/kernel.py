@@ -1,12 +1,16 @@
 """Pallas kernel: lightning-indexer scores for one key block, straight from the paged key pool.
 
-One program per (sequence b, query t, block of BS key positions). It gathers the block's key rows from the
+One program per (sequence b, query t, run of `steps` blocks of BS key positions): the query's heads are
+loaded once and the program walks its blocks. For each block it gathers the key rows from the
 flat pool by their pool row numbers, dequantizes MXFP8 rows in the kernel when the pool is quantized (E4M3
 values times 2^(e − 127) per 32-value block, one product per block), scores all indexer heads on the tensor
 cores and reduces over heads with their weights, applying the causal / length mask:
     I[t, s] = Σ_h w_h(t) ReLU(scale · q_h(t) · k(s))     (−inf where s > pos(t) or s ≥ kv_length)
 Only the head-weighted scores [B, T, S] leave the kernel (never the per-head [B, T, N, S]); the Top-K over
 them is `lax.top_k` in `indexer_topk(impl="pallas")`, done block of queries by block of queries.
+
+Products: `precision` "bf16" multiplies q and the keys in bfloat16 (MXFP8 values are exact in it) with
+float32 accumulation, "tf32" / "ieee" in float32.
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests).
 """
@@ -24,49 +28,61 @@ from pallas_kernels._pallas import triton_params
 MX_BLOCK = 32
 
 
-def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, head_dim, mx, precision):
+def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, head_dim, mx, precision):
     if mx:
         ks_ref, out_ref = rest
     else:
         (out_ref,) = rest
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
-    j = pl.program_id(2)
-    rows = slots_ref[pl.ds(j * block_s, block_s)]  # [BS] pool rows of positions j*BS ...
-    valid_row = rows >= 0
-    rows = jnp.maximum(rows, 0)
+    cdt = jnp.bfloat16 if precision == "bf16" else jnp.float32  # the products' input dtype
     contract = (((1,), (1,)), ((), ()))
-    if mx:
-        s = None
-        for c in range(head_dim // MX_BLOCK):  # one scale per 32 values: scale the block's partial product
-            cols = pl.ds(c * MX_BLOCK, MX_BLOCK)
-            part = jax.lax.dot_general(
-                q_ref[:, cols].astype(jnp.float32), kv_ref[rows, cols].astype(jnp.float32), contract,
-                precision=prec, preferred_element_type=jnp.float32,
-            )  # fmt: skip
-            e = ks_ref[rows, c].astype(jnp.float32)  # [BS] E8M0 bits
-            part = part * jnp.exp2(e - 127.0)[None, :]
-            s = part if s is None else s + part
-    else:
-        s = jax.lax.dot_general(
-            q_ref[...].astype(jnp.float32), kv_ref[rows, :].astype(jnp.float32), contract,
-            precision=prec, preferred_element_type=jnp.float32,
-        )  # fmt: skip
+    q = q_ref[...].astype(cdt)  # [N, H], read once for all of this program's key blocks
     w = w_ref[...].astype(jnp.float32)  # [N]
-    score = jnp.sum(w[:, None] * jnp.maximum(s * scale, 0.0), axis=0)  # [BS]
-    pos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
-    ok = valid_row & (pos <= pos_ref[...]) & (pos < len_ref[...])
-    out_ref[...] = jnp.where(ok, score, -jnp.inf)
+    first = pl.program_id(2) * steps
+
+    def block(i, carry):
+        j = first + i
+        rows = slots_ref[pl.ds(j * block_s, block_s)]  # [BS] pool rows of positions j*BS ...
+        valid_row = rows >= 0
+        rows = jnp.maximum(rows, 0)
+        if mx:
+            s = None
+            for c in range(head_dim // MX_BLOCK):  # one scale per 32 values: scale the block's partial product
+                cols = pl.ds(c * MX_BLOCK, MX_BLOCK)
+                part = jax.lax.dot_general(
+                    q_ref[:, cols].astype(cdt), kv_ref[rows, cols].astype(cdt), contract,
+                    precision=prec, preferred_element_type=jnp.float32,
+                )  # fmt: skip
+                e = ks_ref[rows, c].astype(jnp.float32)  # [BS] E8M0 bits
+                part = part * jnp.exp2(e - 127.0)[None, :]
+                s = part if s is None else s + part
+        else:
+            s = jax.lax.dot_general(
+                q, kv_ref[rows, :].astype(cdt), contract, precision=prec, preferred_element_type=jnp.float32
+            )
+        score = jnp.sum(w[:, None] * jnp.maximum(s * scale, 0.0), axis=0)  # [BS]
+        pos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+        ok = valid_row & (pos <= pos_ref[...]) & (pos < len_ref[...])
+        out_ref[pl.ds(i * block_s, block_s)] = jnp.where(ok, score, -jnp.inf)
+        return carry
+
+    jax.lax.fori_loop(0, steps, block, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_s", "precision", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_s", "steps", "precision", "interpret", "num_warps"))
 def indexer_scores_pallas(
-    q, w, q_positions, kv_lengths, slots, kv_rows, kv_scales, *, scale, block_s, precision, interpret, num_warps=4
-):
+    q, w, q_positions, kv_lengths, slots, kv_rows, kv_scales, *, scale, block_s, precision, interpret, steps=1,
+    num_warps=4,
+):  # fmt: skip
     """q [B, T, N, H] (N >= 16), w [B, T, N], q_positions [B, T], kv_lengths [B], slots [B, S] int32 pool row
-    of each position (-1 = none; S a multiple of block_s), kv_rows [rows, H] (dense, or E4M3 values with
-    kv_scales [rows, H/32] uint8 E8M0 bits) -> scores [B, T, S] float32, -inf where masked."""
+    of each position (-1 = none; S a multiple of block_s * steps), kv_rows [rows, H] (dense, or E4M3 values
+    with kv_scales [rows, H/32] uint8 E8M0 bits) -> scores [B, T, S] float32, -inf where masked. Each program
+    scores `steps` consecutive blocks of block_s keys."""
     b, t, n, h = q.shape
     s_len = slots.shape[1]
+    span = block_s * steps
+    if s_len % span:
+        raise ValueError(f"indexer_scores_pallas: {s_len} key slots are not a multiple of block_s * steps = {span}")
     mx = kv_scales is not None
     params = triton_params(interpret, num_warps, 2)
     in_specs = [
@@ -81,12 +97,14 @@ def indexer_scores_pallas(
     if mx:
         in_specs.append(pl.BlockSpec(kv_scales.shape, lambda i, tt, j: (0, 0)))
         args.append(kv_scales)
-    kernel = functools.partial(_kernel, scale=scale, block_s=block_s, head_dim=h, mx=mx, precision=precision)
+    kernel = functools.partial(
+        _kernel, scale=scale, block_s=block_s, steps=steps, head_dim=h, mx=mx, precision=precision
+    )
     return pl.pallas_call(
         kernel,
-        grid=(b, t, s_len // block_s),
+        grid=(b, t, s_len // span),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, block_s), lambda i, tt, j: (i, tt, j)),
+        out_specs=pl.BlockSpec((None, None, span), lambda i, tt, j: (i, tt, j)),
         out_shape=jax.ShapeDtypeStruct((b, t, s_len), jnp.float32),
         interpret=interpret,
         name="indexer_scores",
