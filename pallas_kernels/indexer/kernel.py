@@ -6,7 +6,8 @@ flat pool by their pool row numbers, dequantizes MXFP8 rows in the kernel when t
 values times 2^(e − 127) per 32-value block, one product per block), scores all indexer heads on the tensor
 cores and reduces over heads with their weights, applying the causal / length mask:
     I[t, s] = Σ_h w_h(t) ReLU(scale · q_h(t) · k(s))     (−inf where s > pos(t) or s ≥ kv_length)
-Only the head-weighted scores [B, T, S] leave the kernel (never the per-head [B, T, N, S]); the Top-K over
+Key blocks wholly past the query's position or the sequence's length are written as -inf without being
+read. Only the head-weighted scores [B, T, S] leave the kernel (never the per-head [B, T, N, S]); the Top-K over
 them is `lax.top_k` in `indexer_topk(impl="pallas")`, done block of queries by block of queries.
 
 Products: `precision` "bf16" multiplies q and the keys in bfloat16 (MXFP8 values are exact in it) with
@@ -66,7 +67,16 @@ def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, blo
         out_ref[pl.ds(i * block_s, block_s)] = jnp.where(ok, score, -jnp.inf)
         return carry
 
-    jax.lax.fori_loop(0, steps, block, 0)
+    def masked(i, carry):
+        out_ref[pl.ds(i * block_s, block_s)] = jnp.full((block_s,), -jnp.inf, jnp.float32)
+        return carry
+
+    # Blocks past the query's position (a causal prefill: half of them) or the sequence's length are not
+    # gathered or scored, only written as -inf.
+    last = jnp.minimum(pos_ref[0], len_ref[0] - 1)  # the last key position this query sees
+    n_vis = jnp.clip(jnp.where(last < 0, 0, last // block_s + 1) - first, 0, steps)
+    jax.lax.fori_loop(0, n_vis, block, 0)
+    jax.lax.fori_loop(n_vis, steps, masked, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "steps", "precision", "interpret", "num_warps"))
