@@ -58,7 +58,7 @@ def rows_for(t: int, n: int, h: int, hv: int, args, bw: float, rate: float) -> l
     for label in ["default"] + args.variants:
         tiles = {} if label == "default" else _parse(label)
         if label == "default":
-            label = "default " + "x".join(str(x) for x in api.default_tiles(q.dtype).values())
+            label = "default " + "x".join(str(x) for x in api.default_tiles(q.dtype, h, hv, rows=t).values())
         row(f"pallas flash, {label}", jax.jit(lambda q, k, v, t=tiles: attention(q, k, v, impl="pallas", **t, **kw)[0]))
 
     def cudnn(q, k, v):

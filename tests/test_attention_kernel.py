@@ -90,3 +90,20 @@ def test_flash_attention_rejects_bad_arguments():
     wide = jnp.zeros((1, 4, 2, 576))
     with pytest.raises(ValueError, match="pad past 256"):
         attention(wide, jnp.zeros((1, 8, 2, 576)), v, impl="pallas", interpret=True, **kw)
+
+
+def test_default_tiles_follow_rows_and_shared_memory():
+    from pallas_kernels.attention import api
+
+    assert api.shared_bytes(64, 128, 3, 192, 128, 2) == 270336  # what Triton asked for on the H200, refused
+    kimi = api.default_tiles(jnp.bfloat16, 192, 128)
+    assert kimi == dict(block_q=128, block_k=64, num_warps=8, num_stages=3)  # the measured best
+    wide = api.default_tiles(jnp.bfloat16, 256, 256)  # 3 stages would need 256 KiB: one stage less
+    assert wide == dict(block_q=128, block_k=64, num_warps=8, num_stages=2)
+    pinned = api.default_tiles(jnp.bfloat16, 256, 256, num_stages=3)  # stages given: fewer rows instead
+    assert pinned["num_stages"] == 3 and pinned["block_q"] == 64
+    for tiles, (h, hv) in ((kimi, (192, 128)), (wide, (256, 256)), (pinned, (256, 256))):
+        used = api.shared_bytes(tiles["block_q"], tiles["block_k"], tiles["num_stages"], h, hv, 2)
+        assert used <= api.SHARED_MEMORY
+    assert api.default_tiles(jnp.bfloat16, 192, 128, rows=8)["block_q"] == 16  # a grouped decode's 8 rows
+    assert api.default_tiles(jnp.float32, 64, 64) == dict(block_q=64, block_k=32, num_warps=4, num_stages=2)

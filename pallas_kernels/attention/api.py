@@ -13,12 +13,39 @@ IMPLS = ("auto", "reference", "pallas")
 MAX_HEAD_DIM = 256  # padded head dims the kernel's tiles fit in shared memory with (H200, 2 stages)
 
 
-def default_tiles(dtype) -> dict:
-    """The kernel's tiles and Triton parameters when `attention` is not given them (block_q, block_k,
-    num_warps, num_stages)."""
-    if jnp.dtype(dtype).itemsize <= 2:  # measured best at the Kimi MLA shapes (benchmarks/attention.py)
-        return dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
-    return dict(block_q=64, block_k=32, num_warps=4, num_stages=2)
+SHARED_MEMORY = 232448  # bytes of shared memory one Triton program may use on the H200 (sm_90)
+
+
+def shared_bytes(block_q: int, block_k: int, num_stages: int, h: int, hv: int, itemsize: int) -> int:
+    """Shared memory of one program: the q tile plus `num_stages` buffered k and v tiles (h the q/k width as
+    read — a multiple of 16 —, hv the padded v width). Matches what Triton asked for on the H200 (64x128
+    tiles, 3 stages, 192 / 128: 270,336 bytes, refused)."""
+    return (block_q * h + num_stages * block_k * (h + hv)) * itemsize
+
+
+def default_tiles(dtype, h: int = 128, hv: int = 128, *, rows: int | None = None, **given) -> dict:
+    """The kernel's tiles and Triton parameters (block_q, block_k, num_warps, num_stages) for a q/k width h
+    and v width hv (both as the kernel reads them): the values in `given` (those not None) as they are, the
+    others the measured best (2-byte inputs: 128 x 64 tiles, 8 warps, 3 stages at the Kimi MLA shapes,
+    benchmarks/attention.py) with block_q no larger than the `rows` there are (a grouped decode's G rows),
+    then stages, rows and keys cut until the tiles fit in shared memory (wide heads)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if itemsize <= 2:
+        tiles = dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    else:
+        tiles = dict(block_q=64, block_k=32, num_warps=4, num_stages=2)
+    if rows is not None:
+        tiles["block_q"] = min(tiles["block_q"], max(16, pow2(rows)))
+    fixed = {k for k, v in given.items() if v is not None}
+    tiles.update({k: given[k] for k in fixed})
+
+    def fits():
+        return shared_bytes(tiles["block_q"], tiles["block_k"], tiles["num_stages"], h, hv, itemsize) <= SHARED_MEMORY
+
+    for key, floor in (("num_stages", 2), ("block_q", 64), ("block_k", 32), ("block_q", 16), ("block_k", 16)):
+        while key not in fixed and not fits() and tiles[key] > floor:
+            tiles[key] = tiles[key] - 1 if key == "num_stages" else tiles[key] // 2
+    return tiles
 
 
 def attention(
@@ -47,8 +74,8 @@ def attention(
     "ieee" for float32 inputs), or "auto" (Pallas on GPU when the q/k head dim rounded up to a multiple of
     16 and the v head dim rounded up to a power of two are <= 256, else the reference: the absorbed MLA
     decode, 512 + 64 wide, stays on the reference).
-    Tiles (`block_q` rows x `block_k` keys, Triton's `num_warps` / `num_stages`) default to
-    `default_tiles(q.dtype)`; a default `block_q` shrinks to the rows there are (a grouped decode's G rows).
+    Tiles (`block_q` rows x `block_k` keys, Triton's `num_warps` / `num_stages`) not given come from
+    `default_tiles` (the measured best, cut to the rows there are and to the H200's shared memory).
     """
     if impl not in IMPLS:
         raise ValueError(f"attention: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -66,15 +93,13 @@ def attention(
         raise ValueError(f"attention(impl='pallas'): head dims {h}, {hv} pad past {MAX_HEAD_DIM}")
     g = n // nk
     rows = t * g
-    tiles = default_tiles(q.dtype)
-    if block_q is None:
-        block_q = min(tiles["block_q"], max(16, pow2(rows)))
-    bk = block_k or tiles["block_k"]
+    tiles = default_tiles(
+        q.dtype, hp, hvp, rows=rows, block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages
+    )
+    block_q, bk, num_warps, num_stages = (tiles[k] for k in ("block_q", "block_k", "num_warps", "num_stages"))
     for name, val in (("block_q", block_q), ("block_k", bk)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"attention: {name}={val} must be a power of two >= 16")
-    num_warps = num_warps or tiles["num_warps"]
-    num_stages = num_stages or tiles["num_stages"]
     rp = -(-rows // block_q) * block_q
     sp = -(-s // bk) * bk
     # rows of one KV head's group: query t, head g -> row t * G + g
