@@ -9,7 +9,8 @@ Floors: bytes that must move over the measured copy bandwidth and FLOPs over the
 FLOPs 2·N·H per query-key pair. Sparse MLA: the selected rows [c | k_rope] read once per query; FLOPs
 2·N·K·(2L + R) per query.
 
-    python -m benchmarks.sparse_attention [--contexts 32768 131072] [--batches 1 16 64] [--no-record]
+    python -m benchmarks.sparse_attention [--contexts 32768 131072] [--batches 1 16 64] [--only indexer|mla]
+        [--indexer-variants 64:64:bf16 64:512:bf16 ...] [--no-record]
 """
 
 from __future__ import annotations
@@ -202,17 +203,21 @@ def main() -> None:
     p.add_argument(
         "--indexer-variants", nargs="+", default=list(INDEXER_VARIANTS), help="BLOCK_S:KEYS_PER_PROGRAM:PRECISION"
     )
+    p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    rows = indexer_rows(
-        bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
-        tuple(args.indexer_variants),
-    )  # fmt: skip
-    rows += sparse_mla_rows(
-        bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill
-    )
+    rows = []
+    if args.only != "mla":
+        rows += indexer_rows(
+            bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
+            tuple(args.indexer_variants),
+        )  # fmt: skip
+    if args.only != "indexer":
+        rows += sparse_mla_rows(
+            bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill
+        )
     title = (
         f"Sparse-attention kernels; ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
