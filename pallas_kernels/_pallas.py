@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 
 import jax
+import jax.numpy as jnp
 
 # The ops whose "auto" the switch below can steer (names for `use_pallas(ops=...)`).
 OPS = (
@@ -71,6 +72,13 @@ def forced_choice(op: str) -> bool | None:
 def pow2(n: int) -> int:
     """The smallest power of two >= n (Triton's loaded tiles must have power-of-two sizes)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def first_row(acc):
+    """Row 0 of a [16, N] tensor-core accumulator as [N]: a masked sum over rows (a row index of a value
+    does not lower to Triton; this lowers everywhere and runs once per program)."""
+    row = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+    return jnp.sum(jnp.where(row == 0, acc, 0.0), axis=0)
 
 
 def triton_params(interpret: bool, num_warps: int, num_stages: int) -> dict:

@@ -37,7 +37,12 @@ def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, blo
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
     cdt = jnp.bfloat16 if precision == "bf16" else jnp.float32  # the products' input dtype
     contract = (((1,), (1,)), ((), ()))
-    q = q_ref[...].astype(cdt)  # [N, H], read once for all of this program's key blocks
+    # the query's heads, read once for all of this program's key blocks: [N, H], or [N, 32] pieces (one per
+    # MXFP8 scale block)
+    if mx:
+        q_parts = [q_ref[:, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt) for c in range(head_dim // MX_BLOCK)]
+    else:
+        q = q_ref[...].astype(cdt)
     w = w_ref[...].astype(jnp.float32)  # [N]
     first = pl.program_id(2) * steps
 
@@ -48,10 +53,9 @@ def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, blo
         rows = jnp.maximum(rows, 0)
         if mx:
             s = None
-            for c in range(head_dim // MX_BLOCK):  # one scale per 32 values: scale the block's partial product
-                cols = pl.ds(c * MX_BLOCK, MX_BLOCK)
+            for c, qc in enumerate(q_parts):  # one scale per 32 values: scale the block's partial product
                 part = jax.lax.dot_general(
-                    q_ref[:, cols].astype(cdt), kv_ref[rows, cols].astype(cdt), contract,
+                    qc, kv_ref[rows, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt), contract,
                     precision=prec, preferred_element_type=jnp.float32,
                 )  # fmt: skip
                 e = ks_ref[rows, c].astype(jnp.float32)  # [BS] E8M0 bits

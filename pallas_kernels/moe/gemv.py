@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas import triton_params
+from pallas_kernels._pallas import first_row, triton_params
 
 # Programs `auto_split_k` aims for (~8 per H200 SM) and its largest split.
 SPLIT_TARGET = 1024
@@ -42,12 +42,6 @@ def _mma_step(xk, w):
     return jnp.dot(rows, w, preferred_element_type=jnp.float32)
 
 
-def _first_row(acc):
-    """Row 0 of a [16, BN] tile whose rows are equal (a masked sum: lowers everywhere, runs once)."""
-    row = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
-    return jnp.sum(jnp.where(row == 0, acc, 0.0), axis=0)
-
-
 def _gate_up_mma_kernel(e_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, bk, nk):
     e = e_ref[0]
 
@@ -58,8 +52,8 @@ def _gate_up_mma_kernel(e_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, bk, nk):
 
     zero = jnp.zeros((MMA_ROWS, g_ref.shape[-1]), jnp.float32)
     g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
-    g_ref[...] = _first_row(g)
-    u_ref[...] = _first_row(u)
+    g_ref[...] = first_row(g)
+    u_ref[...] = first_row(u)
 
 
 def _down_mma_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
@@ -70,7 +64,7 @@ def _down_mma_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
         return acc + _mma_step(h_ref[cols], wd_ref[e, cols, :])
 
     acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((MMA_ROWS, y_ref.shape[-1]), jnp.float32))
-    y_ref[...] = _first_row(acc)
+    y_ref[...] = first_row(acc)
 
 
 def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, bk, nk):

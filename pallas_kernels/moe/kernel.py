@@ -69,6 +69,28 @@ def _gate_up_kernel(be_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk, nk, precision):
 _STATIC = ("block_m", "block_n", "block_k", "precision", "interpret", "num_warps", "num_stages")
 
 
+def _grouped_call(kernel, name, x, weights, block_expert, out_dtype, *, block_m, block_n, interpret, num_warps,
+                  num_stages):  # fmt: skip
+    """Grid (row blocks, output tiles): the block's expert id, its rows [block_m, K] and a [E, K, block_n]
+    column slab of each weight in; one [block_m, block_n] output tile."""
+    r, kdim = x.shape
+    e, _, n = weights[0].shape
+    return pl.pallas_call(
+        kernel,
+        grid=(r // block_m, n // block_n),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((block_m, kdim), lambda i, j: (i, 0)),
+            *[pl.BlockSpec((e, kdim, block_n), lambda i, j: (0, 0, j)) for _ in weights],
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((r, n), out_dtype),
+        interpret=interpret,
+        name=name,
+        **triton_params(interpret, num_warps, num_stages),
+    )(block_expert, x, *weights)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_gate_up_pallas(
     x, w_gate, w_up, block_expert, *, block_m, block_n, block_k, precision="tf32", interpret=False, num_warps=4,
@@ -77,25 +99,11 @@ def grouped_gate_up_pallas(
     """x [R, K] rows sorted by expert (R a multiple of block_m), w_gate / w_up [E, K, N], block_expert
     [R / block_m] int32 (-1 = unused block: zeros) -> SiLU(x W_gate) * (x W_up) [R, N] in x.dtype (float32
     products)."""
-    r, kdim = x.shape
-    e, _, n = w_gate.shape
-    kernel = functools.partial(_gate_up_kernel, bk=block_k, nk=kdim // block_k, precision=precision)
-    weights = pl.BlockSpec((e, kdim, block_n), lambda i, j: (0, 0, j))
-    return pl.pallas_call(
-        kernel,
-        grid=(r // block_m, n // block_n),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((block_m, kdim), lambda i, j: (i, 0)),
-            weights,
-            weights,
-        ],  # fmt: skip
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((r, n), x.dtype),
-        interpret=interpret,
-        name="moe_gate_up",
-        **triton_params(interpret, num_warps, num_stages),
-    )(block_expert, x, w_gate, w_up)
+    kernel = functools.partial(_gate_up_kernel, bk=block_k, nk=x.shape[1] // block_k, precision=precision)
+    return _grouped_call(
+        kernel, "moe_gate_up", x, (w_gate, w_up), block_expert, x.dtype,
+        block_m=block_m, block_n=block_n, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("out_dtype",))
@@ -106,20 +114,8 @@ def grouped_matmul_pallas(
     """x [R, K] rows sorted by expert (R a multiple of block_m), w [E, K, N], block_expert [R / block_m]
     int32 (-1 = unused block: zeros, no weight read) -> [R, N] in out_dtype: row block b times
     w[block_expert[b]]."""
-    r, kdim = x.shape
-    e, _, n = w.shape
-    kernel = functools.partial(_kernel, bk=block_k, nk=kdim // block_k, precision=precision)
-    return pl.pallas_call(
-        kernel,
-        grid=(r // block_m, n // block_n),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((block_m, kdim), lambda i, j: (i, 0)),
-            pl.BlockSpec((e, kdim, block_n), lambda i, j: (0, 0, j)),
-        ],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((r, n), out_dtype),
-        interpret=interpret,
-        name="moe_grouped_matmul",
-        **triton_params(interpret, num_warps, num_stages),
-    )(block_expert, x, w)
+    kernel = functools.partial(_kernel, bk=block_k, nk=x.shape[1] // block_k, precision=precision)
+    return _grouped_call(
+        kernel, "moe_grouped_matmul", x, (w,), block_expert, out_dtype,
+        block_m=block_m, block_n=block_n, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip

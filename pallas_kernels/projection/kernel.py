@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas import triton_params
+from pallas_kernels._pallas import first_row, triton_params
 
 ROWS = 16  # rows of one tensor-core tile: x is padded to it
 
@@ -41,9 +41,8 @@ def _kernel(x_ref, w_ref, o_ref, *, bk, nk, one_row):
         return acc + jnp.dot(x_ref[:, cols], w_ref[cols, :], preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((ROWS, w_ref.shape[-1]), jnp.float32))
-    if one_row:  # row 0 out of the MMA tile: a masked sum over rows (lowers everywhere, runs once)
-        row = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
-        acc = jnp.sum(jnp.where(row == 0, acc, 0.0), axis=0)
+    if one_row:  # row 0 out of the MMA tile
+        acc = first_row(acc)
     o_ref[...] = acc
 
 
