@@ -10,7 +10,8 @@ FLOPs 2·N·H per query-key pair. Sparse MLA: the selected rows [c | k_rope] rea
 2·N·K·(2L + R) per query.
 
     python -m benchmarks.sparse_attention [--contexts 32768 131072] [--batches 1 16 64] [--only indexer|mla]
-        [--indexer-variants 64:64:bf16 64:512:bf16 ...] [--no-record]
+        [--indexer-variants 128:1024:bf16 ...] [--prefill-variants 64:128:kernel ...] [--no-prefill-reference]
+        [--no-record]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from benchmarks.common import CHAIN, ceilings, chained_ms, median_ms, rel_err, r
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
-from pallas_kernels.indexer.select import top_k_radix
+from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.sparse_attention import sparse_mla
 
 PAGE = 64
@@ -61,8 +62,10 @@ def _same_topk(got, ref) -> str:
 
 
 # Indexer score-kernel variants "block_s:keys_per_program:precision"; 64:64:tf32 is the kernel as it was
-# until 8be418f (one 64-key block per program, float32 products).
-INDEXER_VARIANTS = ("64:64:tf32", "64:64:bf16", "64:512:bf16", "128:1024:bf16", "64:2048:bf16")
+# until 8be418f (one 64-key block per program, float32 products); 128:1024:bf16 the default since 32f2129+.
+INDEXER_VARIANTS = ("128:1024:bf16",)
+# Prefill variants "block_q:block_s:select" (block_q 0: the one-query kernel, as before the tiled one).
+PREFILL_VARIANTS = ("0:128:top_k", "64:128:top_k", "64:128:kernel", "128:128:kernel", "64:64:kernel")
 
 
 def _indexer_variant(text: str) -> dict:
@@ -70,7 +73,15 @@ def _indexer_variant(text: str) -> dict:
     return dict(block_s=int(bs), keys_per_program=int(kpp), precision=prec)
 
 
-def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, variants=("64:64:bf16",)) -> list[dict]:
+def _prefill_variant(text: str) -> dict:
+    bq, bs, select = text.split(":")
+    return dict(block_q=int(bq), block_s=int(bs), select=select)
+
+
+def indexer_rows(
+    bw, rate, contexts, batches, heads, dim, topk, prefill_len, variants=INDEXER_VARIANTS,
+    prefill_variants=PREFILL_VARIANTS, prefill_reference=True,
+) -> list[dict]:  # fmt: skip
     rows = []
     for s in contexts:
         for b in batches:
@@ -88,36 +99,44 @@ def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, var
             ms = chained_ms(ref, q, w, pool, table)
             rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
             for variant in variants:
-                vk = _indexer_variant(variant)
-                fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
-                got_i, _ = fn(q, w, pool, table)
-                ms = chained_ms(fn, q, w, pool, table)
-                check = _same_topk(got_i, ref_i)
-                impl = (
-                    f"pallas scores (bf16 pool, block_s={vk['block_s']}, {vk['keys_per_program']} keys/program, "
-                    f"{vk['precision']} products) + top_k"
-                )
-                rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
+                for select in ("kernel", "top_k"):
+                    vk = _indexer_variant(variant)
+                    fn = jax.jit(
+                        lambda q, w, p, t, kw=kw, vk=vk, sel=select: indexer_topk(
+                            q, w, p, t, impl="pallas", select=sel, **vk, **kw
+                        )
+                    )
+                    got_i, _ = fn(q, w, pool, table)
+                    ms = chained_ms(fn, q, w, pool, table)
+                    check = _same_topk(got_i, ref_i)
+                    impl = (
+                        f"pallas scores (bf16 pool, block_s={vk['block_s']}, {vk['keys_per_program']} keys/program, "
+                        f"{vk['precision']} products) + {'selection kernel' if select == 'kernel' else select}"
+                    )
+                    rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
             # the selection alone, on scores of the same shape: how much of the time the Top-K takes
             scores = jax.random.normal(ks[2], (b, s), jnp.float32)
             topk_only = jax.jit(lambda x: jax.lax.top_k(x, topk))
             ms = chained_ms(topk_only, scores)
             rows.append(row("indexer", shape, "lax.top_k alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
-            radix_only = jax.jit(lambda x: top_k_radix(x, topk))
-            ms = chained_ms(radix_only, scores)
-            rows.append(row("indexer", shape, "radix select alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
-            fnr = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", select="radix", **kw))
-            ms = chained_ms(fnr, q, w, pool, table)
-            check = _same_topk(fnr(q, w, pool, table)[0], ref_i)
-            rows.append(row("indexer", shape, "pallas scores + radix select", ms, flops, pool.nbytes, bw, rate, check))
+            sel_only = jax.jit(
+                lambda x, s=s: top_k_rows_pallas(
+                    x,
+                    jnp.full((x.shape[0],), s, jnp.int32),
+                    k=topk,
+                    chunk=min(1024, s),
+                    interpret=jax.default_backend() == "cpu",
+                )
+            )
+            ms = chained_ms(sel_only, scores)
+            rows.append(row("indexer", shape, "selection kernel alone on [B, S]", ms, 0, scores.nbytes, bw, rate))
             values, scales = quantize_mxfp8(pool)
             fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
             ms = chained_ms(fn8, q, w, values, scales, table)
             mx_bytes = values.nbytes + scales.nbytes
             check = _same_topk(fn8(q, w, values, scales, table)[0], ref_i)
-            rows.append(
-                row("indexer", shape, "pallas scores (MXFP8 pool) + top_k", ms, flops, mx_bytes, bw, rate, check)
-            )
+            impl = "pallas scores (MXFP8 pool) + selection kernel"
+            rows.append(row("indexer", shape, impl, ms, flops, mx_bytes, bw, rate, check))
     if prefill_len:
         t = prefill_len
         ks = jax.random.split(jax.random.key(t), 3)
@@ -128,13 +147,22 @@ def indexer_rows(bw, rate, contexts, batches, heads, dim, topk, prefill_len, var
                   scale=dim**-0.5)  # fmt: skip
         flops = 2 * t * (t + 1) / 2 * heads * dim
         shape = f"prefill T={t} heads={heads}x{dim} top-{topk}"
-        for impl, select in (("reference", "top_k"), ("pallas", "top_k"), ("pallas", "radix")):
-            fn = jax.jit(
-                lambda q, w, p, tb, impl=impl, sel=select, kw=kw: indexer_topk(q, w, p, tb, impl=impl, select=sel, **kw)
-            )
+        cases = [("reference", {})] if prefill_reference else []
+        cases += [("pallas", _prefill_variant(v)) for v in prefill_variants]
+        first = None
+        for impl, vk in cases:
+            fn = jax.jit(lambda q, w, p, tb, impl=impl, vk=vk, kw=kw: indexer_topk(q, w, p, tb, impl=impl, **vk, **kw))
+            got_i, _ = fn(q, w, pool, table)
             ms = median_ms(functools.partial(fn, q, w, pool, table), warmup=1, iters=3)
-            label = impl if impl == "reference" else f"pallas scores + {select}"
-            rows.append(row("indexer", shape, label, ms, flops, q.nbytes + pool.nbytes, bw, rate))
+            if impl == "reference":
+                label = "jnp reference (query blocks: scores + top_k)"
+            else:
+                tiles = f"tiled scores {vk['block_q']}x{vk['block_s']}"
+                kernel = "one-query score kernel" if vk["block_q"] == 0 else tiles
+                label = f"pallas {kernel} + {'selection kernel' if vk['select'] == 'kernel' else vk['select']}"
+            check = "" if first is None else _same_topk(got_i[:, ::64], first[:, ::64])  # every 64th query
+            first = got_i if first is None else first
+            rows.append(row("indexer", shape, label, ms, flops, q.nbytes + pool.nbytes, bw, rate, check))
     return rows
 
 
@@ -203,6 +231,10 @@ def main() -> None:
     p.add_argument(
         "--indexer-variants", nargs="+", default=list(INDEXER_VARIANTS), help="BLOCK_S:KEYS_PER_PROGRAM:PRECISION"
     )
+    p.add_argument(
+        "--prefill-variants", nargs="+", default=list(PREFILL_VARIANTS), help="BLOCK_Q:BLOCK_S:SELECT (0: one-query)"
+    )
+    p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")
     p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
@@ -212,7 +244,7 @@ def main() -> None:
     if args.only != "mla":
         rows += indexer_rows(
             bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
-            tuple(args.indexer_variants),
+            tuple(args.indexer_variants), tuple(args.prefill_variants), not args.no_prefill_reference,
         )  # fmt: skip
     if args.only != "indexer":
         rows += sparse_mla_rows(

@@ -145,16 +145,17 @@ def _indexer_case(seed, b, t, n, h, page, lengths):
     topk=st.sampled_from([1, 8, 50]),  # 50 > every available position count
     page=st.sampled_from([4, 8]),
     short=st.integers(1, 37),
-    select=st.sampled_from(["top_k", "radix"]),
+    select=st.sampled_from(["kernel", "top_k", "radix"]),
     keys_per_program=st.sampled_from([None, 32, 64]),  # one 16-key block, or 2 / 4 of them per program
+    block_q=st.sampled_from([0, 16]),  # the one-query kernel, or the tiled one (queries padded to 16)
 )
-def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short, select, keys_per_program):
+def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short, select, keys_per_program, block_q):
     q, w, pool, table, pos, kv = _indexer_case(seed, b, t, n, 32, page, [37, short][:b])
     kw = dict(q_positions=pos, kv_lengths=kv, topk=topk, scale=32**-0.5)
     ref_i, ref_v = indexer_topk(q, w, pool, table, impl="reference", **kw)
     got_i, got_v = indexer_topk(
         q, w, pool, table, impl="pallas", precision="ieee", interpret=True, block_s=16, select=select,
-        keys_per_program=keys_per_program, **kw,
+        keys_per_program=keys_per_program, block_q=block_q, **kw,
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))  # same positions, same order, -1 pads
     with pytest.raises(ValueError, match="select='sort'"):
@@ -162,6 +163,70 @@ def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short, sele
     fin = np.isfinite(np.asarray(ref_v))
     assert (np.isfinite(np.asarray(got_v)) == fin).all()
     np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool_format", ["f32", "mxfp8"])
+def test_indexer_tiled_prefill_matches_reference(pool_format):
+    """A causal prefill (70 queries after a 9-token prefix in one row, 45 from position 0 in the other: ragged
+    lengths, query tiles straddling the diagonal, padded queries) through the tiled score kernel and the
+    selection kernel, against the reference; every query's Top-K, -1 pads where fewer keys are visible."""
+    from hybrid_jax.quant.formats import dequantize_mxfp8, quantize_mxfp8
+
+    t, topk = 70, 24
+    q, w, pool, table, _, _ = _indexer_case(7, 2, t, 4, 64, 8, [79, 45])
+    kv = jnp.asarray([79, 45], jnp.int32)
+    pos = jnp.stack([9 + jnp.arange(t), jnp.minimum(jnp.arange(t), 44)]).astype(jnp.int32)
+    scales = None
+    if pool_format == "mxfp8":
+        pool, scales = quantize_mxfp8(pool * 5.0)
+    ref_pool = pool if scales is None else dequantize_mxfp8(pool, scales)
+    kw = dict(q_positions=pos, kv_lengths=kv, topk=topk, scale=0.125)
+    ref_i, ref_v = indexer_topk(q, w, ref_pool, table, impl="reference", **kw)
+    got_i, got_v = indexer_topk(
+        q, w, pool, table, impl="pallas", k_scales=scales, precision="ieee", interpret=True, block_s=16, block_q=32,
+        **kw,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))
+    assert (np.asarray(got_i)[0, :14] == -1).any() and (np.asarray(got_i)[:, -1] >= 0).all()  # pads and full rows
+    fin = np.isfinite(np.asarray(ref_v))
+    assert (np.isfinite(np.asarray(got_v)) == fin).all()
+    np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 4),
+    chunks=st.integers(1, 3),
+    k=st.sampled_from([1, 5, 16, 33, 100]),
+    ties=st.booleans(),
+    digit_bits=st.sampled_from([2, 4]),
+)
+def test_selection_kernel_matches_top_k(seed, rows, chunks, k, ties, digit_bits):
+    """The selection kernel against `lax.top_k` on each row's visible prefix: the same set (ties at the K-th
+    value to the lowest positions), in ascending position order, the right values, -1 / -inf after."""
+    from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
+
+    chunk = 32
+    s = chunk * chunks
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, s)).astype(np.float32)
+    if ties:  # few distinct values: many ties at the threshold
+        x = np.round(x * 2) / 2
+    x[rng.random((rows, s)) < 0.2] = -np.inf  # unreadable pages inside the prefix
+    limits = rng.integers(0, s + 1, rows).astype(np.int32)
+    vals, idx = top_k_rows_pallas(
+        jnp.asarray(x), jnp.asarray(limits), k=k, chunk=chunk, digit_bits=digit_bits, interpret=True
+    )
+    vals, idx = np.asarray(vals), np.asarray(idx)
+    for r in range(rows):
+        row = np.where(np.arange(s) < limits[r], x[r], -np.inf)
+        rv, ri = jax.lax.top_k(jnp.asarray(row), min(k, s))
+        want = np.sort(np.asarray(ri)[np.isfinite(np.asarray(rv))])
+        n = want.size
+        np.testing.assert_array_equal(idx[r, :n], want)
+        np.testing.assert_array_equal(vals[r, :n], x[r, want])
+        assert (idx[r, n:] == -1).all() and np.isneginf(vals[r, n:]).all()
 
 
 def test_indexer_kernel_reads_mxfp8_pool():

@@ -7,15 +7,20 @@ import jax.numpy as jnp
 
 from pallas_kernels._blocking import over_query_blocks, query_block_size
 from pallas_kernels._pallas import auto_impl, pow2
-from pallas_kernels.indexer.kernel import MX_BLOCK, indexer_scores_pallas
+from pallas_kernels.indexer.kernel import MX_BLOCK, indexer_scores_pallas, indexer_scores_tiled_pallas
 from pallas_kernels.indexer.prolog import column_groups, indexer_prolog_pallas
 from pallas_kernels.indexer.prolog_reference import indexer_prolog_reference
 from pallas_kernels.indexer.reference import indexer_topk_reference
 from pallas_kernels.indexer.select import top_k_radix
+from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.paged import slot_index
 
 IMPLS = ("auto", "reference", "pallas")
-SELECTS = ("top_k", "radix")
+SELECTS = ("kernel", "top_k", "radix")
+# Queries per call from which the scores come from the tiled kernel (a key tile read once per query tile):
+# prefill. Below it (decode) one program per query walks its keys.
+TILED_MIN_QUERIES = 64
+SELECT_CHUNK = 1024  # scores per step of the selection kernel
 PRECISIONS = ("bf16", "tf32", "ieee")
 
 
@@ -31,9 +36,10 @@ def indexer_topk(
     scale: float,
     impl: str = "auto",
     k_scales=None,
-    block_s: int = 64,
-    keys_per_program: int | None = None,
-    select: str = "top_k",
+    block_s: int = 128,
+    keys_per_program: int | None = 1024,
+    block_q: int | None = None,
+    select: str = "kernel",
     precision: str | None = None,
     interpret: bool | None = None,
 ):
@@ -46,10 +52,14 @@ def indexer_topk(
     `lax.top_k` per block of queries), or "auto" (Pallas on GPU when H is a power of two >= 32, else the
     reference). With `k_scales` [P,G,H/32] E8M0 the pool holds MXFP8 E4M3 values: the kernel dequantizes the
     rows it reads, the reference dequantizes the pool first.
-    Kernel knobs: `block_s` keys per step, `keys_per_program` keys per program (a multiple of block_s;
-    default one block), `precision` of the score products: "bf16" (q and keys in bfloat16, float32
-    accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32" (the default otherwise) or
-    "ieee"; `select` "top_k" (`lax.top_k`) or "radix" (`select.top_k_radix`), the same result.
+    Kernel knobs: `block_s` keys per step, `keys_per_program` keys per program of the one-query kernel
+    (a multiple of block_s, or None for one block), `block_q` queries per program of the tiled kernel
+    (`kernel.indexer_scores_tiled_pallas`, key tiles of block_s; None: 64 from TILED_MIN_QUERIES queries on,
+    else the one-query kernel; 0: always the one-query kernel), `precision` of the score products: "bf16"
+    (q and keys in bfloat16, float32 accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32"
+    (the default otherwise) or "ieee"; `select` "kernel" (`select_kernel.top_k_rows_pallas`: radix select
+    of each row's visible prefix, then a sort of the K chosen), "top_k" (`lax.top_k`) or "radix"
+    (`select.top_k_radix`), the same result.
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -67,6 +77,8 @@ def indexer_topk(
             f"indexer_topk: block_s={block_s} must be a power of two >= 16 and keys_per_program={keys_per_program} "
             "a multiple of it"
         )
+    if block_q is not None and block_q != 0 and (block_q < 16 or block_q & (block_q - 1)):
+        raise ValueError(f"indexer_topk: block_q={block_q} must be 0, None or a power of two >= 16")
     h = q.shape[-1]
     if k_scales is not None and k_scales.shape[-1] * MX_BLOCK != h:
         raise ValueError(f"indexer_topk: k_scales width {k_scales.shape[-1]} is not head dim {h} / {MX_BLOCK}")
@@ -83,35 +95,67 @@ def indexer_topk(
     b, t, n, h = q.shape
     g = k_pages.shape[1]
     s_len = page_table.shape[1] * g
-    s_pad = -(-s_len // span) * span
+    if block_q is None:
+        block_q = 64 if t >= TILED_MIN_QUERIES else 0
+    chunk = min(SELECT_CHUNK, pow2(s_len))
+    unit = max(span, chunk) if block_q == 0 else max(block_s, chunk)  # both powers of two
+    s_pad = -(-s_len // unit) * unit
     slots = slot_index(page_table, jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (b, s_pad)), g)
     slots = jnp.where(jnp.arange(s_pad)[None, :] < s_len, slots, -1)
-    n_pad = max(16, n)  # the tensor-core product needs 16 rows; zero heads with zero weight add nothing
-    q = jnp.pad(q, [(0, 0), (0, 0), (0, n_pad - n), (0, 0)])
-    w = jnp.pad(w.astype(jnp.float32), [(0, 0), (0, 0), (0, n_pad - n)])
+    w = w.astype(jnp.float32)
+    if block_q:  # padded queries: position -1 sees nothing
+        t_pad = -(-t // block_q) * block_q
+        q = jnp.pad(q, [(0, 0), (0, t_pad - t), (0, 0), (0, 0)])
+        w = jnp.pad(w, [(0, 0), (0, t_pad - t), (0, 0)])
+        q_positions = jnp.pad(q_positions, [(0, 0), (0, t_pad - t)], constant_values=-1)
+    else:
+        n_pad = max(16, n)  # the tensor-core product needs 16 rows; zero heads with zero weight add nothing
+        q = jnp.pad(q, [(0, 0), (0, 0), (0, n_pad - n), (0, 0)])
+        w = jnp.pad(w, [(0, 0), (0, 0), (0, n_pad - n)])
     rows = k_pages.reshape(-1, h)
     scales = None
     if k_scales is not None:
         scales = jax.lax.bitcast_convert_type(k_scales, jnp.uint8).reshape(-1, h // 32)
     k_eff = min(topk, s_len)
     interp = jax.default_backend() == "cpu" if interpret is None else interpret
+    kv_lengths = kv_lengths.astype(jnp.int32)
 
     def block(qb, wb, pb):
-        scores = indexer_scores_pallas(
-            qb, wb, pb.astype(jnp.int32), kv_lengths.astype(jnp.int32), slots, rows, scales,
-            scale=float(scale), block_s=block_s, steps=span // block_s, precision=precision, interpret=interp,
-        )[..., :s_len]  # fmt: skip
+        pb = pb.astype(jnp.int32)
+        args = (qb, wb, pb, kv_lengths, slots, rows, scales)
+        if block_q:
+            scores = indexer_scores_tiled_pallas(
+                *args, scale=float(scale), block_q=block_q, block_k=block_s, precision=precision, interpret=interp
+            )
+        else:
+            scores = indexer_scores_pallas(
+                *args, scale=float(scale), block_s=block_s, steps=span // block_s, precision=precision,
+                interpret=interp,
+            )  # fmt: skip
+        if select == "kernel":
+            limits = jnp.clip(jnp.minimum(pb + 1, kv_lengths[:, None]), 0, s_len)  # [B, Tb]
+            vals, idx = top_k_rows_pallas(
+                scores.reshape(-1, s_pad), limits.reshape(-1), k=topk, chunk=chunk, interpret=interp
+            )
+            # ascending positions -> best first, ties to the lower position; empty slots (+inf) last
+            neg, idx = jax.lax.sort((-vals, idx), dimension=-1, num_keys=2)
+            return idx.reshape(b, -1, topk), (-neg).reshape(b, -1, topk)
+        scores = scores[..., :s_len]
         # ties: the lower position first (both selections)
         vals, idx = jax.lax.top_k(scores, k_eff) if select == "top_k" else top_k_radix(scores, k_eff)
-        return jnp.where(jnp.isneginf(vals), -1, idx).astype(jnp.int32), vals
+        idx = jnp.where(jnp.isneginf(vals), -1, idx).astype(jnp.int32)
+        if k_eff < topk:
+            extra = [(0, 0), (0, 0), (0, topk - k_eff)]
+            idx = jnp.pad(idx, extra, constant_values=-1)
+            vals = jnp.pad(vals, extra, constant_values=-jnp.inf)
+        return idx, vals
 
     # Queries in blocks: the [T, S] scores are never all in memory (prefill memory grows as T x topk).
-    idx, vals = over_query_blocks(block, query_block_size(t, b * s_pad), q, w, q_positions)
-    if k_eff < topk:
-        extra = [(0, 0), (0, 0), (0, topk - k_eff)]
-        idx = jnp.pad(idx, extra, constant_values=-1)
-        vals = jnp.pad(vals, extra, constant_values=-jnp.inf)
-    return idx, vals
+    qbs = query_block_size(q.shape[1], b * s_pad)
+    if block_q:
+        qbs = max(block_q, qbs // block_q * block_q)
+    idx, vals = over_query_blocks(block, qbs, q, w, q_positions)
+    return idx[:, :t], vals[:, :t]
 
 
 # Rows (batch x new tokens) up to which the fused prolog kernel takes a call: decode. Prefill-sized

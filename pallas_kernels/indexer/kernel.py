@@ -124,3 +124,100 @@ def indexer_scores_pallas(
         name="indexer_scores",
         **params,
     )(*args)
+
+
+def _tile_kernel(
+    q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_k, heads, head_dim, mx, precision
+):  # fmt: skip
+    if mx:
+        ks_ref, out_ref = rest
+    else:
+        (out_ref,) = rest
+    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    cdt = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    contract = (((1,), (1,)), ((), ()))
+    first_key = pl.program_id(2) * block_k
+    pos = pos_ref[...]  # [BQ]
+    kv_len = len_ref[0]
+
+    @pl.when(first_key <= jnp.minimum(jnp.max(pos), kv_len - 1))
+    def _():
+        rows = slots_ref[...]  # [BK]
+        valid = rows >= 0
+        rows = jnp.maximum(rows, 0)
+        if mx:  # dequantized once per tile (a power-of-two scale: exact in bfloat16), 32-wide pieces
+            pieces = []
+            for c in range(head_dim // MX_BLOCK):
+                e = ks_ref[rows, c].astype(jnp.float32)
+                vals = kv_ref[rows, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(jnp.float32)
+                pieces.append((vals * jnp.exp2(e - 127.0)[:, None]).astype(cdt))
+        else:
+            k = kv_ref[rows, :].astype(cdt)  # [BK, H]
+
+        def head(h, acc):
+            if mx:
+                s = None
+                for c, kc in enumerate(pieces):
+                    qc = q_ref[:, h, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt)
+                    part = jax.lax.dot_general(qc, kc, contract, precision=prec, preferred_element_type=jnp.float32)
+                    s = part if s is None else s + part
+            else:
+                qh = q_ref[:, h, :].astype(cdt)  # [BQ, H]
+                s = jax.lax.dot_general(qh, k, contract, precision=prec, preferred_element_type=jnp.float32)
+            return acc + w_ref[:, h].astype(jnp.float32)[:, None] * jnp.maximum(s * scale, 0.0)
+
+        acc = jax.lax.fori_loop(0, heads, head, jnp.zeros(out_ref.shape, jnp.float32))
+        kpos = first_key + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        ok = (valid & (kpos < kv_len))[None, :] & (kpos[None, :] <= pos[:, None])
+        out_ref[...] = jnp.where(ok, acc, -jnp.inf)
+
+    # key tiles past every query of the tile (half of a causal prefill) or past the length: not read
+    @pl.when(first_key > jnp.minimum(jnp.max(pos), kv_len - 1))
+    def _():
+        out_ref[...] = jnp.full(out_ref.shape, -jnp.inf, jnp.float32)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_q", "block_k", "precision", "interpret", "num_warps", "num_stages")
+)
+def indexer_scores_tiled_pallas(
+    q, w, q_positions, kv_lengths, slots, kv_rows, kv_scales, *, scale, block_q, block_k, precision, interpret,
+    num_warps=4, num_stages=2,
+):  # fmt: skip
+    """The scores of `indexer_scores_pallas` for many queries (prefill): one program per (sequence, tile of
+    block_q queries, tile of block_k keys), the key tile gathered once and multiplied by every head's
+    [block_q, H] queries (a tensor-core product per head, ReLU-weighted into one [block_q, block_k] tile),
+    so a key row is read once per query tile instead of once per query. T must be a multiple of block_q
+    (padded queries: position -1), S of block_k."""
+    b, t, n, h = q.shape
+    s_len = slots.shape[1]
+    if t % block_q or s_len % block_k:
+        raise ValueError(
+            f"indexer_scores_tiled_pallas: {t} queries / {s_len} keys are not multiples of {block_q} / {block_k}"
+        )
+    mx = kv_scales is not None
+    in_specs = [
+        pl.BlockSpec((None, block_q, n, h), lambda i, a, j: (i, a, 0, 0)),
+        pl.BlockSpec((None, block_q, n), lambda i, a, j: (i, a, 0)),
+        pl.BlockSpec((None, block_q), lambda i, a, j: (i, a)),
+        pl.BlockSpec((None, 1), lambda i, a, j: (i, 0)),
+        pl.BlockSpec((None, block_k), lambda i, a, j: (i, j)),
+        pl.BlockSpec(kv_rows.shape, lambda i, a, j: (0, 0)),
+    ]
+    args = [q, w, q_positions, kv_lengths[:, None], slots, kv_rows]
+    if mx:
+        in_specs.append(pl.BlockSpec(kv_scales.shape, lambda i, a, j: (0, 0)))
+        args.append(kv_scales)
+    kernel = functools.partial(
+        _tile_kernel, scale=scale, block_k=block_k, heads=n, head_dim=h, mx=mx, precision=precision
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(b, t // block_q, s_len // block_k),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, block_q, block_k), lambda i, a, j: (i, a, j)),
+        out_shape=jax.ShapeDtypeStruct((b, t, s_len), jnp.float32),
+        interpret=interpret,
+        name="indexer_scores_tiled",
+        **triton_params(interpret, num_warps, num_stages),
+    )(*args)
