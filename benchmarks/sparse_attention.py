@@ -80,7 +80,7 @@ def _prefill_variant(text: str) -> dict:
 
 def indexer_rows(
     bw, rate, contexts, batches, heads, dim, topk, prefill_len, variants=INDEXER_VARIANTS,
-    prefill_variants=PREFILL_VARIANTS, prefill_reference=True,
+    prefill_variants=PREFILL_VARIANTS, prefill_reference=True, select_variants=(),
 ) -> list[dict]:  # fmt: skip
     rows = []
     for s in contexts:
@@ -135,7 +135,7 @@ def indexer_rows(
             ms = chained_ms(fn8, q, w, values, scales, table)
             mx_bytes = values.nbytes + scales.nbytes
             check = _same_topk(fn8(q, w, values, scales, table)[0], ref_i)
-            impl = "pallas scores (MXFP8 pool) + selection kernel"
+            impl = "pallas scores (MXFP8 pool) + default selection"
             rows.append(row("indexer", shape, impl, ms, flops, mx_bytes, bw, rate, check))
     if prefill_len:
         t = prefill_len
@@ -163,6 +163,47 @@ def indexer_rows(
             check = "" if first is None else _same_topk(got_i[:, ::64], first[:, ::64])  # every 64th query
             first = got_i if first is None else first
             rows.append(row("indexer", shape, label, ms, flops, q.nbytes + pool.nbytes, bw, rate, check))
+        rows += _prefill_parts(bw, rate, q, w, pool, table, kw, flops, shape, select_variants)
+    return rows
+
+
+def _prefill_parts(bw, rate, q, w, pool, table, kw, flops, shape, select_variants) -> list[dict]:
+    """The prefill's two kernels alone: the tiled scores of the first query block, and the selection on
+    those [T_block, S] scores with their causal prefixes (variants "chunk:warps:stages:digit_bits")."""
+    from pallas_kernels._blocking import query_block_size
+    from pallas_kernels.indexer.kernel import indexer_scores_tiled_pallas
+    from pallas_kernels.paged import slot_index
+
+    rows = []
+    cpu = jax.default_backend() == "cpu"
+    t = q.shape[1]
+    tb = query_block_size(t, t)
+    s_idx = jnp.arange(t, dtype=jnp.int32)[None]
+    slots = slot_index(table, s_idx, PAGE)
+    pos = kw["q_positions"][:, -tb:]  # the last block: the longest rows
+    args = (q[:, -tb:], w[:, -tb:], pos, kw["kv_lengths"], slots, pool.reshape(-1, q.shape[-1]), None)
+    scores_fn = jax.jit(
+        lambda *a: indexer_scores_tiled_pallas(
+            *a, scale=kw["scale"], block_q=64, block_k=128, precision="bf16", interpret=cpu
+        )  # fmt: skip
+    )
+    scores = scores_fn(*args)
+    part = f"{shape}, last {tb} queries"
+    ms = median_ms(functools.partial(scores_fn, *args), warmup=1, iters=5)
+    fl = 2 * tb * (t - tb / 2) * q.shape[2] * q.shape[3]
+    rows.append(row("indexer", part, "tiled scores 64x128 alone", ms, fl, scores.nbytes, bw, rate))
+    limits = (pos + 1).reshape(-1)
+    flat = scores.reshape(-1, t)
+    for variant in select_variants:
+        chunk, warps, stages, bits = (int(v) for v in variant.split(":"))
+        fn = jax.jit(
+            lambda x, l, c=chunk, nw=warps, ns=stages, d=bits: top_k_rows_pallas(
+                x, l, k=kw["topk"], chunk=c, num_warps=nw, num_stages=ns, digit_bits=d, interpret=cpu
+            )
+        )
+        ms = median_ms(functools.partial(fn, flat, limits), warmup=1, iters=5)
+        impl = f"selection kernel alone, chunk {chunk}, {warps} warps, {stages} stages, {bits}-bit digits"
+        rows.append(row("indexer", part, impl, ms, 0, scores.nbytes, bw, rate))
     return rows
 
 
@@ -234,6 +275,9 @@ def main() -> None:
     p.add_argument(
         "--prefill-variants", nargs="+", default=list(PREFILL_VARIANTS), help="BLOCK_Q:BLOCK_S:SELECT (0: one-query)"
     )
+    p.add_argument(
+        "--select-variants", nargs="*", default=[], help="CHUNK:WARPS:STAGES:DIGIT_BITS selection kernel, prefill"
+    )
     p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")
     p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")
     p.add_argument("--no-record", action="store_true")
@@ -245,6 +289,7 @@ def main() -> None:
         rows += indexer_rows(
             bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
             tuple(args.indexer_variants), tuple(args.prefill_variants), not args.no_prefill_reference,
+            tuple(args.select_variants),
         )  # fmt: skip
     if args.only != "indexer":
         rows += sparse_mla_rows(

@@ -21,6 +21,10 @@ SELECTS = ("kernel", "top_k", "radix")
 # prefill. Below it (decode) one program per query walks its keys.
 TILED_MIN_QUERIES = 64
 SELECT_CHUNK = 1024  # scores per step of the selection kernel
+# Score rows (batch x queries) from which `select=None` takes the selection kernel: its one program per row
+# is latency-bound on one long row (H200, 5beadda: 1.0 ms for one 128K row, `lax.top_k` 0.07 ms; 64 rows
+# 1.05 vs 0.75 ms) but a prefill's thousands of rows fill the GPU (32K prefill: 41.6 ms vs 85.8 with top_k).
+SELECT_KERNEL_MIN_ROWS = 512
 PRECISIONS = ("bf16", "tf32", "ieee")
 
 
@@ -39,7 +43,7 @@ def indexer_topk(
     block_s: int = 128,
     keys_per_program: int | None = 1024,
     block_q: int | None = None,
-    select: str = "kernel",
+    select: str | None = None,
     precision: str | None = None,
     interpret: bool | None = None,
 ):
@@ -58,13 +62,15 @@ def indexer_topk(
     else the one-query kernel; 0: always the one-query kernel), `precision` of the score products: "bf16"
     (q and keys in bfloat16, float32 accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32"
     (the default otherwise) or "ieee"; `select` "kernel" (`select_kernel.top_k_rows_pallas`: radix select
-    of each row's visible prefix, then a sort of the K chosen), "top_k" (`lax.top_k`) or "radix"
-    (`select.top_k_radix`), the same result.
+    of each row's visible prefix, then a sort of the K chosen; the default from SELECT_KERNEL_MIN_ROWS score
+    rows), "top_k" (`lax.top_k`; the default below) or "radix" (`select.top_k_radix`), the same result.
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
     if topk <= 0:
         raise ValueError(f"indexer_topk: topk={topk} must be positive")
+    if select is None:
+        select = "kernel" if q.shape[0] * q.shape[1] >= SELECT_KERNEL_MIN_ROWS else "top_k"
     if select not in SELECTS:
         raise ValueError(f"indexer_topk: unknown select={select!r}; expected one of {SELECTS}")
     if precision is None:

@@ -112,8 +112,8 @@ def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
     jax.lax.fori_loop(count // chunk, (k + chunk - 1) // chunk, pad, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "chunk", "digit_bits", "interpret", "num_warps"))
-def top_k_rows_pallas(x, limits, *, k, chunk=1024, digit_bits=4, interpret=False, num_warps=4):
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "digit_bits", "interpret", "num_warps", "num_stages"))
+def top_k_rows_pallas(x, limits, *, k, chunk=1024, digit_bits=4, interpret=False, num_warps=4, num_stages=1):
     """x [R, S] float32 scores (S a multiple of chunk; -inf = not a candidate), limits [R] int32 (scores at
     positions >= limits[r] are ignored) -> (values [R, k] float32, positions [R, k] int32): the row's k
     largest finite scores in ascending position order (ties at the K-th value: the lowest positions), then
@@ -135,5 +135,5 @@ def top_k_rows_pallas(x, limits, *, k, chunk=1024, digit_bits=4, interpret=False
         out_shape=[jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32)],
         interpret=interpret,
         name="indexer_select",
-        **triton_params(interpret, num_warps, 1),
+        **triton_params(interpret, num_warps, num_stages),
     )(jnp.clip(limits, 0, s).astype(jnp.int32)[:, None], x.astype(jnp.float32))
