@@ -108,8 +108,10 @@ def test_indexer_kernel_lowers(pool_format, t, keys_per_program):
 
     def run(q, w, pool, table, pos, kv):
         k_scales = None if scales is None else jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
-        return indexer_topk(q, w, pool, table, q_positions=pos, kv_lengths=kv, topk=64, scale=0.1, impl="pallas",
-                            k_scales=k_scales, keys_per_program=keys_per_program, interpret=False)  # fmt: skip
+        return indexer_topk(
+            q, w, pool, table, q_positions=pos, kv_lengths=kv, topk=64, scale=0.1, impl="pallas", k_scales=k_scales,
+            keys_per_program=keys_per_program, select="kernel", interpret=False,
+        )  # fmt: skip
 
     assert _lowered_for_h200(run, q, w, pool, table, pos, kv).count("xla.gpu.triton") == 2  # scores, selection
 
