@@ -20,7 +20,7 @@ SELECTS = ("kernel", "top_k", "radix")
 # Queries per call from which the scores come from the tiled kernel (a key tile read once per query tile):
 # prefill. Below it (decode) one program per query walks its keys.
 TILED_MIN_QUERIES = 64
-SELECT_CHUNK = 2048  # scores per step of the selection kernel
+SELECT_CHUNK = 4096  # scores per step of the selection kernel
 # Score rows (batch x queries) from which `select=None` takes the selection kernel: its one program per row
 # is latency-bound on one long row (H200, 5beadda: 1.0 ms for one 128K row, `lax.top_k` 0.07 ms; 64 rows
 # 1.05 vs 0.75 ms) but a prefill's thousands of rows fill the GPU (32K prefill: 41.6 ms vs 85.8 with top_k).

@@ -13,7 +13,8 @@ are as long as the context. Here one program owns a row and never sorts it:
 Each pass reads only the row's first `limit` scores (a causal query sees at most pos + 1 keys; the rest
 are -inf by construction). Work per row: (32 / digit_bits + 3) passes over `limit` scores, 2^digit_bits - 1
 comparisons per score and pass, and no sort. The kernel is bound by those integer operations (H200,
-8b316df: 2-bit digits beat 4-bit ones, 3.5 vs 4.8 ms for 4096 rows of ~29K scores). Slots past the
+8b316df / 7859bca: 2-bit digits beat 4-bit ones, 3.5 vs 4.8 ms for 4096 rows of ~29K scores; 1-bit 5.2 ms;
+4096-score chunks and 8 warps 2.6 ms). Slots past the
 row's count are written -1 / -inf.
 
 Order keys: the float32 bits as int32, negative values with their 31 low bits flipped, compare like the
@@ -120,7 +121,7 @@ def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "chunk", "digit_bits", "interpret", "num_warps", "num_stages"))
-def top_k_rows_pallas(x, limits, *, k, chunk=2048, digit_bits=2, interpret=False, num_warps=4, num_stages=2):
+def top_k_rows_pallas(x, limits, *, k, chunk=4096, digit_bits=2, interpret=False, num_warps=8, num_stages=2):
     """x [R, S] float32 scores (S a multiple of chunk; -inf = not a candidate), limits [R] int32: only the
     first limits[r] scores of row r are candidates, and the caller guarantees the rest are -inf (the kernel
     reads up to the end of the chunk holding the last one) -> (values [R, k] float32, positions [R, k]
