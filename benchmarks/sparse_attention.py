@@ -64,6 +64,8 @@ def _same_topk(got, ref) -> str:
 # Indexer score-kernel variants "block_s:keys_per_program:precision"; 64:64:tf32 is the kernel as it was
 # until 8be418f (one 64-key block per program, float32 products); 128:1024:bf16 the default since 32f2129+.
 INDEXER_VARIANTS = ("128:1024:bf16",)
+# Decode selections "select[:segments]" timed after each score variant.
+DECODE_SELECTS = ("top_k", "kernel:8", "kernel:16")
 # Prefill variants "block_q:block_s:select" (block_q 0: the one-query kernel, as before the tiled one).
 PREFILL_VARIANTS = ("0:128:top_k", "64:128:top_k", "64:128:kernel", "128:128:kernel", "64:64:kernel")
 
@@ -80,7 +82,7 @@ def _prefill_variant(text: str) -> dict:
 
 def indexer_rows(
     bw, rate, contexts, batches, heads, dim, topk, prefill_len, variants=INDEXER_VARIANTS,
-    prefill_variants=PREFILL_VARIANTS, prefill_reference=True, select_variants=(),
+    prefill_variants=PREFILL_VARIANTS, prefill_reference=True, select_variants=(), decode_selects=DECODE_SELECTS,
 ) -> list[dict]:  # fmt: skip
     rows = []
     for s in contexts:
@@ -99,19 +101,17 @@ def indexer_rows(
             ms = chained_ms(ref, q, w, pool, table)
             rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
             for variant in variants:
-                for select in ("kernel", "top_k"):
-                    vk = _indexer_variant(variant)
-                    fn = jax.jit(
-                        lambda q, w, p, t, kw=kw, vk=vk, sel=select: indexer_topk(
-                            q, w, p, t, impl="pallas", select=sel, **vk, **kw
-                        )
-                    )
+                for spec in decode_selects:
+                    select, _, segs = spec.partition(":")
+                    vk = dict(_indexer_variant(variant), select=select, select_segments=int(segs or 1))
+                    fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
                     got_i, _ = fn(q, w, pool, table)
                     ms = chained_ms(fn, q, w, pool, table)
                     check = _same_topk(got_i, ref_i)
+                    how = "lax.top_k" if select == "top_k" else f"selection kernel, {vk['select_segments']} segments"
                     impl = (
                         f"pallas scores (bf16 pool, block_s={vk['block_s']}, {vk['keys_per_program']} keys/program, "
-                        f"{vk['precision']} products) + {'selection kernel' if select == 'kernel' else select}"
+                        f"{vk['precision']} products) + {how}"
                     )
                     rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
             # the selection alone, on scores of the same shape: how much of the time the Top-K takes
@@ -278,6 +278,7 @@ def main() -> None:
     p.add_argument(
         "--select-variants", nargs="*", default=[], help="CHUNK:WARPS:STAGES:DIGIT_BITS selection kernel, prefill"
     )
+    p.add_argument("--decode-selects", nargs="+", default=list(DECODE_SELECTS), help="top_k or kernel:SEGMENTS")
     p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")
     p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")
     p.add_argument("--no-record", action="store_true")
@@ -289,7 +290,7 @@ def main() -> None:
         rows += indexer_rows(
             bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
             tuple(args.indexer_variants), tuple(args.prefill_variants), not args.no_prefill_reference,
-            tuple(args.select_variants),
+            tuple(args.select_variants), tuple(args.decode_selects),
         )  # fmt: skip
     if args.only != "indexer":
         rows += sparse_mla_rows(

@@ -148,14 +148,17 @@ def _indexer_case(seed, b, t, n, h, page, lengths):
     select=st.sampled_from(["kernel", "top_k", "radix"]),
     keys_per_program=st.sampled_from([None, 32, 64]),  # one 16-key block, or 2 / 4 of them per program
     block_q=st.sampled_from([0, 16]),  # the one-query kernel, or the tiled one (queries padded to 16)
+    segments=st.sampled_from([1, 4]),  # the selection kernel in one pass per row, or per quarter row + merge
 )
-def test_indexer_kernel_matches_reference(seed, b, t, n, topk, page, short, select, keys_per_program, block_q):
+def test_indexer_kernel_matches_reference(
+    seed, b, t, n, topk, page, short, select, keys_per_program, block_q, segments
+):  # fmt: skip
     q, w, pool, table, pos, kv = _indexer_case(seed, b, t, n, 32, page, [37, short][:b])
     kw = dict(q_positions=pos, kv_lengths=kv, topk=topk, scale=32**-0.5)
     ref_i, ref_v = indexer_topk(q, w, pool, table, impl="reference", **kw)
     got_i, got_v = indexer_topk(
         q, w, pool, table, impl="pallas", precision="ieee", interpret=True, block_s=16, select=select,
-        keys_per_program=keys_per_program, block_q=block_q, **kw,
+        keys_per_program=keys_per_program, block_q=block_q, select_segments=segments, **kw,
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))  # same positions, same order, -1 pads
     with pytest.raises(ValueError, match="select='sort'"):
@@ -191,6 +194,14 @@ def test_indexer_tiled_prefill_matches_reference(pool_format):
     fin = np.isfinite(np.asarray(ref_v))
     assert (np.isfinite(np.asarray(got_v)) == fin).all()
     np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)
+    # unsorted: the same sets, in ascending position order, pads last
+    raw_i, _ = indexer_topk(
+        q, w, pool, table, impl="pallas", k_scales=scales, precision="ieee", interpret=True, block_s=16, block_q=32,
+        select="kernel", sort=False, **kw,
+    )  # fmt: skip
+    ref_sets = np.where(np.asarray(ref_i) < 0, np.iinfo(np.int32).max, np.asarray(ref_i))
+    want = np.sort(ref_sets, axis=-1)
+    np.testing.assert_array_equal(np.asarray(raw_i), np.where(want == np.iinfo(np.int32).max, -1, want))
 
 
 @settings(max_examples=8, deadline=None)
@@ -227,6 +238,38 @@ def test_selection_kernel_matches_top_k(seed, rows, chunks, k, ties, digit_bits)
         np.testing.assert_array_equal(idx[r, :n], want)
         np.testing.assert_array_equal(vals[r, :n], x[r, want])
         assert (idx[r, n:] == -1).all() and np.isneginf(vals[r, n:]).all()
+
+
+def test_segmented_selection_equals_one_pass():
+    """Rows cut into segments and merged: the same (positions, values) as one program per row, including
+    ties across segment borders and rows shorter than k."""
+    from pallas_kernels.indexer.select_kernel import top_k_rows_pallas, top_k_segmented
+
+    rng = np.random.default_rng(3)
+    x = np.round(rng.standard_normal((3, 256)) * 2).astype(np.float32) / 2  # many ties
+    limits = np.array([256, 150, 20])
+    x[np.arange(256)[None, :] >= limits[:, None]] = -np.inf
+    one = top_k_rows_pallas(jnp.asarray(x), jnp.asarray(limits), k=24, chunk=32, interpret=True)
+    seg = top_k_segmented(jnp.asarray(x), jnp.asarray(limits), k=24, segments=4, chunk=32, interpret=True)
+    for a, b in zip(one, seg, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="3 segments"):
+        top_k_segmented(jnp.asarray(x), jnp.asarray(limits), k=24, segments=3, chunk=32, interpret=True)
+
+
+def test_selection_kernel_long_prefix_few_finite():
+    """A prefix longer than k holding fewer than k finite scores (unreadable pages): the radix threshold
+    lands on -inf, which is never taken; and a row whose k-th value is tied across chunks."""
+    from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
+
+    x = np.full((2, 128), -np.inf, np.float32)
+    x[0, [3, 40, 77, 90]] = [1.0, -2.0, 0.5, 3.0]
+    x[1, :100] = 1.0
+    x[1, [5, 70]] = 2.0
+    vals, idx = top_k_rows_pallas(jnp.asarray(x), jnp.asarray([100, 100]), k=8, chunk=32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(idx[0]), [3, 40, 77, 90, -1, -1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(vals[0, :4]), [1.0, -2.0, 0.5, 3.0])
+    np.testing.assert_array_equal(np.asarray(idx[1]), [0, 1, 2, 3, 4, 5, 6, 70])  # ties: the lowest positions
 
 
 def test_indexer_kernel_reads_mxfp8_pool():

@@ -115,7 +115,7 @@ class LightningIndexer(nnx.Module):
         return q, w, _store(pool, k, info, self.fmt, 0)
 
     def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None):
-        """Returns (indices [B,T,topk] int32 positions, -1 = none; the updated key pool).
+        """Returns (indices [B,T,topk] int32 positions, -1 = none, in no promised order; the updated key pool).
         With MXFP8 on, q and k are scored as their quantize-dequantize images (the kernel's arithmetic)."""
         cfg = self.cfg
         q, w, pool = self.prolog(x, c_q, info, pool)
@@ -129,6 +129,7 @@ class LightningIndexer(nnx.Module):
             topk=cfg.index_topk,
             scale=cfg.index_head_dim**-0.5,
             k_scales=pool.scales,
+            sort=False,  # sparse MLA reads the chosen rows as a set
         )
         if inspect.recording():  # hybrid_jax.inspect.record_indexer(): a switch read at trace time
             k_seq = gather_pages(pool.read(self.dt.compute), info.page_table)[:, : int(info.kv_lengths.max())]

@@ -12,7 +12,7 @@ from pallas_kernels.indexer.prolog import column_groups, indexer_prolog_pallas
 from pallas_kernels.indexer.prolog_reference import indexer_prolog_reference
 from pallas_kernels.indexer.reference import indexer_topk_reference
 from pallas_kernels.indexer.select import top_k_radix
-from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
+from pallas_kernels.indexer.select_kernel import top_k_rows_pallas, top_k_segmented
 from pallas_kernels.paged import slot_index
 
 IMPLS = ("auto", "reference", "pallas")
@@ -44,6 +44,8 @@ def indexer_topk(
     keys_per_program: int | None = 1024,
     block_q: int | None = None,
     select: str | None = None,
+    sort: bool = True,
+    select_segments: int = 1,
     precision: str | None = None,
     interpret: bool | None = None,
 ):
@@ -64,6 +66,11 @@ def indexer_topk(
     (the default otherwise) or "ieee"; `select` "kernel" (`select_kernel.top_k_rows_pallas`: radix select
     of each row's visible prefix, then a sort of the K chosen; the default from SELECT_KERNEL_MIN_ROWS score
     rows), "top_k" (`lax.top_k`; the default below) or "radix" (`select.top_k_radix`), the same result.
+    `sort=False` lets the selection kernel return each query's chosen positions in ascending position order
+    (the same set, -1 / -inf pads last) without the final sort of K per query: for callers that, like
+    sparse attention, do not depend on the order. `select_segments` > 1 cuts each score row into that
+    many pieces selected in parallel, then selects among their candidates (`select_kernel.top_k_segmented`:
+    for a few long rows, as in decode).
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -83,6 +90,8 @@ def indexer_topk(
             f"indexer_topk: block_s={block_s} must be a power of two >= 16 and keys_per_program={keys_per_program} "
             "a multiple of it"
         )
+    if select_segments < 1 or select_segments & (select_segments - 1):
+        raise ValueError(f"indexer_topk: select_segments={select_segments} must be a power of two >= 1")
     if block_q is not None and block_q != 0 and (block_q < 16 or block_q & (block_q - 1)):
         raise ValueError(f"indexer_topk: block_q={block_q} must be 0, None or a power of two >= 16")
     h = q.shape[-1]
@@ -105,6 +114,8 @@ def indexer_topk(
         block_q = 64 if t >= TILED_MIN_QUERIES else 0
     chunk = min(SELECT_CHUNK, pow2(s_len))
     unit = max(span, chunk) if block_q == 0 else max(block_s, chunk)  # both powers of two
+    if select_segments > 1:
+        unit = max(unit, select_segments * chunk)
     s_pad = -(-s_len // unit) * unit
     slots = slot_index(page_table, jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (b, s_pad)), g)
     slots = jnp.where(jnp.arange(s_pad)[None, :] < s_len, slots, -1)
@@ -140,12 +151,15 @@ def indexer_topk(
             )  # fmt: skip
         if select == "kernel":
             limits = jnp.clip(jnp.minimum(pb + 1, kv_lengths[:, None]), 0, s_len)  # [B, Tb]
-            vals, idx = top_k_rows_pallas(
-                scores.reshape(-1, s_pad), limits.reshape(-1), k=topk, chunk=chunk, interpret=interp
-            )
-            # ascending positions -> best first, ties to the lower position; empty slots (+inf) last
-            neg, idx = jax.lax.sort((-vals, idx), dimension=-1, num_keys=2)
-            return idx.reshape(b, -1, topk), (-neg).reshape(b, -1, topk)
+            flat, lim = scores.reshape(-1, s_pad), limits.reshape(-1)
+            if select_segments > 1:
+                vals, idx = top_k_segmented(flat, lim, k=topk, segments=select_segments, chunk=chunk, interpret=interp)
+            else:
+                vals, idx = top_k_rows_pallas(flat, lim, k=topk, chunk=chunk, interpret=interp)
+            if sort:  # ascending positions -> best first, ties to the lower position; empty slots (+inf) last
+                neg, idx = jax.lax.sort((-vals, idx), dimension=-1, num_keys=2)
+                vals = -neg
+            return idx.reshape(b, -1, topk), vals.reshape(b, -1, topk)
         scores = scores[..., :s_len]
         # ties: the lower position first (both selections)
         vals, idx = jax.lax.top_k(scores, k_eff) if select == "top_k" else top_k_radix(scores, k_eff)
