@@ -27,6 +27,7 @@ from benchmarks.common import CHAIN, ceilings, chained_ms, median_ms, rel_err, r
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.indexer.api import default_selection
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.sparse_attention import sparse_mla
 
@@ -65,7 +66,7 @@ def _same_topk(got, ref) -> str:
 # until 8be418f (one 64-key block per program, float32 products); 128:1024:bf16 the default since 32f2129+.
 INDEXER_VARIANTS = ("128:1024:bf16",)
 # Decode selections "select[:segments]" timed after each score variant.
-DECODE_SELECTS = ("top_k", "kernel:8", "kernel:16")
+DECODE_SELECTS = ("default", "top_k")  # "default": `indexer.default_selection`
 # Prefill variants "block_q:block_s:select" (block_q 0: the one-query kernel, as before the tiled one).
 PREFILL_VARIANTS = ("0:128:top_k", "64:128:top_k", "64:128:kernel", "128:128:kernel", "64:64:kernel")
 
@@ -103,12 +104,15 @@ def indexer_rows(
             for variant in variants:
                 for spec in decode_selects:
                     select, _, segs = spec.partition(":")
+                    if select == "default":
+                        select, segs = default_selection(b, s, topk)
                     vk = dict(_indexer_variant(variant), select=select, select_segments=int(segs or 1))
                     fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
                     got_i, _ = fn(q, w, pool, table)
                     ms = chained_ms(fn, q, w, pool, table)
                     check = _same_topk(got_i, ref_i)
                     how = "lax.top_k" if select == "top_k" else f"selection kernel, {vk['select_segments']} segments"
+                    how += " (the default)" if spec == "default" else ""
                     impl = (
                         f"pallas scores (bf16 pool, block_s={vk['block_s']}, {vk['keys_per_program']} keys/program, "
                         f"{vk['precision']} products) + {how}"

@@ -257,6 +257,16 @@ def test_segmented_selection_equals_one_pass():
         top_k_segmented(jnp.asarray(x), jnp.asarray(limits), k=24, segments=3, chunk=32, interpret=True)
 
 
+def test_default_selection_rule():
+    from pallas_kernels.indexer.api import default_selection
+
+    assert default_selection(32768, 32768, 2048) == ("kernel", 1)  # prefill rows
+    assert default_selection(64, 131072, 2048) == ("kernel", 4)  # decode, long context: segmented
+    assert default_selection(16, 131072, 2048) == ("kernel", 8)
+    assert default_selection(64, 4096, 2048) == ("top_k", 1)  # short context
+    assert default_selection(1, 131072, 2048) == ("top_k", 1)  # one row
+
+
 def test_selection_kernel_long_prefix_few_finite():
     """A prefix longer than k holding fewer than k finite scores (unreadable pages): the radix threshold
     lands on -inf, which is never taken; and a row whose k-th value is tied across chunks."""

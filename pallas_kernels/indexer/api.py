@@ -21,10 +21,26 @@ SELECTS = ("kernel", "top_k", "radix")
 # prefill. Below it (decode) one program per query walks its keys.
 TILED_MIN_QUERIES = 64
 SELECT_CHUNK = 4096  # scores per step of the selection kernel
-# Score rows (batch x queries) from which `select=None` takes the selection kernel: its one program per row
-# is latency-bound on one long row (H200, 5beadda: 1.0 ms for one 128K row, `lax.top_k` 0.07 ms; 64 rows
-# 1.05 vs 0.75 ms) but a prefill's thousands of rows fill the GPU (32K prefill: 41.6 ms vs 85.8 with top_k).
+# What `select=None` picks (H200 measurements in BENCHMARKS.md). One program per row is latency-bound on a
+# long row (5beadda: 1.0 ms for one 128K row, `lax.top_k` 0.07 ms) but a prefill's thousands of rows fill
+# the GPU (32K prefill: 41.6 ms vs 85.8 with top_k): the kernel from SELECT_KERNEL_MIN_ROWS rows. From
+# SELECT_SEGMENTED_MIN_ROWS rows with long contexts (>= SEGMENTED_MIN_KEYS_PER_K x topk keys) the rows are
+# cut into segments for more programs (ccf5e46, decode 128K: B=64 1.98 -> 1.13 ms with 4 segments, B=16
+# 0.65 -> 0.41 ms with 8); below, `lax.top_k` (B=1: 0.108 ms vs 0.178 for the best segmented form).
 SELECT_KERNEL_MIN_ROWS = 512
+SELECT_SEGMENTED_MIN_ROWS = 8
+SEGMENTED_MIN_KEYS_PER_K = 8
+
+
+def default_selection(rows: int, keys: int, topk: int) -> tuple[str, int]:
+    """(select, segments) that `indexer_topk(select=None)` uses for `rows` score rows of `keys` keys."""
+    if rows >= SELECT_KERNEL_MIN_ROWS:
+        return "kernel", 1
+    if rows >= SELECT_SEGMENTED_MIN_ROWS and keys >= SEGMENTED_MIN_KEYS_PER_K * topk:
+        return "kernel", min(8, max(2, pow2(256 // rows)))  # about 256 programs on the long pass
+    return "top_k", 1
+
+
 PRECISIONS = ("bf16", "tf32", "ieee")
 
 
@@ -45,7 +61,7 @@ def indexer_topk(
     block_q: int | None = None,
     select: str | None = None,
     sort: bool = True,
-    select_segments: int = 1,
+    select_segments: int | None = None,
     precision: str | None = None,
     interpret: bool | None = None,
 ):
@@ -64,20 +80,22 @@ def indexer_topk(
     else the one-query kernel; 0: always the one-query kernel), `precision` of the score products: "bf16"
     (q and keys in bfloat16, float32 accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32"
     (the default otherwise) or "ieee"; `select` "kernel" (`select_kernel.top_k_rows_pallas`: radix select
-    of each row's visible prefix, then a sort of the K chosen; the default from SELECT_KERNEL_MIN_ROWS score
-    rows), "top_k" (`lax.top_k`; the default below) or "radix" (`select.top_k_radix`), the same result.
+    of each row's visible prefix, then a sort of the K chosen), "top_k" (`lax.top_k`) or "radix"
+    (`select.top_k_radix`), the same result; None: `default_selection` (measured on the H200).
     `sort=False` lets the selection kernel return each query's chosen positions in ascending position order
     (the same set, -1 / -inf pads last) without the final sort of K per query: for callers that, like
     sparse attention, do not depend on the order. `select_segments` > 1 cuts each score row into that
     many pieces selected in parallel, then selects among their candidates (`select_kernel.top_k_segmented`:
-    for a few long rows, as in decode).
+    for a few long rows, as in decode; None: `default_selection`, 1 for an explicit `select`).
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
     if topk <= 0:
         raise ValueError(f"indexer_topk: topk={topk} must be positive")
     if select is None:
-        select = "kernel" if q.shape[0] * q.shape[1] >= SELECT_KERNEL_MIN_ROWS else "top_k"
+        select, auto_segments = default_selection(q.shape[0] * q.shape[1], page_table.shape[1] * k_pages.shape[1], topk)
+        select_segments = auto_segments if select_segments is None else select_segments
+    select_segments = 1 if select_segments is None else select_segments
     if select not in SELECTS:
         raise ValueError(f"indexer_topk: unknown select={select!r}; expected one of {SELECTS}")
     if precision is None:
