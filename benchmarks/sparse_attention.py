@@ -211,7 +211,13 @@ def _prefill_parts(bw, rate, q, w, pool, table, kw, flops, shape, select_variant
     return rows
 
 
-def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_len) -> list[dict]:
+def _mla_variant(text: str) -> tuple:
+    """ "block_h:block_k:precision:splits:warps:stages" (splits "-" = the rule) -> a variant tuple."""
+    bh, bk, prec, sp, nw, ns = text.split(":")
+    return int(bh), int(bk), prec, None if sp == "-" else int(sp), int(nw), int(ns)
+
+
+def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_len, decode_variants=None) -> list[dict]:
     rows = []
     for case, b, t, s in (
         ("sparse MLA decode", batch, 1, context),
@@ -237,14 +243,19 @@ def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_le
         ref_o, _ = ref(ql, qr, pool, table, idx)
         ms = timer(ref, ql, qr, pool, table, idx)
         rows.append(row(case, shape, "jnp reference", ms, flops, nbytes, bw, rate))
-        variants = MLA_VARIANTS + (MLA_DECODE_VARIANTS if t == 1 else ())
-        for bh, bk, prec, sp in variants:
-            kw = dict(scale=0.1, impl="pallas", block_h=bh, block_k=bk, precision=prec, splits=sp)
+        variants = [v + (4, 2) for v in MLA_VARIANTS + (MLA_DECODE_VARIANTS if t == 1 else ())]
+        if t == 1 and decode_variants:
+            variants = [_mla_variant(v) for v in decode_variants]
+        for bh, bk, prec, sp, nw, ns in variants:
+            kw = dict(
+                scale=0.1, impl="pallas", block_h=bh, block_k=bk, precision=prec, splits=sp, num_warps=nw, num_stages=ns
+            )
             fn = jax.jit(lambda a, c, p, tb, i, kw=kw: sparse_mla(a, c, p, tb, i, **kw))
             err = rel_err(fn(ql, qr, pool, table, idx)[0], ref_o)
             ms = timer(fn, ql, qr, pool, table, idx)
             label = f"pallas, block_h={bh}, block_k={bk}" + (f", {prec}" if prec != "tf32" else "")
             label += f", splits={sp}" if sp else ""
+            label += f", {nw} warps, {ns} stages" if (nw, ns) != (4, 2) else ""
             rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
         fp8 = jax.jit(
@@ -284,6 +295,7 @@ def main() -> None:
     )
     p.add_argument("--decode-selects", nargs="+", default=list(DECODE_SELECTS), help="top_k or kernel:SEGMENTS")
     p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")
+    p.add_argument("--mla-decode-variants", nargs="*", default=None, help="BH:BK:PREC:SPLITS(-):WARPS:STAGES")
     p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
@@ -298,8 +310,9 @@ def main() -> None:
         )  # fmt: skip
     if args.only != "indexer":
         rows += sparse_mla_rows(
-            bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill
-        )
+            bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill,
+            args.mla_decode_variants,
+        )  # fmt: skip
     title = (
         f"Sparse-attention kernels; ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"

@@ -24,19 +24,22 @@ SELECT_CHUNK = 4096  # scores per step of the selection kernel
 # What `select=None` picks (H200 measurements in BENCHMARKS.md). One program per row is latency-bound on a
 # long row (5beadda: 1.0 ms for one 128K row, `lax.top_k` 0.07 ms) but a prefill's thousands of rows fill
 # the GPU (32K prefill: 41.6 ms vs 85.8 with top_k): the kernel from SELECT_KERNEL_MIN_ROWS rows. From
-# SELECT_SEGMENTED_MIN_ROWS rows with long contexts (>= SEGMENTED_MIN_KEYS_PER_K x topk keys) the rows are
-# cut into segments for more programs (ccf5e46, decode 128K: B=64 1.98 -> 1.13 ms with 4 segments, B=16
-# 0.65 -> 0.41 ms with 8); below, `lax.top_k` (B=1: 0.108 ms vs 0.178 for the best segmented form).
+# SELECT_SEGMENTED_MIN_ROWS rows with long contexts (>= SEGMENTED_MIN_KEYS_PER_K x topk keys) and at least
+# SEGMENTED_MIN_SCORES scores in all, the rows are cut into segments for more programs (ccf5e46 / 47c72c0,
+# decode 128K: B=64 1.99 -> 1.16 ms with 4 segments, B=16 0.66 -> 0.43 ms with 8; 32K: B=64 0.53 -> 0.37
+# ms); below, `lax.top_k` (128K B=1: 0.106 ms vs 0.178 segmented; 32K B=16: 0.172 vs 0.200).
 SELECT_KERNEL_MIN_ROWS = 512
 SELECT_SEGMENTED_MIN_ROWS = 8
 SEGMENTED_MIN_KEYS_PER_K = 8
+SEGMENTED_MIN_SCORES = 1 << 21
 
 
 def default_selection(rows: int, keys: int, topk: int) -> tuple[str, int]:
     """(select, segments) that `indexer_topk(select=None)` uses for `rows` score rows of `keys` keys."""
     if rows >= SELECT_KERNEL_MIN_ROWS:
         return "kernel", 1
-    if rows >= SELECT_SEGMENTED_MIN_ROWS and keys >= SEGMENTED_MIN_KEYS_PER_K * topk:
+    long_rows = keys >= SEGMENTED_MIN_KEYS_PER_K * topk and rows * keys >= SEGMENTED_MIN_SCORES
+    if rows >= SELECT_SEGMENTED_MIN_ROWS and long_rows:
         return "kernel", min(8, max(2, pow2(256 // rows)))  # about 256 programs on the long pass
     return "top_k", 1
 

@@ -54,6 +54,8 @@ def sparse_mla(
     block_k: int = 32,
     splits: int | None = None,
     precision: str | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
     interpret: bool | None = None,
     latent_scales=None,
     rope_pages=None,
@@ -119,8 +121,8 @@ def sparse_mla(
     slots = jnp.pad(slots.reshape(b * t, k), [(0, 0), (0, kp - k)], constant_values=-1)
     heads = [(0, 0), (0, np_ - n), (0, 0)]
     kw = dict(
-        scale=float(scale), block_h=block_h, block_k=block_k, precision=precision,
-        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+        scale=float(scale), block_h=block_h, block_k=block_k, precision=precision, num_warps=num_warps,
+        num_stages=num_stages, interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
     )  # fmt: skip
     ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
     qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)
