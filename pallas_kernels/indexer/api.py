@@ -73,10 +73,11 @@ def indexer_topk(
     q [B,T,N,H] indexer queries; w [B,T,N] head weights; k_pages [P,G,H] key pool; page_table [B,n];
     q_positions [B,T]; kv_lengths [B]. Returns (indices [B,T,topk] int32, -1 = none; scores [B,T,topk]
     float32, -inf where none), best first, ties to the lower position.
-    impl: "reference" (jnp), "pallas" (`kernel.indexer_scores_pallas` scores straight from the pool, then
-    `lax.top_k` per block of queries), or "auto" (Pallas on GPU when H is a power of two >= 32, else the
-    reference). With `k_scales` [P,G,H/32] E8M0 the pool holds MXFP8 E4M3 values: the kernel dequantizes the
-    rows it reads, the reference dequantizes the pool first.
+    impl: "reference" (jnp), "pallas" (scores straight from the pool by `kernel.indexer_scores_pallas` or,
+    for many queries, `kernel.indexer_scores_tiled_pallas`, then a selection per block of queries), or
+    "auto" (Pallas on GPU when H is a power of two >= 32, else the reference). With `k_scales` [P,G,H/32]
+    E8M0 the pool holds MXFP8 E4M3 values: the kernels dequantize the rows they read, the reference
+    dequantizes the pool first.
     Kernel knobs: `block_s` keys per step, `keys_per_program` keys per program of the one-query kernel
     (a multiple of block_s, or None for one block), `block_q` queries per program of the tiled kernel
     (`kernel.indexer_scores_tiled_pallas`, key tiles of block_s; None: 64 from TILED_MIN_QUERIES queries on,

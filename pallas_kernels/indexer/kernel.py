@@ -1,14 +1,21 @@
-"""Pallas kernel: lightning-indexer scores for one key block, straight from the paged key pool.
+"""Pallas kernels: lightning-indexer scores straight from the paged key pool.
 
-One program per (sequence b, query t, run of `steps` blocks of BS key positions): the query's heads are
-loaded once and the program walks its blocks. For each block it gathers the key rows from the
-flat pool by their pool row numbers, dequantizes MXFP8 rows in the kernel when the pool is quantized (E4M3
-values times 2^(e − 127) per 32-value block, one product per block), scores all indexer heads on the tensor
-cores and reduces over heads with their weights, applying the causal / length mask:
+`indexer_scores_pallas` (decode: few queries) runs one program per (sequence b, query t, run of `steps`
+blocks of BS key positions): the query's heads are loaded once and the program walks its blocks. For each
+block it gathers the key rows from the flat pool by their pool row numbers, dequantizes MXFP8 rows in the
+kernel when the pool is quantized (E4M3 values times 2^(e − 127) per 32-value block, one product per block),
+scores all indexer heads on the tensor cores and reduces over heads with their weights, applying the
+causal / length mask:
     I[t, s] = Σ_h w_h(t) ReLU(scale · q_h(t) · k(s))     (−inf where s > pos(t) or s ≥ kv_length)
 Key blocks wholly past the query's position or the sequence's length are written as -inf without being
 read. Only the head-weighted scores [B, T, S] leave the kernel (never the per-head [B, T, N, S]); the Top-K over
-them is `lax.top_k` in `indexer_topk(impl="pallas")`, done block of queries by block of queries.
+them is chosen in `indexer_topk(impl="pallas")` (`select_kernel` or `lax.top_k`), block of queries by block
+of queries.
+
+`indexer_scores_tiled_pallas` (prefill: many queries) computes the same scores one [BQ, BK] tile per program:
+the key tile is gathered (and MXFP8-dequantized) once and multiplied by each head's [BQ, H] queries, so a
+key row is read once per query tile rather than once per query; tiles past every query of the tile are
+written -inf unread.
 
 Products: `precision` "bf16" multiplies q and the keys in bfloat16 (MXFP8 values are exact in it) with
 float32 accumulation, "tf32" / "ieee" in float32.
