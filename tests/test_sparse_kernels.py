@@ -120,6 +120,12 @@ def test_indexer_kernel_bf16_products_and_bad_knobs():
         indexer_topk(q, w, pool, table, impl="pallas", block_s=16, keys_per_program=24, **kw)
     with pytest.raises(ValueError, match="precision='fp8'"):
         indexer_topk(q, w, pool, table, impl="pallas", precision="fp8", **kw)
+    with pytest.raises(ValueError, match="select_segments=4 needs select='kernel'"):
+        indexer_topk(q, w, pool, table, impl="pallas", select="top_k", select_segments=4, **kw)
+    with pytest.raises(ValueError, match="select_segments=3"):
+        indexer_topk(q, w, pool, table, impl="pallas", select="kernel", select_segments=3, **kw)
+    with pytest.raises(ValueError, match="block_q=24"):
+        indexer_topk(q, w, pool, table, impl="pallas", block_q=24, **kw)
 
 
 def _indexer_case(seed, b, t, n, h, page, lengths):

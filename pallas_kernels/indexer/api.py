@@ -114,6 +114,8 @@ def indexer_topk(
         )
     if select_segments < 1 or select_segments & (select_segments - 1):
         raise ValueError(f"indexer_topk: select_segments={select_segments} must be a power of two >= 1")
+    if select_segments > 1 and select != "kernel":
+        raise ValueError(f"indexer_topk: select_segments={select_segments} needs select='kernel', not {select!r}")
     if block_q is not None and block_q != 0 and (block_q < 16 or block_q & (block_q - 1)):
         raise ValueError(f"indexer_topk: block_q={block_q} must be 0, None or a power of two >= 16")
     h = q.shape[-1]
