@@ -1,3 +1,5 @@
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,17 @@ from hybrid_jax import HybridConfig, HybridLM
 # The tests compare float32 paths against each other; on a GPU, XLA's default float32 matmul precision
 # (TF32) would add ~1e-4 noise that differs between shapes. (A no-op on the CPU.)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop the compiled executables after each test module. Every XLA CPU executable holds its own memory
+    mappings, and the suite compiles thousands (interpret-mode kernels over hypothesis-drawn shapes): one
+    module alone leaves ~11K mappings, and the whole suite ran into the kernel's 65,530-mapping limit
+    (vm.max_map_count) and died in XLA's compiler with SIGSEGV / SIGABRT."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def rel_err(a, b) -> float:
