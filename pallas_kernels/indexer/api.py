@@ -20,6 +20,7 @@ SELECTS = ("kernel", "top_k", "radix")
 # Queries per call from which the scores come from the tiled kernel (a key tile read once per query tile):
 # prefill. Below it (decode) one program per query walks its keys.
 TILED_MIN_QUERIES = 64
+TILED_BLOCK_Q = 64  # queries per tile (H200, 5beadda: 64x128 tiles 41.6 ms, 128x128 48.9, 64x64 46.0)
 SELECT_CHUNK = 4096  # scores per step of the selection kernel
 # What `select=None` picks (H200 measurements in BENCHMARKS.md). One program per row is latency-bound on a
 # long row (5beadda: 1.0 ms for one 128K row, `lax.top_k` 0.07 ms) but a prefill's thousands of rows fill
@@ -80,7 +81,7 @@ def indexer_topk(
     dequantizes the pool first.
     Kernel knobs: `block_s` keys per step, `keys_per_program` keys per program of the one-query kernel
     (a multiple of block_s, or None for one block), `block_q` queries per program of the tiled kernel
-    (`kernel.indexer_scores_tiled_pallas`, key tiles of block_s; None: 64 from TILED_MIN_QUERIES queries on,
+    (`kernel.indexer_scores_tiled_pallas`, key tiles of block_s; None: TILED_BLOCK_Q from TILED_MIN_QUERIES on,
     else the one-query kernel; 0: always the one-query kernel), `precision` of the score products: "bf16"
     (q and keys in bfloat16, float32 accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32"
     (the default otherwise) or "ieee"; `select` "kernel" (`select_kernel.top_k_rows_pallas`: radix select
@@ -135,10 +136,11 @@ def indexer_topk(
     g = k_pages.shape[1]
     s_len = page_table.shape[1] * g
     if block_q is None:
-        block_q = 64 if t >= TILED_MIN_QUERIES else 0
+        block_q = TILED_BLOCK_Q if t >= TILED_MIN_QUERIES else 0
     chunk = min(SELECT_CHUNK, pow2(s_len))
-    unit = max(span, chunk) if block_q == 0 else max(block_s, chunk)  # both powers of two
-    if select_segments > 1:
+    # key slots: whole score programs, and whole selection chunks (segments) when the kernel selects
+    unit = span if block_q == 0 else block_s  # powers of two, as chunk
+    if select == "kernel":
         unit = max(unit, select_segments * chunk)
     s_pad = -(-s_len // unit) * unit
     slots = slot_index(page_table, jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (b, s_pad)), g)

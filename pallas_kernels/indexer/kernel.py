@@ -34,6 +34,20 @@ from jax.experimental import pallas as pl
 from pallas_kernels._pallas import triton_params
 
 MX_BLOCK = 32
+_CONTRACT = (((1,), (1,)), ((), ()))  # [M, H] x [N, H] -> [M, N]
+
+
+def _products(precision: str):
+    """(lax precision, the products' input dtype) for a `precision` knob."""
+    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    return prec, jnp.bfloat16 if precision == "bf16" else jnp.float32
+
+
+def _with_pool(in_specs, args, kv_rows, kv_scales):
+    """The flat key pool (and its MXFP8 scales) whole to every program: rows are gathered by number."""
+    pools = [kv_rows] + ([] if kv_scales is None else [kv_scales])
+    specs = [pl.BlockSpec(x.shape, lambda *_: (0, 0)) for x in pools]
+    return in_specs + specs, args + pools
 
 
 def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, head_dim, mx, precision):
@@ -41,9 +55,7 @@ def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, blo
         ks_ref, out_ref = rest
     else:
         (out_ref,) = rest
-    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
-    cdt = jnp.bfloat16 if precision == "bf16" else jnp.float32  # the products' input dtype
-    contract = (((1,), (1,)), ((), ()))
+    prec, cdt = _products(precision)
     # the query's heads, read once for all of this program's key blocks: [N, H], or [N, 32] pieces (one per
     # MXFP8 scale block)
     if mx:
@@ -62,7 +74,7 @@ def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, blo
             s = None
             for c, qc in enumerate(q_parts):  # one scale per 32 values: scale the block's partial product
                 part = jax.lax.dot_general(
-                    qc, kv_ref[rows, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt), contract,
+                    qc, kv_ref[rows, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt), _CONTRACT,
                     precision=prec, preferred_element_type=jnp.float32,
                 )  # fmt: skip
                 e = ks_ref[rows, c].astype(jnp.float32)  # [BS] E8M0 bits
@@ -70,7 +82,7 @@ def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, blo
                 s = part if s is None else s + part
         else:
             s = jax.lax.dot_general(
-                q, kv_ref[rows, :].astype(cdt), contract, precision=prec, preferred_element_type=jnp.float32
+                q, kv_ref[rows, :].astype(cdt), _CONTRACT, precision=prec, preferred_element_type=jnp.float32
             )
         score = jnp.sum(w[:, None] * jnp.maximum(s * scale, 0.0), axis=0)  # [BS]
         pos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
@@ -112,12 +124,10 @@ def indexer_scores_pallas(
         pl.BlockSpec((None, None, 1), lambda i, tt, j: (i, tt, 0)),
         pl.BlockSpec((None, 1), lambda i, tt, j: (i, 0)),
         pl.BlockSpec((None, s_len), lambda i, tt, j: (i, 0)),
-        pl.BlockSpec(kv_rows.shape, lambda i, tt, j: (0, 0)),
     ]
-    args = [q, w, q_positions[..., None], kv_lengths[:, None], slots, kv_rows]
-    if mx:
-        in_specs.append(pl.BlockSpec(kv_scales.shape, lambda i, tt, j: (0, 0)))
-        args.append(kv_scales)
+    in_specs, args = _with_pool(
+        in_specs, [q, w, q_positions[..., None], kv_lengths[:, None], slots], kv_rows, kv_scales
+    )
     kernel = functools.partial(
         _kernel, scale=scale, block_s=block_s, steps=steps, head_dim=h, mx=mx, precision=precision
     )
@@ -140,14 +150,13 @@ def _tile_kernel(
         ks_ref, out_ref = rest
     else:
         (out_ref,) = rest
-    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
-    cdt = jnp.bfloat16 if precision == "bf16" else jnp.float32
-    contract = (((1,), (1,)), ((), ()))
+    prec, cdt = _products(precision)
     first_key = pl.program_id(2) * block_k
     pos = pos_ref[...]  # [BQ]
     kv_len = len_ref[0]
+    seen = first_key <= jnp.minimum(jnp.max(pos), kv_len - 1)  # some query of the tile sees this key tile
 
-    @pl.when(first_key <= jnp.minimum(jnp.max(pos), kv_len - 1))
+    @pl.when(seen)
     def _():
         rows = slots_ref[...]  # [BK]
         valid = rows >= 0
@@ -166,11 +175,11 @@ def _tile_kernel(
                 s = None
                 for c, kc in enumerate(pieces):
                     qc = q_ref[:, h, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt)
-                    part = jax.lax.dot_general(qc, kc, contract, precision=prec, preferred_element_type=jnp.float32)
+                    part = jax.lax.dot_general(qc, kc, _CONTRACT, precision=prec, preferred_element_type=jnp.float32)
                     s = part if s is None else s + part
             else:
                 qh = q_ref[:, h, :].astype(cdt)  # [BQ, H]
-                s = jax.lax.dot_general(qh, k, contract, precision=prec, preferred_element_type=jnp.float32)
+                s = jax.lax.dot_general(qh, k, _CONTRACT, precision=prec, preferred_element_type=jnp.float32)
             return acc + w_ref[:, h].astype(jnp.float32)[:, None] * jnp.maximum(s * scale, 0.0)
 
         acc = jax.lax.fori_loop(0, heads, head, jnp.zeros(out_ref.shape, jnp.float32))
@@ -179,7 +188,7 @@ def _tile_kernel(
         out_ref[...] = jnp.where(ok, acc, -jnp.inf)
 
     # key tiles past every query of the tile (half of a causal prefill) or past the length: not read
-    @pl.when(first_key > jnp.minimum(jnp.max(pos), kv_len - 1))
+    @pl.when(jnp.logical_not(seen))
     def _():
         out_ref[...] = jnp.full(out_ref.shape, -jnp.inf, jnp.float32)
 
@@ -209,12 +218,8 @@ def indexer_scores_tiled_pallas(
         pl.BlockSpec((None, block_q), lambda i, a, j: (i, a)),
         pl.BlockSpec((None, 1), lambda i, a, j: (i, 0)),
         pl.BlockSpec((None, block_k), lambda i, a, j: (i, j)),
-        pl.BlockSpec(kv_rows.shape, lambda i, a, j: (0, 0)),
     ]
-    args = [q, w, q_positions, kv_lengths[:, None], slots, kv_rows]
-    if mx:
-        in_specs.append(pl.BlockSpec(kv_scales.shape, lambda i, a, j: (0, 0)))
-        args.append(kv_scales)
+    in_specs, args = _with_pool(in_specs, [q, w, q_positions, kv_lengths[:, None], slots], kv_rows, kv_scales)
     kernel = functools.partial(
         _tile_kernel, scale=scale, block_k=block_k, heads=n, head_dim=h, mx=mx, precision=precision
     )
