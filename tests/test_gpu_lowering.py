@@ -26,6 +26,16 @@ def test_projection_kernel_lowers(rows):
     assert text.count("xla.gpu.triton") == 1
 
 
+def test_projection_group_lowers():
+    """A KDA layer's five input projections as one launch (one row padded in the kernel)."""
+    from pallas_kernels.projection import project_group
+
+    x = jnp.ones((1, 1536), jnp.bfloat16)
+    ws = [jnp.ones((1536, n), jnp.bfloat16) for n in (1536, 1536, 1536, 128, 128)]
+    text = _lowered_for_h200(lambda x, *ws: project_group(x, ws, impl="pallas", interpret=False), x, *ws)
+    assert text.count("xla.gpu.triton") == 1
+
+
 @pytest.mark.parametrize("intra", ["fused", "split"])
 @pytest.mark.parametrize("solve", ["neumann", "substitution"])
 def test_kda_prefill_kernels_lower(intra, solve):

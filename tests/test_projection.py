@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import pallas_kernels
 from hybrid_jax.layers.common import DTypes, Projection, linear
-from pallas_kernels.projection import api, project
+from pallas_kernels.projection import api, project, project_group
 from tests.conftest import rel_err
 
 
@@ -35,6 +35,62 @@ def test_kernel_matches_reference(seed, lead, kdim, width, dtype, split):
     ref = project(x.astype(dtype), w, impl="reference", out_dtype=jnp.float32)  # the kernel casts x to w's dtype
     assert got.shape == (*lead, width)
     assert rel_err(got, ref) < 1e-5
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    lead=st.sampled_from([(1,), (1, 1), (3,), (2, 1, 2)]),
+    kdim=st.sampled_from([32, 96, 192]),
+    widths=st.lists(st.sampled_from([16, 48, 128, 160]), min_size=1, max_size=4),
+    inputs=st.sampled_from(["shared", "own", "mixed"]),
+)
+def test_group_matches_one_by_one(seed, lead, kdim, widths, inputs):
+    """One launch for several weights gives each weight's own product, whatever the inputs' sharing."""
+    keys = jax.random.split(jax.random.key(seed), 2 * len(widths))
+    x0 = jax.random.normal(keys[0], (*lead, kdim), jnp.float32).astype(jnp.bfloat16)
+    own = [jax.random.normal(k, (*lead, kdim), jnp.float32).astype(jnp.bfloat16) for k in keys[: len(widths)]]
+    xs = {"shared": x0, "own": own, "mixed": [x0 if i % 2 else own[i] for i in range(len(widths))]}[inputs]
+    wkeys = keys[len(widths) :]
+    scale = kdim**-0.5
+    ws = [(jax.random.normal(k, (kdim, n)) * scale).astype(jnp.bfloat16) for k, n in zip(wkeys, widths, strict=True)]
+    got = project_group(xs, ws, impl="pallas", out_dtype=jnp.float32)
+    per = [xs] * len(ws) if inputs == "shared" else xs
+    assert len(got) == len(ws)
+    for g, x, w in zip(got, per, ws, strict=True):
+        assert g.shape == (*lead, w.shape[1])
+        assert rel_err(g, project(x, w, impl="reference", out_dtype=jnp.float32)) < 1e-5
+    # the group's tile is the largest power of two <= 128 dividing every width
+    assert api.group_tiles(kdim, widths)[0] == max(t for t in (16, 32, 64, 128) if all(n % t == 0 for n in widths))
+
+
+def test_group_errors_and_auto(monkeypatch):
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    w32 = jnp.ones((64, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"weight 1 \(48, 32\) must be \[K, N\] with K = 64"):
+        project_group(x, [w32, jnp.ones((48, 32), jnp.bfloat16)])
+    with pytest.raises(ValueError, match=r"2 inputs for 3 weights"):
+        project_group([x, x], [w32, w32, w32])
+    with pytest.raises(ValueError, match=r"input 1 has shape \(2, 64\), input 0 \(1, 64\)"):
+        project_group([x, jnp.ones((2, 64), jnp.bfloat16)], [w32, w32])
+    with pytest.raises(ValueError, match=r"dtypes differ: \['bfloat16', 'float16'\]"):
+        project_group(x, [w32, w32.astype(jnp.float16)])
+    with pytest.raises(ValueError, match=r"impl must be one of .* got 'xla'"):
+        project_group(x, [w32], impl="xla")
+    with pytest.raises(ValueError, match=r"share no power-of-two tiles"):
+        project_group(x, [w32, jnp.ones((64, 40), jnp.bfloat16)], impl="pallas")
+    # auto: the reference on CPU; on a GPU one launch when every weight would take the kernel alone
+    shared = jax.random.normal(jax.random.key(0), (1, 256), jnp.float32).astype(jnp.bfloat16)
+    ws = [(jax.random.normal(jax.random.key(i), (256, n)) * 0.1).astype(jnp.bfloat16) for i, n in ((1, 32), (2, 48))]
+    assert "projection_gemv" not in str(jax.make_jaxpr(lambda x: project_group(x, ws))(shared))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jaxpr = str(jax.make_jaxpr(lambda x: project_group(x, ws, interpret=True))(shared))
+    assert jaxpr.count("pallas_call[") == 1 and "name=projection_gemv" in jaxpr
+    two_rows = jnp.concatenate([shared, shared])
+    with pallas_kernels.use_pallas(ops=["projection"]):  # 2 rows: the kernel only where forced
+        forced = str(jax.make_jaxpr(lambda x: project_group(x, ws, interpret=True))(two_rows))
+    assert forced.count("pallas_call[") == 1
+    assert "projection_gemv" not in str(jax.make_jaxpr(lambda x: project_group(x, ws))(two_rows))
 
 
 def test_tiles_and_splits():
@@ -119,3 +175,39 @@ def test_model_projection_through_kernel_matches_xla():
     assert fused.dtype == plain.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(plain, np.float32), rtol=2e-2, atol=2e-2)
     assert "projection_gemv" in jaxpr and "projection_gemv" not in long
+
+
+def test_decode_step_groups_projections(tiny_cfg, monkeypatch):
+    """At a batch-1 decode step the projections of one input run as one launch per group (`project_many`),
+    with the values of the projections one by one and of XLA's path."""
+    from hybrid_jax import HybridLM
+    from hybrid_jax.layers import common
+    from pallas_kernels.projection import kernel
+
+    model = HybridLM(tiny_cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(3), (1, 5), 0, tiny_cfg.vocab_size)
+    cache = model.init_cache(1, 16)
+    _, cache = jax.jit(lambda m, i, c: m.prefill(i, c))(model, ids, cache)
+    launches = []
+    launch = kernel.gemv_group_partials
+
+    def counted(*a, **kw):
+        launches[-1] += 1
+        return launch(*a, **kw)
+
+    monkeypatch.setattr(kernel, "gemv_group_partials", counted)  # what gemv_partials (one weight) calls
+    monkeypatch.setattr(api, "gemv_group_partials", counted)  # what project_group calls
+
+    def step():  # a fresh trace: use_pallas() and the patches are read at trace time; launches counted in it
+        launches.append(0)
+        return jax.jit(lambda m, i, c: m.decode_step(i, c)[0])(model, ids[:, -1], cache)
+
+    xla = step()
+    with pallas_kernels.use_pallas(ops=["projection"]):
+        grouped = step()
+        one_by_one = lambda xs, ws, **kw: [project(x, w, **kw) for x, w in zip(xs, ws, strict=True)]  # noqa: E731
+        monkeypatch.setattr(common, "project_group", one_by_one)
+        single = step()
+    assert launches[0] == 0 and 0 < launches[1] < launches[2], launches
+    assert rel_err(grouped, single) < 1e-5
+    assert rel_err(grouped, xla) < 2e-2  # bf16 weights: XLA's dot and the kernel round differently

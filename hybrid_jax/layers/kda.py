@@ -9,7 +9,7 @@ from flax import nnx
 
 from hybrid_jax.cache import KDAState, StepInfo
 from hybrid_jax.config import HybridConfig
-from hybrid_jax.layers.common import DTypes, linear, own_kernels
+from hybrid_jax.layers.common import DTypes, linear, own_kernels, project_many
 from pallas_kernels.linear_attention import kda, kda_decode_step
 from pallas_kernels.linear_attention.context_parallel import (
     gather_in_sequence_order,
@@ -122,12 +122,27 @@ class KimiDeltaAttention(nnx.Module):
         new_prev = jnp.take_along_axis(xp, idx[:, :, None], axis=1)
         return jax.nn.silu(u).astype(self.dt.compute), new_prev.astype(prev.dtype)
 
-    def _decay(self, x: jax.Array) -> jax.Array:
-        """Log decay g, float32: [B,T,N,K] (per channel) or [B,T,N] (scalar decay)."""
+    def _projections(self, x: jax.Array):
+        """x [B,T,D] -> (q̂, k̂, v̂ [B,T,C] raw, f [B,T,gate] decay projection, z [B,T,C] output-gate projection,
+        b [B,T,N] β logits). At a batch-1 decode step on a GPU the six projections of x go to the GEMV kernel
+        as one launch per output tile size, and the two low-rank second halves as one more (`project_many`)."""
         cfg = self.cfg
-        f = self.f_proj(x) if cfg.kda_decay_rank is None else self.f_b_proj(self.f_a_proj(x))
+        f_first = self.f_proj if cfg.kda_decay_rank is None else self.f_a_proj
+        z_first = self.g_proj if cfg.kda_output_gate_rank is None else self.g_a_proj
+        firsts = (self.q_proj, self.k_proj, self.v_proj, f_first, z_first, self.b_proj)
+        q, k, v, f, z, b = project_many([(layer, x) for layer in firsts])
+        seconds = [(self.f_b_proj, f)] if cfg.kda_decay_rank is not None else []
+        seconds += [(self.g_b_proj, z)] if cfg.kda_output_gate_rank is not None else []
+        outs = iter(project_many(seconds))
+        f = f if cfg.kda_decay_rank is None else next(outs)
+        z = z if cfg.kda_output_gate_rank is None else next(outs)
+        return q, k, v, f, z, b
+
+    def _decay(self, f: jax.Array) -> jax.Array:
+        """Log decay g from the decay projection f [B,T,gate], float32: [B,T,N,K] (per channel) or [B,T,N]."""
+        cfg = self.cfg
         f = f.astype(jnp.float32) + self.dt_bias[...]
-        b, t = x.shape[:2]
+        b, t = f.shape[:2]
         a = jnp.exp(self.A_log[...])  # [N]
         if not cfg.kda_scalar_decay:
             f = f.reshape(b, t, cfg.kda_num_heads, cfg.kda_head_dim)
@@ -137,14 +152,12 @@ class KimiDeltaAttention(nnx.Module):
         softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
         return -a * softplus
 
-    def _output(self, x: jax.Array, o: jax.Array) -> jax.Array:
-        """Output gate + gated RMSNorm per head, then o_proj: o [B,T,N,V] -> [B,T,D]."""
-        cfg = self.cfg
+    def _output(self, z: jax.Array, o: jax.Array) -> jax.Array:
+        """Output gate z [B,T,C] + gated RMSNorm per head, then o_proj: o [B,T,N,V] -> [B,T,D]."""
         b, t, n, hd = o.shape
-        z = self.g_proj(x) if cfg.kda_output_gate_rank is None else self.g_b_proj(self.g_a_proj(x))
         return self.o_proj(self.o_norm(o, z.reshape(b, t, n, hd)).reshape(b, t, n * hd))
 
-    def _context_parallel(self, x: jax.Array, xhat: jax.Array, info: StepInfo, state: KDAState | None):
+    def _context_parallel(self, x, xhat, f, z, b_logits, info: StepInfo, state: KDAState | None):
         """Prefill of a sequence split over info.cp.axis, every row taking all its tokens: each piece's short
         conv starts from the last W-1 raw inputs of the piece before it (a halo gathered over the axis; the
         cached conv tail for the first piece), and the recurrence runs state-parallel from the cached state
@@ -166,12 +179,12 @@ class KimiDeltaAttention(nnx.Module):
         full = jnp.full((b,), pieces[0].shape[1], jnp.int32)
         qkv = jnp.concatenate([self._short_conv(p, halos[mine[i]], full)[0] for i, p in enumerate(pieces)], axis=1)
         q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        beta = jax.nn.sigmoid(b_logits.astype(jnp.float32))
         o, s_final = kda_sequence_parallel(
             q,
             k,
             v,
-            self._decay(x),
+            self._decay(f),
             beta,
             axis=cp.axis,
             table=table,
@@ -181,22 +194,23 @@ class KimiDeltaAttention(nnx.Module):
         new_state = (
             None if state is None else _placed(KDAState(conv=tails[-1].astype(state.conv.dtype), recurrent=s_final))
         )
-        return self._output(x, o), new_state
+        return self._output(z, o), new_state
 
     def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):
         cfg = self.cfg
         b, t, _ = x.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
-        xhat = jnp.concatenate(own_kernels(self.q_proj(x), self.k_proj(x), self.v_proj(x)), axis=-1)
+        q_raw, k_raw, v_raw, f, z, b_logits = self._projections(x)
+        xhat = jnp.concatenate(own_kernels(q_raw, k_raw, v_raw), axis=-1)
         if info.cp is not None:
-            return self._context_parallel(x, xhat, info, state)
+            return self._context_parallel(x, xhat, f, z, b_logits, info, state)
         if state is None:
             state = self.init_state(b, x.dtype)
         qkv, conv = self._short_conv(xhat, state.conv, info.n_new)
         q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
 
-        g = self._decay(x)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [B,T,N]
+        g = self._decay(f)
+        beta = jax.nn.sigmoid(b_logits.astype(jnp.float32))  # [B,T,N]
         valid = info.valid
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid.reshape(valid.shape + (1,) * (g.ndim - 2)), g, 0.0)
@@ -219,4 +233,4 @@ class KimiDeltaAttention(nnx.Module):
                 chunk_size=cfg.kda_chunk_size,
             )
 
-        return self._output(x, o), _placed(KDAState(conv=conv, recurrent=s))
+        return self._output(z, o), _placed(KDAState(conv=conv, recurrent=s))

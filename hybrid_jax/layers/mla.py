@@ -12,7 +12,7 @@ from flax import nnx
 from hybrid_jax import inspect
 from hybrid_jax.cache import MLAState, Pool, StepInfo
 from hybrid_jax.config import HybridConfig
-from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, linear
+from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, linear, project_many
 from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies, rope_tables
 from hybrid_jax.quant.config import QuantConfig
 from pallas_kernels.attention import attention
@@ -204,15 +204,17 @@ class MultiHeadLatentAttention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         n, nope, vd, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        # the projections of x as one GEMV launch at a batch-1 decode step (`project_many`)
+        firsts = [self.q_proj if cfg.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
+        firsts += [self.output_gate_proj] if cfg.mla_output_gate else []
+        q, kv, *gate_logits = project_many([(layer, x) for layer in firsts])
         if cfg.q_lora_rank is not None:
-            c_q = self.q_a_layernorm(self.q_a_proj(x))
+            c_q = self.q_a_layernorm(q)
             q = self.q_b_proj(c_q)
         else:
             c_q = x
-            q = self.q_proj(x)
         q = q.reshape(b, t, n, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], self._rope(q[..., nope:], info.positions)
-        kv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(kv[..., :lat])
         k_pe = self._rope(kv[..., lat:], info.positions)
         latent = _store(None if state is None else state.latent, c, info, self.latent_fmt, self.tile)
@@ -262,7 +264,7 @@ class MultiHeadLatentAttention(nnx.Module):
                 scale=scale,
             )
         if cfg.mla_output_gate:
-            gate = jax.nn.sigmoid(self.output_gate_proj(x).astype(jnp.float32)).reshape(b, t, n, vd)
+            gate = jax.nn.sigmoid(gate_logits[0].astype(jnp.float32)).reshape(b, t, n, vd)
             o = (o.astype(jnp.float32) * gate).astype(self.dt.compute)
         out = self.o_proj(o.reshape(b, t, n * vd).astype(self.dt.compute))
         new_state = None if state is None else MLAState(latent=latent, rope=rope, index_k=index_pages)

@@ -1,3 +1,3 @@
-from pallas_kernels.projection.api import auto_uses_kernel, project
+from pallas_kernels.projection.api import auto_uses_kernel, project, project_group
 
-__all__ = ["auto_uses_kernel", "project"]
+__all__ = ["auto_uses_kernel", "project", "project_group"]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 from pallas_kernels._pallas import auto_impl, forced_choice
-from pallas_kernels.projection.kernel import ROWS, gemv_partials
+from pallas_kernels.projection.kernel import ROWS, gemv_group_partials, gemv_partials
 from pallas_kernels.projection.reference import project_reference
 
 IMPLS = ("auto", "reference", "pallas")
@@ -121,7 +121,101 @@ def project(
         interpret = jax.default_backend() == "cpu"
     kw = dict(block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
               num_stages=num_stages)  # fmt: skip
-    xp = jnp.pad(x.reshape(rows, kdim).astype(w.dtype), [(0, ROWS - rows), (0, 0)])
-    y = jnp.sum(gemv_partials(xp, w, one_row=rows == 1, **kw), axis=0)  # [N] for one row, else [16, N]
+    y = jnp.sum(gemv_partials(_rows_in(x, w.dtype), w, one_row=rows == 1, **kw), axis=0)  # [N] / [16, N]
     y = y[None] if rows == 1 else y[:rows]
     return y.reshape(*x.shape[:-1], width).astype(out_dtype)
+
+
+def _rows_in(x: jax.Array, dtype) -> jax.Array:
+    """x [..., K] as the kernels take it: one row as [1, K] (padded in the kernel), else padded to 16 rows."""
+    rows, kdim = math.prod(x.shape[:-1]), x.shape[-1]
+    x2 = x.reshape(rows, kdim).astype(dtype)
+    return x2 if rows == 1 else jnp.pad(x2, [(0, ROWS - rows), (0, 0)])
+
+
+def group_tiles(kdim: int, widths) -> tuple[int, int] | None:
+    """(block_n, block_k) shared by weights [kdim, N_i]: the largest power-of-two tile <= 128 dividing every
+    N_i, at least 16; None if there is none."""
+    bn = _largest_pow2_tile(math.gcd(*widths), 128)
+    bk = _largest_pow2_tile(kdim, 64)
+    return None if bn is None or bk is None else (bn, bk)
+
+
+def project_group(
+    xs,
+    ws,
+    *,
+    impl: str = "auto",
+    out_dtype=None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool | None = None,
+) -> list[jax.Array]:
+    """[x_i W_i] for several weights of the same K: `project` for each, with impl="pallas" one launch for all.
+
+    xs: one array [..., K] shared by every weight, or one per weight (same shape; an input given twice, the
+    same array object, is streamed once); ws: weights [K, N_i]. Returns a list of [..., N_i] in out_dtype
+    (default the first x's dtype). impl: "reference" (each through `project`'s reference), "pallas"
+    (`kernel.gemv_group_partials`: one grid over all the weights' output tiles, the partials of all of them
+    added in one XLA reduction), or "auto" (the kernel where `auto_uses_kernel` holds for every pair, else
+    `project(impl="auto")` one by one). Tiles default to `group_tiles`, the split to `auto_split_k` over all
+    the output tiles together.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"project_group: impl must be one of {IMPLS}, got {impl!r}")
+    ws = list(ws)
+    if not ws:
+        raise ValueError("project_group: no weights given")
+    xs = [xs] * len(ws) if isinstance(xs, jax.Array) else list(xs)
+    if len(xs) != len(ws):
+        raise ValueError(f"project_group: {len(xs)} inputs for {len(ws)} weights; give one, or one per weight")
+    lead, kdim = xs[0].shape[:-1], xs[0].shape[-1]
+    for i, (x, w) in enumerate(zip(xs, ws, strict=True)):
+        if x.shape != xs[0].shape:
+            raise ValueError(f"project_group: input {i} has shape {x.shape}, input 0 {xs[0].shape}; all must agree")
+        if w.ndim != 2 or w.shape[0] != kdim:
+            raise ValueError(f"project_group: weight {i} {w.shape} must be [K, N] with K = {kdim} (x {x.shape})")
+    if len({w.dtype for w in ws}) != 1:
+        raise ValueError(f"project_group: the weights' dtypes differ: {[str(w.dtype) for w in ws]}")
+    out_dtype = xs[0].dtype if out_dtype is None else out_dtype
+    if impl == "auto":
+        impl = "pallas" if all(auto_uses_kernel(x.astype(w.dtype), w) for x, w in zip(xs, ws, strict=True)) else None
+        if impl is None:
+            return [project(x, w, impl="auto", out_dtype=out_dtype) for x, w in zip(xs, ws, strict=True)]
+    if impl == "reference":
+        return [project(x, w, impl="reference", out_dtype=out_dtype) for x, w in zip(xs, ws, strict=True)]
+    rows = math.prod(lead)
+    if rows > MAX_ROWS:
+        raise ValueError(f"project_group: the kernel takes at most {MAX_ROWS} rows, got {rows} (x {xs[0].shape})")
+    widths = [w.shape[1] for w in ws]
+    tiles = group_tiles(kdim, widths)
+    block_n = block_n or (tiles[0] if tiles else None)
+    block_k = block_k or (tiles[1] if tiles else None)
+    if block_n is None or block_k is None:
+        raise ValueError(
+            f"project_group: weights {[w.shape for w in ws]} share no power-of-two tiles of at least 16; "
+            "pass impl='reference' or group them differently"
+        )
+    split_k = split_k or auto_split_k(kdim, sum(widths), block_n, block_k)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    unique, x_of = [], []
+    for x in xs:  # an input passed for several weights is streamed once
+        hit = next((n for n, u in enumerate(unique) if u is x), None)
+        x_of.append(len(unique) if hit is None else hit)
+        if hit is None:
+            unique.append(x)
+    parts = gemv_group_partials(
+        tuple(_rows_in(x, ws[0].dtype) for x in unique), tuple(ws), x_of=tuple(x_of), block_n=block_n,
+        block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    y = jnp.sum(parts, axis=0)  # [Σ N] for one row, else [16, Σ N]
+    y = y[None] if rows == 1 else y[:rows]
+    outs, start = [], 0
+    for n in widths:
+        outs.append(y[:, start : start + n].reshape(*lead, n).astype(out_dtype))
+        start += n
+    return outs

@@ -17,6 +17,13 @@ no bytes of W), which also lets Triton stream the W tiles through shared memory 
 this kept a Kimi decode step at 1.44 ms where a CUDA-core kernel (x_k W[k, :] accumulated in registers,
 62ddcde) took 1.59.
 
+A group of projections sharing K runs as one launch (`gemv_group_partials`): the weights' output tiles are
+laid end to end along the grid's first axis, each program streams the slab of the weight its tile belongs
+to, and the partials come out as one [S, Σ N_i] array (one XLA reduction for all of them). A batch-1 decode
+step is hundreds of kernels of a few microseconds each (hybrid_small: 793 per step, 1.8 ms of kernels,
+profile_stage at 0896d37), so every launch saved is time; for the same reason one row is padded to the MMA
+tile inside the kernel rather than by an XLA pad before it.
+
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). K must divide into S x BK and N into
 BN; `api.project` picks the tiles.
 """
@@ -27,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import first_row, triton_params
@@ -34,16 +42,29 @@ from pallas_kernels._pallas import first_row, triton_params
 ROWS = 16  # rows of one tensor-core tile: x is padded to it
 
 
-def _kernel(x_ref, w_ref, o_ref, *, bk, nk, one_row):
-    # x_ref [16, K / S], w_ref [K / S, BN], o_ref [16, BN] ([BN] for one row): this program's slab
-    def body(kk, acc):
-        cols = pl.ds(kk * bk, bk)
-        return acc + jnp.dot(x_ref[:, cols], w_ref[cols, :], preferred_element_type=jnp.float32)
+def _kernel(*refs, n_x, x_of, bounds, bk, nk, one_row):
+    # refs: x_refs [R, K / S] (R = 1 for one row, else 16), w_refs [K / S, BN] (this program's slab of each
+    # weight), o_ref [16, BN] ([BN] for one row): the program's output tile of the concatenated widths
+    x_refs, w_refs, o_ref = refs[:n_x], refs[n_x:-1], refs[-1]
 
-    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((ROWS, w_ref.shape[-1]), jnp.float32))
-    if one_row:  # row 0 out of the MMA tile
-        acc = first_row(acc)
-    o_ref[...] = acc
+    def tile(x_ref, w_ref):
+        def body(kk, acc):
+            cols = pl.ds(kk * bk, bk)
+            xs = x_ref[:, cols]
+            if xs.shape[0] != ROWS:  # one row, padded here: an XLA pad would be one more launch per call
+                row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bk), 0)
+                xs = jnp.where(row == 0, jnp.broadcast_to(xs, (ROWS, bk)), jnp.zeros((), xs.dtype))
+            return acc + jnp.dot(xs, w_ref[cols, :], preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((ROWS, w_ref.shape[-1]), jnp.float32))
+        o_ref[...] = first_row(acc) if one_row else acc  # one row: row 0 out of the MMA tile
+
+    if len(w_refs) == 1:
+        tile(x_refs[0], w_refs[0])
+        return
+    j = pl.program_id(0)
+    for i, w_ref in enumerate(w_refs):  # the weight whose output tiles hold tile j (one branch runs)
+        pl.when((j >= bounds[i]) & (j < bounds[i + 1]))(functools.partial(tile, x_refs[x_of[i]], w_ref))
 
 
 def _check(name, x_rows, kdim, w, block_n, block_k, split_k):
@@ -55,31 +76,57 @@ def _check(name, x_rows, kdim, w, block_n, block_k, split_k):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_n", "block_k", "split_k", "one_row", "interpret", "num_warps", "num_stages")
+    jax.jit, static_argnames=("x_of", "block_n", "block_k", "split_k", "interpret", "num_warps", "num_stages")
 )
-def gemv_partials(x, w, *, block_n, block_k, split_k, one_row=False, interpret=False, num_warps=4, num_stages=3):
-    """x [16, K] (rows padded to 16, w's dtype), w [K, N] -> partial sums [S, 16, N] float32 ([S, N] with
-    one_row: the first row's only)."""
-    rows, kdim = x.shape
-    width = w.shape[1]
-    if rows != ROWS:
-        raise ValueError(f"gemv_partials: x {x.shape} must have its rows padded to {ROWS}")
-    _check("gemv_partials", 1 if one_row else rows, kdim, w, block_n, block_k, split_k)
+def gemv_group_partials(xs, ws, *, x_of, block_n, block_k, split_k, interpret=False, num_warps=4, num_stages=3):
+    """Several projections of the same K in one launch: xs a tuple of [R, K] inputs (R = 1: one row, padded in
+    the kernel; else rows padded to 16, all in w's dtype), ws a tuple of [K, N_i] weights, x_of[i] the input of
+    weight i -> partial sums [S, Σ N_i] float32 ([S, 16, Σ N_i] for 16 rows), weight i's columns after the
+    earlier weights'. The grid is (Σ N_i / BN output tiles, S splits): each program streams one weight's slab."""
+    rows = {x.shape[0] for x in xs}
+    if len(rows) != 1 or rows.pop() not in (1, ROWS):
+        raise ValueError(f"gemv_group_partials: inputs {[x.shape for x in xs]} need 1 row each or rows padded to 16")
+    if len(x_of) != len(ws) or not set(x_of) <= set(range(len(xs))):
+        raise ValueError(f"gemv_group_partials: x_of {x_of} must name one of the {len(xs)} inputs per weight")
+    one_row = xs[0].shape[0] == 1
+    kdim = xs[0].shape[1]
+    if any(x.shape[1] != kdim for x in xs):
+        raise ValueError(f"gemv_group_partials: every input needs K = {kdim}, got {[x.shape for x in xs]}")
+    for i, w in enumerate(ws):
+        _check("gemv_group_partials", xs[x_of[i]].shape[0], kdim, w, block_n, block_k, split_k)
     ks = kdim // split_k
+    tiles = [w.shape[1] // block_n for w in ws]
+    bounds = tuple(int(b) for b in np.cumsum([0, *tiles]))
+    width = bounds[-1] * block_n
+    x_spec = pl.BlockSpec((xs[0].shape[0], ks), lambda j, s: (0, s))
+    w_specs = [
+        pl.BlockSpec((ks, block_n), lambda j, s, lo=lo, t=t: (s, jnp.clip(j - lo, 0, t - 1)))
+        for lo, t in zip(bounds, tiles, strict=False)  # bounds has one more entry
+    ]  # fmt: skip
     if one_row:
         out_spec, out_shape = pl.BlockSpec((None, block_n), lambda j, s: (s, j)), (split_k, width)
     else:
         out_spec, out_shape = pl.BlockSpec((None, ROWS, block_n), lambda j, s: (s, 0, j)), (split_k, ROWS, width)
+    kernel = functools.partial(_kernel, n_x=len(xs), x_of=x_of, bounds=bounds, bk=block_k, nk=ks // block_k,
+                               one_row=one_row)  # fmt: skip
     return pl.pallas_call(
-        functools.partial(_kernel, bk=block_k, nk=ks // block_k, one_row=one_row),
-        grid=(width // block_n, split_k),
-        in_specs=[
-            pl.BlockSpec((ROWS, ks), lambda j, s: (0, s)),
-            pl.BlockSpec((ks, block_n), lambda j, s: (s, j)),
-        ],
+        kernel,
+        grid=(bounds[-1], split_k),
+        in_specs=[x_spec] * len(xs) + w_specs,
         out_specs=out_spec,
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         interpret=interpret,
         name="projection_gemv",
         **triton_params(interpret, num_warps, num_stages),
-    )(x, w)
+    )(*xs, *ws)
+
+
+def gemv_partials(x, w, *, block_n, block_k, split_k, one_row=False, interpret=False, num_warps=4, num_stages=3):
+    """x [16, K] (rows padded to 16, w's dtype; with one_row, [1, K] or its row 0 padded), w [K, N] -> partial
+    sums [S, 16, N] float32 ([S, N] with one_row: the first row's only)."""
+    if x.shape[0] != ROWS and not (one_row and x.shape[0] == 1):
+        raise ValueError(f"gemv_partials: x {x.shape} must have its rows padded to {ROWS}")
+    if one_row:
+        x = x[:1]
+    return gemv_group_partials((x,), (w,), x_of=(0,), block_n=block_n, block_k=block_k, split_k=split_k,
+                               interpret=interpret, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
