@@ -138,14 +138,16 @@ class Projection(nnx.Linear):
         return super().__call__(inputs)
 
 
-def project_many(calls: Sequence[tuple[nnx.Module, jax.Array]]) -> list[jax.Array]:
+def project_many(calls: Sequence[tuple[nnx.Module, jax.Array]], *, own_xla: bool = False) -> list[jax.Array]:
     """[layer(x) for layer, x in calls], the same values; projections that `Projection` would each send to the
     GEMV kernel (a batch-1 decode step on a GPU) and that share K, dtype and output tile run as one launch
     (`projection.project_group`; weights with an output tile of 64 or more group together at the tile they
     all divide into, narrower ones apart, so a narrow head-count weight does not shrink the wide weights'
     tiles). A batch-1 decode step is hundreds of microsecond-sized kernels, so a KDA
     layer's five projections of x in one launch instead of five (each with its own pad and partial-sum
-    kernels) is time saved at every step; prefill and larger batches take XLA's path as before."""
+    kernels) is time saved at every step; prefill and larger batches take XLA's path as before.
+    own_xla: the outputs XLA computes end their own fusions (`own_kernels`); the kernel's outputs do not need
+    it (their partial sums are a few adds per element, cheap to fuse into any consumer)."""
     outs: list[jax.Array | None] = [None] * len(calls)
     groups: dict[tuple, list] = {}
     cast: dict[int, jax.Array] = {}  # one converted input per input object: the group streams it once
@@ -158,7 +160,7 @@ def project_many(calls: Sequence[tuple[nnx.Module, jax.Array]]) -> list[jax.Arra
                 key = (w.shape[0], str(w.dtype), xw.shape, auto_tiles(*w.shape)[0] >= 64)
                 groups.setdefault(key, []).append((i, xw, w))
                 continue
-        outs[i] = layer(x)
+        outs[i] = own_kernels(layer(x))[0] if own_xla else layer(x)
     for members in groups.values():
         ys = project_group([m[1] for m in members], [m[2] for m in members], impl="pallas")
         for (i, _, _), y in zip(members, ys, strict=True):

@@ -9,7 +9,7 @@ from flax import nnx
 
 from hybrid_jax.cache import KDAState, StepInfo
 from hybrid_jax.config import HybridConfig
-from hybrid_jax.layers.common import DTypes, linear, own_kernels, project_many
+from hybrid_jax.layers.common import DTypes, linear, project_many
 from pallas_kernels.linear_attention import kda, kda_decode_step
 from pallas_kernels.linear_attention.context_parallel import (
     gather_in_sequence_order,
@@ -130,7 +130,7 @@ class KimiDeltaAttention(nnx.Module):
         f_first = self.f_proj if cfg.kda_decay_rank is None else self.f_a_proj
         z_first = self.g_proj if cfg.kda_output_gate_rank is None else self.g_a_proj
         firsts = (self.q_proj, self.k_proj, self.v_proj, f_first, z_first, self.b_proj)
-        q, k, v, f, z, b = project_many([(layer, x) for layer in firsts])
+        q, k, v, f, z, b = project_many([(layer, x) for layer in firsts], own_xla=True)
         seconds = [(self.f_b_proj, f)] if cfg.kda_decay_rank is not None else []
         seconds += [(self.g_b_proj, z)] if cfg.kda_output_gate_rank is not None else []
         outs = iter(project_many(seconds))
@@ -201,7 +201,7 @@ class KimiDeltaAttention(nnx.Module):
         b, t, _ = x.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
         q_raw, k_raw, v_raw, f, z, b_logits = self._projections(x)
-        xhat = jnp.concatenate(own_kernels(q_raw, k_raw, v_raw), axis=-1)
+        xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)  # XLA's q, k, v end their own fusions
         if info.cp is not None:
             return self._context_parallel(x, xhat, f, z, b_logits, info, state)
         if state is None:
