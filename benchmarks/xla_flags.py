@@ -36,6 +36,14 @@ VARIANTS: dict[str, dict] = {
     "graphs_while": {"xla_gpu_enable_command_buffer": _WHILE},
     "graphs_while_min1": {"xla_gpu_enable_command_buffer": _WHILE, "xla_gpu_graph_min_graph_size": 1},
     "graphs_while_unroll": {"xla_gpu_enable_command_buffer": _WHILE, "xla_gpu_command_buffer_unroll_loops": True},
+    # fewer kernels: fusions without a "hero" (reduce / transpose) through Triton, every fusion through Triton,
+    # multi-output fusions of same-shaped roots (this XLA has no softmax/normalization-fusion switch)
+    "triton_heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
+    "triton_all": {"xla_gpu_experimental_all_fusions_with_triton": True},
+    "multi_output": {
+        "xla_gpu_experimental_enable_same_shape_multi_output_fusion": True,
+        "xla_gpu_unsupported_enable_triton_multi_output_fusion": True,
+    },
 }
 
 
