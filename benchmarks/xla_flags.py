@@ -7,8 +7,8 @@ whether XLA records the step into CUDA graphs (command buffers) and which ops it
 says which option set `hybrid_jax.compilation.DECODE_COMPILER_OPTIONS` should hold.
 
 Columns: the option set, the median ms per step (n steps per executable, median of reps), the step's
-byte floor (`e2e.decode_floor_bytes` over the measured copy bandwidth), and how many command-buffer
-computations the optimized HLO holds (0 = every kernel launched one by one).
+byte floor (`e2e.decode_floor_bytes` over the measured copy bandwidth), and the kernels one step launches,
+counted in the optimized HLO (`kernel_count.count_kernels`: the loop body once, plus the few kernels around it).
 
     python -m benchmarks.xla_flags [--models hybrid_small] [--hf-dir FOLDER] [--batches 1 16]
         [--context 2048] [--variants default no_graphs ...] [--no-record]
@@ -17,13 +17,13 @@ computations the optimized HLO holds (0 = every kernel launched one by one).
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import ceilings, flat_module, median_ms, report
+from benchmarks.common import ceilings, flat_module, jit_module, median_ms, report
+from benchmarks.kernel_count import count_kernels
 
 # name -> compiler options; names are what the table and --variants show.
 _BASIC = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
@@ -63,17 +63,12 @@ def _loop(model, n: int, options: dict):
     return leaves, jax.jit(steps, donate_argnums=2, compiler_options=options or None)
 
 
-def graph_count(hlo_text: str) -> int:
-    """Command-buffer computations in an optimized HLO module (XLA names them command_buffer*)."""
-    return len({m for m in re.findall(r"%?(command_buffer[\w.\-]*)\s", hlo_text)})
-
-
-def _row(label, b, context, v, ms, floor, graphs) -> dict:
+def _row(label, b, context, v, ms, floor, kernels) -> dict:
     return {
         "model": label, "batch": b, "context": context, "options": v,
         "compiler_options": " ".join(f"{k}={o!r}" for k, o in VARIANTS[v].items()) or "(none)",
         "ms per step": "" if ms is None else f"{ms:.3f}", "floor ms": f"{floor:.3f}",
-        "x floor": "" if ms is None else f"{ms / floor:.2f}", "command buffers": graphs,
+        "x floor": "" if ms is None else f"{ms / floor:.2f}", "kernels per step": kernels,
     }  # fmt: skip
 
 
@@ -103,7 +98,7 @@ def main() -> None:
             model, label = build_model(name), name
         cfg = model.config
         page = cfg.page_size
-        prefill = jax.jit(lambda ids, c, m=model: m.prefill(ids, c, last_only=True), donate_argnums=1)
+        prefill = jit_module(lambda m, ids, c: m.prefill(ids, c, last_only=True), model, donate_argnums=1)
         for b in args.batches:
             ids = jax.random.randint(jax.random.key(b), (b, args.context), 0, cfg.vocab_size - 8, jnp.int32)
             total = args.context + args.steps * (args.reps + 2) * len(args.variants) + 8
@@ -119,7 +114,7 @@ def main() -> None:
                     print(f"  {label} B={b} {v}: {type(e).__name__}: {e}"[:300], flush=True)
                     rows.append(_row(label, b, args.context, v, None, floor, "rejected"))
                     continue
-                graphs = graph_count(compiled.as_text())
+                kernels = sum(count_kernels(compiled.as_text()).values())
                 box = {"tok": tok, "cache": cache}
 
                 def run(box=box, compiled=compiled, leaves=leaves):
@@ -128,7 +123,7 @@ def main() -> None:
 
                 ms = median_ms(run, warmup=2, iters=args.reps) / args.steps
                 tok, cache = box["tok"], box["cache"]
-                row = _row(label, b, args.context, v, ms, floor, graphs)
+                row = _row(label, b, args.context, v, ms, floor, kernels)
                 print("  " + " | ".join(f"{k}={o}" for k, o in row.items()), flush=True)
                 rows.append(row)
             del cache, logits
