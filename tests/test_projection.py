@@ -77,6 +77,9 @@ def test_group_errors_and_auto(monkeypatch):
         project_group(x, [w32, w32.astype(jnp.float16)])
     with pytest.raises(ValueError, match=r"impl must be one of .* got 'xla'"):
         project_group(x, [w32], impl="xla")
+    # a numpy input is one input for every weight, not a sequence of rows
+    two = project_group(np.ones((2, 64), np.float32), [w32, w32], impl="reference")
+    assert [y.shape for y in two] == [(2, 32), (2, 32)]
     with pytest.raises(ValueError, match=r"share no power-of-two tiles"):
         project_group(x, [w32, jnp.ones((64, 40), jnp.bfloat16)], impl="pallas")
     # auto: the reference on CPU; on a GPU one launch when every weight would take the kernel alone

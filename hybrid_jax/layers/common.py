@@ -150,15 +150,18 @@ def project_many(calls: Sequence[tuple[nnx.Module, jax.Array]], *, own_xla: bool
     it (their partial sums are a few adds per element, cheap to fuse into any consumer)."""
     outs: list[jax.Array | None] = [None] * len(calls)
     groups: dict[tuple, list] = {}
-    cast: dict[int, jax.Array] = {}  # one converted input per input object: the group streams it once
+    cast: dict[tuple, jax.Array] = {}  # one converted input per (input object, dtype): a group streams it once
     for i, (layer, x) in enumerate(calls):
         if isinstance(layer, Projection) and layer.bias is None:
             w = layer.kernel[...]
             w = w.astype(layer.dtype or w.dtype)
-            xw = cast.setdefault(id(x), x.astype(w.dtype))
+            key = (id(x), str(w.dtype))
+            if key not in cast:
+                cast[key] = x.astype(w.dtype)
+            xw = cast[key]
             if auto_uses_kernel(xw, w):
-                key = (w.shape[0], str(w.dtype), xw.shape, auto_tiles(*w.shape)[0] >= 64)
-                groups.setdefault(key, []).append((i, xw, w))
+                group = (w.shape[0], str(w.dtype), xw.shape, auto_tiles(*w.shape)[0] >= 64)
+                groups.setdefault(group, []).append((i, xw, w))
                 continue
         outs[i] = own_kernels(layer(x))[0] if own_xla else layer(x)
     for members in groups.values():

@@ -169,7 +169,7 @@ def project_group(
     ws = list(ws)
     if not ws:
         raise ValueError("project_group: no weights given")
-    xs = [xs] * len(ws) if isinstance(xs, jax.Array) else list(xs)
+    xs = [xs] * len(ws) if hasattr(xs, "shape") else list(xs)  # one array (jax, numpy) or a sequence
     if len(xs) != len(ws):
         raise ValueError(f"project_group: {len(xs)} inputs for {len(ws)} weights; give one, or one per weight")
     lead, kdim = xs[0].shape[:-1], xs[0].shape[-1]
