@@ -9,7 +9,9 @@ CPU it counts the same graph's thunks, which is only a proxy.
 
 Each stage is compiled and timed twice: with the indexer's prolog step by step (XLA's kernels) and through
 the fused prolog kernel (`indexer_prolog`, opt-in); times are per call of CHAIN chained
-calls in one executable (`common.chained_ms`: no host dispatch).
+calls in one executable (`carried_ms`: no host dispatch), the pool / state / cache each stage writes in place
+carried from call to call and donated, as in generate's loop (before 2026-11-30 it was a constant of the chain,
+so XLA copied it ahead of every in-place kernel: the whole-step rows of earlier tables count those copies).
 
 Stages of the sparse layer (what the issue calls the decode prolog and the rest):
     indexer prolog — the indexer's projections, key norm, RoPE, quantization and the key-pool write;
@@ -29,7 +31,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import CHAIN, chained_ms, report
+from benchmarks.common import CHAIN, median_ms, report
 from benchmarks.e2e_stages import _info
 from pallas_kernels import use_pallas
 
@@ -87,6 +89,31 @@ def count_kernels(compiled_text: str) -> collections.Counter:
     return kinds
 
 
+def carried_ms(fn, args, updated, n: int = CHAIN) -> tuple[float, object]:
+    """Median ms per call of fn(*args) run n times in one executable, each call's first argument made to depend
+    on the previous call's output (as `common.chained_ms`) and its last argument — the pool, state or cache it
+    updates in place — replaced by `updated(output)` and donated. Returns (ms, the last updated state): the
+    one passed in is consumed."""
+
+    def chain(first, *rest):
+        *const, state = rest
+        for _ in range(n):
+            out = fn(first, *const, state)
+            leaf = jax.tree.leaves(out)[0].ravel()[0]
+            first = first + (leaf == -1234567).astype(first.dtype)
+            state = updated(out)
+        return first, state
+
+    chained = jax.jit(chain, donate_argnums=(len(args) - 1,))
+    box = {"state": args[-1]}
+
+    def call():
+        _, box["state"] = chained(*args[:-1], box["state"])
+        return box["state"]
+
+    return median_ms(call, warmup=1, iters=10) / n, box["state"]
+
+
 def rows_for(model, b: int, context: int, label: str) -> list[dict]:
     cfg = model.config
     page = cfg.page_size
@@ -98,15 +125,18 @@ def rows_for(model, b: int, context: int, label: str) -> list[dict]:
     c_q = layer.q_a_layernorm(layer.q_a_proj(x)) if cfg.q_lora_rank is not None else x
     state = cache.layers[i]
 
-    # first argument an array: chained_ms makes each call depend on the previous one through it
+    # (fn, args, the argument a call updates in place — the last — and where the call returns it): first
+    # argument an array, each call made to depend on the previous one through it; the updated pool, state or
+    # cache carried from call to call and donated, as in generate's loop (a constant one would make XLA copy
+    # it before every in-place kernel, counting and timing copies generate does not make)
     stages = {
         "indexer prolog": (lambda x, idx, c_q, info, pool: idx.prolog(x, c_q, info, pool),
-                           (x, layer.indexer, c_q, info, state.index_k)),
+                           (x, layer.indexer, c_q, info, state.index_k), lambda out: out[2]),
         "indexer (prolog + scores + top-k)": (lambda x, idx, c_q, info, pool: idx(x, c_q, info, pool),
-                                              (x, layer.indexer, c_q, info, state.index_k)),
-        "sparse layer mixer": (lambda x, m, info, st: m(x, info, st), (x, layer, info, state)),
+                                              (x, layer.indexer, c_q, info, state.index_k), lambda out: out[1]),
+        "sparse layer mixer": (lambda x, m, info, st: m(x, info, st), (x, layer, info, state), lambda out: out[1]),
         "whole model decode step": (lambda ids, m, c: m.decode_step(ids, c), (jnp.zeros((b,), jnp.int32), model,
-                                                                                cache)),
+                                                                                cache), lambda out: out[1]),
     }  # fmt: skip
     # the prolog step by step (XLA's kernels, the default) and as the one fused kernel (`indexer_prolog`)
     versions = {
@@ -115,10 +145,13 @@ def rows_for(model, b: int, context: int, label: str) -> list[dict]:
     }
     out = []
     for version, context_fn in versions.items():
-        for name, (fn, args) in stages.items():
+        for name, (fn, args, updated) in stages.items():
+            last = len(args) - 1
             with context_fn():  # read at trace time: a fresh function to trace inside (jit caches by function)
-                kinds = count_kernels(jax.jit(lambda *a, fn=fn: fn(*a)).lower(*args).compile().as_text())
-                ms = chained_ms(fn, *args)
+                step = jax.jit(lambda *a, fn=fn: fn(*a), donate_argnums=(last,))
+                kinds = count_kernels(step.lower(*args).compile().as_text())
+                # a copy is donated: the stages and versions share the pools and cache
+                ms, _ = carried_ms(fn, (*args[:last], jax.tree.map(jnp.copy, args[last])), updated)
             top = ", ".join(f"{k} {v}" for k, v in kinds.most_common(4))
             out.append({"model": label, "version": version, "stage": name, "batch": b,
                         "kernels": sum(kinds.values()), "ms per call": f"{ms:.3f}", "most common": top})  # fmt: skip
