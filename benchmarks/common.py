@@ -93,10 +93,15 @@ def jit_module(fn, module, **jit_kwargs):
     return lambda *a: jitted(leaves, *a)
 
 
-def loop_ms(fn, module, x, *args, n: int = 20, reps: int = 5) -> float:
+def loop_ms(fn, module, x, *args, n: int = 20, reps: int = 5, carry=None) -> float:
     """Device time of one `fn(module, x, *args)` call: n calls chained in one `lax.fori_loop` (each call's x
     depends on the call before, so nothing is hoisted out of the loop); median of `reps` timed loops, over
-    n. No host dispatch in the number: what the call costs inside a compiled loop such as `generate`'s."""
+    n. No host dispatch in the number: what the call costs inside a compiled loop such as `generate`'s.
+
+    carry: for a call that updates its last argument in place (a layer's cache state), where its output holds
+    the updated one (`carry(output)`): that argument is carried from call to call and donated, as generate's
+    loop does — a constant one would make XLA copy it before every in-place kernel, a copy generate does not
+    make. The caller's last argument is consumed."""
     leaves, rebuild = flat_module(module)
 
     def run(leaves, x, *a):
@@ -106,10 +111,27 @@ def loop_ms(fn, module, x, *args, n: int = 20, reps: int = 5) -> float:
             first = jax.tree.leaves(fn(m, x, *a))[0]
             return x + (jnp.sum(first.astype(jnp.float32)) * 0).astype(x.dtype)  # x*0 is kept: NaN semantics
 
-        return jax.lax.fori_loop(0, n, body, x)
+        def carried(_, xs):
+            x, state = xs
+            out = fn(m, x, *a[:-1], state)
+            first = jax.tree.leaves(out)[0]
+            return x + (jnp.sum(first.astype(jnp.float32)) * 0).astype(x.dtype), carry(out)
 
-    looped = jax.jit(run)
-    return median_ms(lambda: looped(leaves, x, *args), warmup=1, iters=reps) / n
+        if carry is None:
+            return jax.lax.fori_loop(0, n, body, x)
+        return jax.lax.fori_loop(0, n, carried, (x, a[-1]))
+
+    if carry is None:
+        looped = jax.jit(run)
+        return median_ms(lambda: looped(leaves, x, *args), warmup=1, iters=reps) / n
+    looped = jax.jit(run, donate_argnums=(len(args) + 1,))
+    box = {"state": args[-1]}
+
+    def call():
+        _, box["state"] = looped(leaves, x, *args[:-1], box["state"])
+        return box["state"]
+
+    return median_ms(call, warmup=1, iters=reps) / n
 
 
 def decode_loop(model, n: int):

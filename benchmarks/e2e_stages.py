@@ -5,7 +5,9 @@ Stages: the mixer of one layer of each kind (KDA, dense MLA, sparse MLA with its
 cache path, the FFN (MoE or dense SwiGLU), the final norm + lm_head. The per-layer numbers exclude the
 norms and AttnRes mixes, so the sum is a little under the full call; what is left shows in the last row.
 Decode stages and the full decode step are timed as 20 calls chained in one executable (`common.loop_ms`,
-`common.decode_loop`): device time as inside `generate`'s loop, without the host's dispatch of each call.
+`common.decode_loop`): device time as inside `generate`'s loop, without the host's dispatch of each call; a
+mixer's cache state is carried from call to call and donated (since 2026-11-30; before, it was a constant of
+the loop and XLA copied it ahead of the in-place kernels, a little time generate does not spend).
 
     python -m benchmarks.e2e_stages [--model hybrid_small | --hf-dir FOLDER] [--prefill 32768] [--decode-batch 16]
         [--context 2048] [--no-record]
@@ -64,7 +66,8 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
     for name, i in first.items():
         layer = model.layers[i]
         if name.endswith("mixer"):
-            ms = loop_ms(mixer, layer.self_attn, x, info, cache.layers[i], n=n, reps=iters)
+            state = jax.tree.map(jnp.copy, cache.layers[i])  # carried and donated: a copy, the cache is used below
+            ms = loop_ms(mixer, layer.self_attn, x, info, state, n=n, reps=iters, carry=lambda out: out[1])
         else:
             ms = loop_ms(ffn, layer.mlp, x, n=n, reps=iters)
         total += ms * counts[name]
