@@ -223,6 +223,12 @@ class MultiHeadLatentAttention(nnx.Module):
         def pages():  # [P,G,L+R] dequantized; the sparse path reads the pools as stored instead
             return jnp.concatenate([latent.read(self.dt.compute), rope.read(self.dt.compute)], axis=-1)
 
+        def rows():  # [B,S,L+R]: each sequence's slots, gathered from each pool before they are joined, so
+            # nothing copies a whole pool (the gathers take the dequantization along)
+            return jnp.concatenate(
+                [gather_pages(pool.read(self.dt.compute), info.page_table) for pool in (latent, rope)], axis=-1
+            )
+
         w_kv = dense_kernel(self.kv_b_proj, self.dt.compute).reshape(lat, n, nope + vd)
         w_uk, w_uv = w_kv[..., :nope], w_kv[..., nope:]  # [L,N,nope], [L,N,V]
         scale = cfg.softmax_scale
@@ -238,7 +244,7 @@ class MultiHeadLatentAttention(nnx.Module):
                 inspect.attach(attention=self._dense_probs(q_lat, q_pe, pages(), info))
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         elif info.mode == "decode":
-            ctx = gather_pages(pages(), info.page_table)  # [B,S,L+R]
+            ctx = rows()  # [B,S,L+R]
             q_lat = jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST)
             o_lat, _ = attention(
                 jnp.concatenate([q_lat, q_pe], axis=-1),
@@ -250,7 +256,7 @@ class MultiHeadLatentAttention(nnx.Module):
             )
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         else:
-            ctx = gather_pages(pages(), info.page_table)  # [B,S,L+R]
+            ctx = rows()  # [B,S,L+R]
             s = ctx.shape[1]
             kvx = self.kv_b_proj(ctx[..., :lat]).reshape(b, s, n, nope + vd)
             k_rope = jnp.broadcast_to(ctx[:, :, None, lat:], (b, s, n, cfg.qk_rope_head_dim))
