@@ -198,8 +198,7 @@ def test_decode_step_groups_projections(tiny_cfg, monkeypatch):
         launches[-1] += 1
         return launch(*a, **kw)
 
-    monkeypatch.setattr(kernel, "gemv_group_partials", counted)  # what gemv_partials (one weight) calls
-    monkeypatch.setattr(api, "gemv_group_partials", counted)  # what project_group calls
+    monkeypatch.setattr(api, "gemv_group_partials", counted)  # the one launch point (project goes through it)
 
     def step():  # a fresh trace: use_pallas() and the patches are read at trace time; launches counted in it
         launches.append(0)

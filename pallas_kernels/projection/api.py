@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 from pallas_kernels._pallas import auto_impl, forced_choice
-from pallas_kernels.projection.kernel import ROWS, gemv_group_partials, gemv_partials
+from pallas_kernels.projection.kernel import ROWS, gemv_group_partials
 from pallas_kernels.projection.reference import project_reference
 
 IMPLS = ("auto", "reference", "pallas")
@@ -92,7 +92,8 @@ def project(
     """x [..., K], w [K, N] -> x W [..., N] in out_dtype (default x's dtype), float32 accumulation.
 
     impl: "reference" (float32 jnp), "pallas" (a grid of output tiles x contraction splits streaming W, the
-    split partials added in XLA, x cast to w's dtype and its rows padded to 16: `kernel.gemv_partials`), or
+    split partials added in XLA, x cast to w's dtype, one row padded to 16 in the kernel, more rows before it:
+    `project_group` of one weight), or
     "auto" (`auto_uses_kernel`: a kernel on
     a GPU for one row of a 2-byte weight that needs a split, outside a multi-device mesh — `kernel_allowed`
     — else the reference). Tiles: `block_n` / `block_k` powers of two (default
@@ -107,23 +108,12 @@ def project(
         impl = "pallas" if auto_uses_kernel(x, w) else "reference"
     if impl == "reference":
         return project_reference(x, w).astype(out_dtype)
-    rows = math.prod(x.shape[:-1])
-    if rows > MAX_ROWS:
-        raise ValueError(f"project: the kernel takes at most {MAX_ROWS} rows, got {rows} (x {x.shape})")
-    kdim, width = w.shape
-    tiles = auto_tiles(kdim, width)
-    block_n = block_n or (tiles[0] if tiles else None)
-    block_k = block_k or (tiles[1] if tiles else None)
-    if block_n is None or block_k is None:
+    if auto_tiles(*w.shape) is None and (block_n is None or block_k is None):
         raise ValueError(f"project: w {w.shape} has no power-of-two tiles of at least 16; pass impl='reference'")
-    split_k = split_k or auto_split_k(kdim, width, block_n, block_k)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    kw = dict(block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
-              num_stages=num_stages)  # fmt: skip
-    y = jnp.sum(gemv_partials(_rows_in(x, w.dtype), w, one_row=rows == 1, **kw), axis=0)  # [N] / [16, N]
-    y = y[None] if rows == 1 else y[:rows]
-    return y.reshape(*x.shape[:-1], width).astype(out_dtype)
+    return project_group(
+        x, [w], impl="pallas", out_dtype=out_dtype, block_n=block_n, block_k=block_k, split_k=split_k,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )[0]  # fmt: skip
 
 
 def _rows_in(x: jax.Array, dtype) -> jax.Array:

@@ -119,14 +119,3 @@ def gemv_group_partials(xs, ws, *, x_of, block_n, block_k, split_k, interpret=Fa
         name="projection_gemv",
         **triton_params(interpret, num_warps, num_stages),
     )(*xs, *ws)
-
-
-def gemv_partials(x, w, *, block_n, block_k, split_k, one_row=False, interpret=False, num_warps=4, num_stages=3):
-    """x [16, K] (rows padded to 16, w's dtype; with one_row, [1, K] or its row 0 padded), w [K, N] -> partial
-    sums [S, 16, N] float32 ([S, N] with one_row: the first row's only)."""
-    if x.shape[0] != ROWS and not (one_row and x.shape[0] == 1):
-        raise ValueError(f"gemv_partials: x {x.shape} must have its rows padded to {ROWS}")
-    if one_row:
-        x = x[:1]
-    return gemv_group_partials((x,), (w,), x_of=(0,), block_n=block_n, block_k=block_k, split_k=split_k,
-                               interpret=interpret, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
