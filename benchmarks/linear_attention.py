@@ -182,8 +182,8 @@ def parse_variant(text: str) -> tuple[int, int, str, str, str]:
     64x4:bf16:neumann:split -> (block_v, num_warps, precision, solve, extra)."""
     shape, prec, solve, extra = (text.split(":") + ["", "", ""])[:4]
     bv, nw = (int(x) for x in shape.split("x"))
-    if extra not in ("", "remat", "fused", "split"):
-        raise ValueError(f"--variants {text!r}: the fourth field can only be remat, fused or split")
+    if extra not in ("", "remat", "fused", "split", "blocks"):
+        raise ValueError(f"--variants {text!r}: the fourth field can only be remat, fused, split or blocks")
     return bv, nw, prec or "tf32", solve or "neumann", extra
 
 

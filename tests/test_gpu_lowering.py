@@ -36,7 +36,7 @@ def test_projection_group_lowers():
     assert text.count("xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("intra", ["fused", "split"])
+@pytest.mark.parametrize("intra", ["fused", "split", "blocks"])
 @pytest.mark.parametrize("solve", ["neumann", "substitution"])
 def test_kda_prefill_kernels_lower(intra, solve):
     from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
@@ -52,7 +52,7 @@ def test_kda_prefill_kernels_lower(intra, solve):
             q, q, q, g, beta, s0, scale=0.1, l2norm=True, block_v=32, precision="bf16", intra=intra, solve=solve
         )
 
-    kernels = {"fused": 3, "split": 4}[intra]  # cumsum, phase 1 (one or two), state pass
+    kernels = {"fused": 3, "split": 4, "blocks": 4}[intra]  # cumsum, phase 1 (one or two), state pass
     assert _lowered_for_h200(run, q, g, beta, s0).count("xla.gpu.triton") == kernels
 
 

@@ -20,8 +20,9 @@ By default (INTRA = "split") phase 1 runs as two kernels with the same mathemati
 q_g, k_g, exp(G_C), 16-row stripe by stripe) then `_solve_kernel` (the inverse, W, U) — see their section.
 Phase 2 (`_state_kernel`, grid (B, N, V/BV)), chunk after chunk with S [K, BV] on chip:
     V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
-Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk); W, q_g, k_g, A_qk in bfloat16 with
-precision="bf16" (they only enter bf16 products).
+Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk); all five in bfloat16 with
+precision="bf16" (W, q_g, k_g, A_qk only enter bf16 products; V' = U − W S is cast to bfloat16 for its
+products, so U's rounding is of the same order — fla stores U in bfloat16 too).
 """
 
 from __future__ import annotations
@@ -46,12 +47,18 @@ PARTS = frozenset({"diag", "off", "solve"})
 # split 8.57 / 8.57 (A kernel 4.78 + solve 1.78 + state 1.26 + cumsum 0.29); split with substitution 10.47;
 # the split's diagonal sub-blocks as [16, 16, 32] tiles summed over K instead of its 16-step loop 14.04
 # (tried at 99f1e83, removed); fla's chunk_kda 4.36-4.62.
-INTRAS = ("fused", "split")
-INTRA = "split"
+INTRAS = ("fused", "split", "blocks", "blocks32", "blocks64")
+INTRA = "blocks64"
 LOG2E = 1.4426950408889634
 # Warps of the intra-chunk kernel: at 4 it needed 255 registers per thread and spilled (Nsight Compute on
 # the H200, 4K tokens: 12% occupancy, a third of its stalls on local memory); `num_warps` sets the state pass.
 INTRA_WARPS = 8
+# The split forms' (A kernel, solve kernel) warps. H200, 32K x 32 heads, bf16, each kernel alone: A "blocks64"
+# 2.35 ms at 8 warps (6.14 at 4); solve 1.24 ms at 4 warps (2.22 at 8, 3.62 at 2).
+SPLIT_WARPS = (8, 4)
+# Software-pipelining stages of the state pass (its loads of the next chunk's tiles overlap this chunk's
+# products): 4.53 ms vs 4.92 at 2 for the whole 32K prefill (H200, blocks64).
+STATE_STAGES = 3
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a @ bᵀ
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
@@ -220,7 +227,7 @@ def _intra_kernel(
         _gated_outputs(q, k, G)
     decay = jnp.exp2(G)
     w_ref[...] = dot(t_inv, beta[:, None] * decay * k).astype(w_ref.dtype)
-    u_ref[...] = dot(t_inv, beta[:, None] * v_ref[...].astype(f32))
+    u_ref[...] = dot(t_inv, beta[:, None] * v_ref[...].astype(f32)).astype(u_ref.dtype)
 
 
 def _state_kernel(*refs, nc, precision, packed):
@@ -270,19 +277,20 @@ def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precisio
 
 
 def _intra(
-    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
+    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=None, parts=PARTS, solve="neumann",
     intra=INTRA,
 ):  # fmt: skip
     """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1]); intra="split" runs it
     as two kernels (`_intra_split`)."""
-    if intra == "split":
+    if intra != "fused" and intra in INTRAS:
+        blocks = 0 if intra == "split" else int(intra[6:] or SUB)  # rows of the diagonal blocks
         return _intra_split(
             q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret,
-            num_warps=num_warps, parts=parts, solve=solve,
+            num_warps=num_warps or SPLIT_WARPS, parts=parts, solve=solve, blocks=blocks,
         )  # fmt: skip
     if intra != "fused":
         raise ValueError(f"kda_chunked_pallas: intra={intra!r} must be one of {INTRAS}")
-    params = triton_params(interpret, num_warps, 2)
+    params = triton_params(interpret, num_warps or INTRA_WARPS, 2)
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
@@ -313,7 +321,7 @@ def _intra(
         ] + [chunk_spec(CHUNK)] * int(extra),
         out_shape=[
             jax.ShapeDtypeStruct((b, t, n, CHUNK), inter), jax.ShapeDtypeStruct((b, t, n, dk), inter),
-            jax.ShapeDtypeStruct((b, t, n, dv), f32), jax.ShapeDtypeStruct((b, t, n, dk), inter),
+            jax.ShapeDtypeStruct((b, t, n, dv), inter), jax.ShapeDtypeStruct((b, t, n, dk), inter),
             jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, nc, n, dk, 1), f32),
         ] + [jax.ShapeDtypeStruct((b, t, n, CHUNK), f32)] * int(extra),
         interpret=interpret,
@@ -390,6 +398,103 @@ def _a_kernel(
         akk_ref[rows, :] = jnp.where(col < row + i * SUB, a_kk * beta[:, None], 0.0)
 
 
+def _a_kernel_blocks(
+    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm, precision, parts,
+    diag=SUB,
+):  # fmt: skip
+    """`_a_kernel`'s outputs with every sub-block of A as tensor-core products (intra="blocks", "blocks32",
+    "blocks64"; `_a_blocks`)."""
+    _a_blocks(q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, scale=scale, l2norm=l2norm, precision=precision,
+              parts=parts, diag=diag)  # fmt: skip
+    _gated_tiles(q_ref, k_ref, g_ref, qg_ref, kg_ref, gl_ref, scale=scale, l2norm=l2norm)
+
+
+def _normed_rows(q_ref, k_ref, start, n, *, scale, l2norm):
+    """Rows [start, start + n) of the chunk: L2-normalised q (times scale) and k, float32 [n, K]."""
+    q = q_ref[pl.ds(start, n), :].astype(jnp.float32)
+    k = k_ref[pl.ds(start, n), :].astype(jnp.float32)
+    return q * (_inv_norm(q, l2norm) * scale)[:, None], k * _inv_norm(k, l2norm)[:, None]
+
+
+def _gated_tiles(q_ref, k_ref, g_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm):
+    """What the state pass reads besides A_qk, W, U: q_g = exp(G) ⊙ q, k_g = exp(G_C − G) ⊙ k, exp(G_C)."""
+    g_last = g_ref[CHUNK - 1, :]  # [K]
+    gl_ref[...] = jnp.exp2(g_last)[:, None]
+    for s in range(0, CHUNK, SUB):
+        rows = pl.ds(s, SUB)
+        q, k = _normed_rows(q_ref, k_ref, s, SUB, scale=scale, l2norm=l2norm)
+        gs = g_ref[rows, :]
+        qg_ref[rows, :] = (jnp.exp2(gs) * q).astype(qg_ref.dtype)
+        kg_ref[rows, :] = (jnp.exp2(g_last[None, :] - gs) * k).astype(kg_ref.dtype)
+
+
+def _a_blocks(q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, *, scale, l2norm, precision, parts, diag):
+    """A_qk and β-scaled strict-lower A_kk of one chunk, every sub-block as tensor-core products; g_ref holds
+    G·log2(e).
+
+    A pair of rows a > b is split by exactly one level of a binary hierarchy over the chunk (blocks of 64,
+    32, 16, 8, 4, 2): the level whose block holds both, a in its upper half and b in its lower half. With P
+    the G row at the middle of that block (the last row of its lower half), exp(G_a − G_b) =
+    exp(G_a − P) · exp(P − G_b) with both factors ≤ 1 — nothing overflows however strong the gates, and a
+    factor that underflows bounds the exact value below it. Levels of blocks larger than `diag` rows are
+    the chunk's off-diagonal blocks (one product each, written in place); inside each diagonal
+    [diag, diag] block, the finer levels share one tile per level, E = exp(−|G − P(row)|) (the left factor
+    on upper-half rows, the right one on lower-half rows), one masked [diag, K] x [K, diag] product per
+    level, plus the exact a = b term of A_qk. Each block of the outputs is stored once (no element twice:
+    no ordering between threads' stores is needed)."""
+    dot = _products(precision)
+    f32 = jnp.float32
+    r = jax.lax.broadcasted_iota(jnp.int32, (diag,), 0)
+    ra = jax.lax.broadcasted_iota(jnp.int32, (diag, diag), 0)
+    rb = jax.lax.broadcasted_iota(jnp.int32, (diag, diag), 1)
+
+    normed = functools.partial(_normed_rows, q_ref, k_ref, scale=scale, l2norm=l2norm)
+
+    def store(a0, b0, n, a_qk, a_kk):  # block rows [a0, a0 + n) x columns [b0, b0 + n); A_kk rows times β
+        beta = beta_ref[pl.ds(a0, n)].astype(f32)
+        aqk_ref[pl.ds(a0, n), pl.ds(b0, n)] = a_qk.astype(aqk_ref.dtype)
+        akk_ref[pl.ds(a0, n), pl.ds(b0, n)] = a_kk * beta[:, None]
+
+    def cross(a0, n):  # rows [a0, a0 + n) against the n rows just before them
+        b0 = a0 - n
+        zero = jnp.zeros((n, n), f32)
+        aqk_ref[pl.ds(b0, n), pl.ds(a0, n)] = zero.astype(aqk_ref.dtype)  # the mirror block, above the diagonal
+        akk_ref[pl.ds(b0, n), pl.ds(a0, n)] = zero
+        if "off" not in parts:
+            return store(a0, b0, n, zero, zero)
+        p = g_ref[a0 - 1, :][None, :]  # [1, K]
+        qa, ka = normed(a0, n)
+        _, kb = normed(b0, n)
+        left = jnp.exp2(g_ref[pl.ds(a0, n), :] - p)  # ≤ 1: G decreases
+        right = kb * jnp.exp2(p - g_ref[pl.ds(b0, n), :])  # ≤ 1
+        store(a0, b0, n, dot(qa * left, right, CONTRACT_LAST), dot(ka * left, right, CONTRACT_LAST))
+
+    def diagonal(s):  # the [diag, diag] block of rows [s, s + diag)
+        q, k = normed(s, diag)
+        a_qk = jnp.where(ra == rb, dot(q, k, CONTRACT_LAST), 0.0)  # a = b: no decay
+        a_kk = jnp.zeros((diag, diag), f32)
+        if "diag" in parts:
+            gs = g_ref[pl.ds(s, diag), :]  # [diag, K]
+            h = diag // 2
+            while h:
+                ref_row = s + (r // (2 * h)) * (2 * h) + h - 1  # [diag] the middle of each row's 2h-block
+                e = jnp.exp2(-jnp.abs(gs - g_ref[ref_row, :]))
+                qe, ke = q * e, k * e
+                keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
+                a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
+                a_kk += jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0)
+                h //= 2
+        store(s, s, diag, a_qk, a_kk)
+
+    for s in range(0, CHUNK, diag):
+        diagonal(s)
+    n = CHUNK // 2
+    while n >= diag:  # the coarse levels: blocks of 2n rows, upper half against lower half
+        for a0 in range(n, CHUNK, 2 * n):
+            cross(a0, n)
+        n //= 2
+
+
 def _solve_kernel(k_ref, v_ref, g_ref, beta_ref, akk_ref, w_ref, u_ref, *, l2norm, precision, solve, parts):
     dot = _products(precision)
     dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
@@ -401,50 +506,72 @@ def _solve_kernel(k_ref, v_ref, g_ref, beta_ref, akk_ref, w_ref, u_ref, *, l2nor
     k = k * _inv_norm(k, l2norm)[:, None]
     beta = beta_ref[...].astype(f32)[:, None]
     w_ref[...] = dot(t_inv, beta * jnp.exp2(g_ref[...]) * k).astype(w_ref.dtype)
-    u_ref[...] = dot(t_inv, beta * v_ref[...].astype(f32))
+    u_ref[...] = dot(t_inv, beta * v_ref[...].astype(f32)).astype(u_ref.dtype)
 
 
-def _intra_split(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, solve):
-    """Phase 1 as `_a_kernel` then `_solve_kernel`: the same six outputs as `_intra`."""
-    params = triton_params(interpret, num_warps, 2)
+def _chunk_spec(width):
+    return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
+
+
+_BETA_SPEC = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
+
+
+def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks):
+    """`_a_kernel` (`_a_kernel_blocks` with `blocks`) over every chunk; g is G·log2(e) (`_chunk_cumsum`) ->
+    (A_qk, β-scaled A_kk float32, q_g, k_g, exp(G_C))."""
     b, t, n, dk = q.shape
-    dv = v.shape[-1]
     nc = t // CHUNK
-    f32 = jnp.float32
-    inter = jnp.bfloat16 if precision == "bf16" else f32
-
-    def chunk_spec(width):
-        return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
-
-    beta_spec = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
-    g = _chunk_cumsum(g, interpret=interpret, params=params)
-    aqk, akk, qg, kg, gl = pl.pallas_call(
-        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
+    inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    kernel = functools.partial(_a_kernel_blocks, diag=blocks) if blocks else _a_kernel
+    return pl.pallas_call(
+        functools.partial(kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
         grid=(b, n, nc),
-        in_specs=[chunk_spec(dk), chunk_spec(dk), chunk_spec(dk), beta_spec],
+        in_specs=[_chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk), _BETA_SPEC],
         out_specs=[
-            chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(dk), chunk_spec(dk),
+            _chunk_spec(CHUNK), _chunk_spec(CHUNK), _chunk_spec(dk), _chunk_spec(dk),
             pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, t, n, CHUNK), inter), jax.ShapeDtypeStruct((b, t, n, CHUNK), f32),
+            jax.ShapeDtypeStruct((b, t, n, CHUNK), inter), jax.ShapeDtypeStruct((b, t, n, CHUNK), jnp.float32),
             jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, t, n, dk), inter),
-            jax.ShapeDtypeStruct((b, nc, n, dk, 1), f32),
+            jax.ShapeDtypeStruct((b, nc, n, dk, 1), jnp.float32),
         ],
         interpret=interpret,
         name="kda_chunk_a",
-        **params,
+        **triton_params(interpret, num_warps, 2),
     )(q, k, g, beta)  # fmt: skip
-    w, u = pl.pallas_call(
+
+
+def _solve_call(k, v, g, beta, akk, *, l2norm, precision, interpret, num_warps, parts, solve):
+    """`_solve_kernel` over every chunk -> (W, U)."""
+    b, t, n, dk = k.shape
+    dv = v.shape[-1]
+    inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    return pl.pallas_call(
         functools.partial(_solve_kernel, l2norm=l2norm, precision=precision, solve=solve, parts=parts),
-        grid=(b, n, nc),
-        in_specs=[chunk_spec(dk), chunk_spec(dv), chunk_spec(dk), beta_spec, chunk_spec(CHUNK)],
-        out_specs=[chunk_spec(dk), chunk_spec(dv)],
-        out_shape=[jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, t, n, dv), f32)],
+        grid=(b, n, t // CHUNK),
+        in_specs=[_chunk_spec(dk), _chunk_spec(dv), _chunk_spec(dk), _BETA_SPEC, _chunk_spec(CHUNK)],
+        out_specs=[_chunk_spec(dk), _chunk_spec(dv)],
+        out_shape=[jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, t, n, dv), inter)],
         interpret=interpret,
         name="kda_chunk_solve",
-        **params,
+        **triton_params(interpret, num_warps, 2),
     )(k, v, g, beta, akk)  # fmt: skip
+
+
+def _intra_split(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, solve, blocks=0):
+    """Phase 1 as `_a_kernel` (`_a_kernel_blocks` with `blocks`) then `_solve_kernel`: the same six outputs as
+    `_intra`. num_warps: one count for both kernels, or an (A kernel, solve kernel) pair."""
+    a_warps, solve_warps = num_warps if isinstance(num_warps, tuple) else (num_warps, num_warps)
+    g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
+    aqk, akk, qg, kg, gl = _a_call(
+        q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
+        parts=parts, blocks=blocks,
+    )  # fmt: skip
+    w, u = _solve_call(
+        k, v, g, beta, akk, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=solve_warps,
+        parts=parts, solve=solve,
+    )  # fmt: skip
     return aqk, w, u, qg, kg, gl
 
 
@@ -474,8 +601,8 @@ def _gate_spec(nc, dk):
     ),
 )
 def kda_chunked_pallas(
-    q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2,
-    solve="neumann", chunk_first=None, chunk_last=None, parts=PARTS, intra=INTRA,
+    q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
+    num_stages=STATE_STAGES, solve="neumann", chunk_first=None, chunk_last=None, parts=PARTS, intra=INTRA,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -523,7 +650,7 @@ def kda_chunked_pallas(
 
 @functools.partial(jax.jit, static_argnames=("l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages"))
 def kda_state_summary_pallas(
-    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=2
+    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=STATE_STAGES
 ):
     """The affine map of a sequence shard, S_end = M S_start + E (ARCH_SPEC §2), from the same two phases.
 
