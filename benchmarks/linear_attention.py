@@ -150,67 +150,40 @@ def decode_rows(bw, rate, fla) -> list[dict]:
 PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 
-def _intra_phase(q, k, v, g, beta, *, num_warps, parts=None):
-    """Phase 1 of the Pallas prefill alone (its float32 intermediates are the output), optionally with only
-    some of its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum",
-    only the chunk cumsum that precedes it."""
+def _intra_phase(q, k, v, g, beta, *, parts=None):
+    """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
+    its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
+    chunk cumsum that precedes it."""
     from pallas_kernels._pallas import triton_params
-    from pallas_kernels.linear_attention.chunked import PARTS, _chunk_cumsum, _intra
+    from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
     interpret = jax.default_backend() == "cpu"
     if parts == "cumsum":
-        return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, num_warps, 2))
-    return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="tf32", interpret=interpret,
-                  num_warps=num_warps, parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
+        return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, INTRA_WARPS[0], 2))
+    return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret,
+                  parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
 
 
 # --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
 PHASE_PARTS = (
-    (None, "pallas phase 1 only (intra-chunk)", 4),
-    (None, "pallas phase 1 only (intra-chunk)", 8),
-    (("off", "solve"), "phase 1 without the diagonal sub-blocks", 8),
-    (("diag",), "phase 1 diagonal sub-blocks only", 8),
-    (("off",), "phase 1 earlier sub-blocks only", 8),
-    (("solve",), "phase 1 inverse only", 8),
-    ((), "phase 1 loads + stores only", 8),
-    ("cumsum", "chunk cumsum kernel only", 4),
+    (None, "pallas phase 1 only (intra-chunk)"),
+    (("solve",), "phase 1 without the decayed products of A"),
+    (("levels",), "phase 1 without the inverse"),
+    ((), "phase 1 loads + stores only"),
+    ("cumsum", "chunk cumsum kernel only"),
 )
 
 
-def parse_variant(text: str) -> tuple[int, int, str, str, str]:
-    """Variant text, e.g. 64x4, 64x4:bf16, 64x4:bf16:substitution, 64x4:bf16:neumann:remat or
-    64x4:bf16:neumann:split -> (block_v, num_warps, precision, solve, extra)."""
-    shape, prec, solve, extra = (text.split(":") + ["", "", ""])[:4]
+def parse_variant(text: str) -> tuple[int, int, str, str]:
+    """Variant text, e.g. 64x4, 64x4:bf16 or 64x4:bf16:substitution -> (block_v, num_warps, precision,
+    solve)."""
+    shape, prec, solve = (text.split(":") + ["", ""])[:3]
     bv, nw = (int(x) for x in shape.split("x"))
-    if extra not in ("", "remat", "fused", "split", "blocks"):
-        raise ValueError(f"--variants {text!r}: the fourth field can only be remat, fused, split or blocks")
-    return bv, nw, prec or "tf32", solve or "neumann", extra
-
-
-def _pallas_prefill(block_v, num_warps, precision, solve, extra=""):
-    """The Pallas prefill of one variant. extra "remat" or an `intra` of `chunked.INTRAS`:
-    `chunked.kda_chunked_pallas` called directly with the fused phase 1's "remat" part or with that phase 1
-    form; the benchmark shapes need no padding (T a multiple of 64, K = V = 128)."""
-    if not extra:
-        return functools.partial(kda, impl="pallas", block_v=block_v, num_warps=num_warps, precision=precision,
-                                 solve=solve)  # fmt: skip
-    from pallas_kernels.linear_attention.chunked import PARTS, kda_chunked_pallas
-
-    opts = dict(parts=PARTS | {"remat"}, intra="fused") if extra == "remat" else dict(intra=extra)
-
-    def run(q, k, v, g, beta):
-        s0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-        return kda_chunked_pallas(
-            q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), s0, scale=q.shape[-1] ** -0.5, l2norm=True,
-            block_v=block_v, precision=precision, num_warps=num_warps, solve=solve,
-            interpret=jax.default_backend() == "cpu", **opts,
-        )  # fmt: skip
-
-    return run
+    return bv, nw, prec or "tf32", solve or "neumann"
 
 
 def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[dict]:
-    variants = variants or [(bv, nw, "tf32", "neumann", "") for bv, nw in PREFILL_VARIANTS]
+    variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for t in lengths:
         ks = jax.random.split(jax.random.key(t), 5)
@@ -224,8 +197,8 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
         ref_o, _ = ref(q, k, v, g, beta)
         ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=5)
         rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
-        for bv, nw, prec, solve, extra in variants:
-            fn = jax.jit(_pallas_prefill(bv, nw, prec, solve, extra))
+        for bv, nw, prec, solve in variants:
+            fn = jax.jit(functools.partial(kda, impl="pallas", block_v=bv, num_warps=nw, precision=prec, solve=solve))
             t0 = time.perf_counter()
             o, _ = jax.block_until_ready(fn(q, k, v, g, beta))
             print(f"  (T={t} pallas {bv}x{nw} {prec}: compile + first call {time.perf_counter() - t0:.1f} s)",
@@ -233,14 +206,14 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
             err = rel_err(o, ref_o)
             ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
-            label += (f", {solve}" if solve != "neumann" else "") + (f", {extra}" if extra else "")
+            label += f", {solve}" if solve != "neumann" else ""
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
         if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
-            for parts, label, nw in PHASE_PARTS:
-                intra = jax.jit(functools.partial(_intra_phase, num_warps=nw, parts=parts))
+            for parts, label in PHASE_PARTS:
+                intra = jax.jit(functools.partial(_intra_phase, parts=parts))
                 jax.block_until_ready(intra(q, k, v, g, beta))
                 ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
-                rows.append(row("prefill", shape, f"{label}, warps={nw}", ms, flops, nbytes, bw, rate))
+                rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate))
         if fla is not None:
             torch, chunk_kda, _ = fla
             tq, tk, tv, tg, tb = _to_torch(q, k, v, g, beta)
@@ -296,8 +269,8 @@ def main() -> None:
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
     p.add_argument(
         "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
-        help="Pallas prefill variants as block_v x num_warps [:precision [:solve [:remat | fused | split]]], e.g. "
-        "64x4, 64x4:bf16, 64x4:bf16:substitution or 32x4:bf16:neumann:fused",
+        help="Pallas prefill variants as block_v x num_warps [:precision [:solve]], e.g. 64x4, 64x4:bf16 or "
+        "64x4:bf16:substitution",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument("--no-record", action="store_true")

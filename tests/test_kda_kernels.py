@@ -103,40 +103,41 @@ def test_chunked_prefill_kernel_strong_gates_and_bf16(dk):
         assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5
 
 
-@pytest.mark.parametrize("precision", ["ieee", "bf16"])
-def test_intra_kernel_remat_part_changes_nothing(precision):
-    """parts "remat" (k and G read again after the inverse, gated outputs written before it) computes the same
-    values in the same order: identical outputs."""
-    from pallas_kernels.linear_attention.chunked import PARTS, kda_chunked_pallas
+def _exact_a(q, k, g, beta, scale):
+    """A_qk (a ≥ b) and β-scaled A_kk (a > b) per chunk of 64, float64, each decay as one exp of a difference."""
+    q, k, g, beta = (np.asarray(x, np.float64) for x in (q, k, g, beta))
+    b, t, n, dk = q.shape
+    qn = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * scale
+    kn = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    c = 64
+    G = np.cumsum(g.reshape(b, t // c, c, n, dk), axis=2)  # [B, chunks, C, N, K]
+    qn, kn = (x.reshape(b, t // c, c, n, dk) for x in (qn, kn))
+    decay = np.exp(G[:, :, :, None] - G[:, :, None, :])  # [B, chunks, a, b, N, K]
+    low = np.tril(np.ones((c, c)))[None, None, :, :, None]
+    a_qk = np.einsum("xcanK,xcbnK,xcabnK->xcabn", qn, kn, np.where(low[..., None] > 0, decay, 0.0)) * low
+    a_kk = np.einsum("xcanK,xcbnK,xcabnK->xcabn", kn, kn, np.where(low[..., None] > 0, decay, 0.0))
+    a_kk *= np.tril(np.ones((c, c)), -1)[None, None, :, :, None] * beta.reshape(b, t // c, c, 1, n)
+    # [B, chunks, a, b, N] -> the kernel's [B, T, N, C] layout
+    return (x.transpose(0, 1, 2, 4, 3).reshape(b, t, n, c) for x in (a_qk, a_kk))
 
-    (q, k, v, g, beta), s0 = _prefill_inputs(9, 1, 128, 2, 32, 32, False, jnp.bfloat16, True)
-    kw = dict(scale=32**-0.5, l2norm=True, block_v=16, precision=precision, interpret=True)
-    args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), s0)
-    base = kda_chunked_pallas(*args, intra="fused", **kw)
-    remat = kda_chunked_pallas(*args, parts=PARTS | {"remat"}, intra="fused", **kw)
-    for a, b in zip(base, remat, strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
+@pytest.mark.parametrize("gate_scale", [0.05, 1.0, 25.0])
+def test_a_kernel_levels_match_exact_decays(gate_scale):
+    """`_a_kernel` (every decayed pair through one level of a binary split of the chunk, exp(G_a − G_b) as two
+    factors ≤ 1) against each decay as one exponential, float64, from mild to strong gates (log decays down
+    to about -40 per token: factors taken at the chunk start would overflow). Above the diagonal: zeros."""
+    from pallas_kernels.linear_attention.chunked import PARTS, _a_call, _chunk_cumsum
 
-@pytest.mark.parametrize("precision,solve", [("ieee", "neumann"), ("ieee", "substitution"), ("bf16", "neumann")])
-def test_split_intra_matches_fused_and_reference(precision, solve):
-    """intra="split" (`_a_kernel` + `_solve_kernel`) against the fused phase 1 and the jnp reference, with
-    strong gates (log decays down to -25 per token: products that factor exp(G) at the chunk start would
-    overflow), a non-zero initial state, two chunks, two heads."""
-    from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
-
-    (q, k, v, g, beta), s0 = _prefill_inputs(11, 2, 128, 2, 64, 32, False, jnp.bfloat16, True)
-    g = g * 10.0
-    kw = dict(scale=64**-0.5, l2norm=True, block_v=16, precision=precision, interpret=True, solve=solve)
-    args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), s0)
-    fused = kda_chunked_pallas(*args, intra="fused", **kw)
-    split = kda_chunked_pallas(*args, intra="split", **kw)
-    ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
-    tol = 1e-5 if precision == "ieee" else 2e-2
-    assert rel_err(split[0], fused[0]) < tol and rel_err(split[1], fused[1]) < tol
-    assert rel_err(split[0], ref_o) < max(tol, 1e-2) and rel_err(split[1], ref_s) < max(tol, 1e-4)
-    with pytest.raises(ValueError, match="intra='both' must be one of"):
-        kda_chunked_pallas(*args, intra="both", **kw)
+    (q, k, _, g, beta), _ = _prefill_inputs(13, 2, 128, 2, 32, 16, False, jnp.float32, False)
+    g = g * gate_scale
+    G = _chunk_cumsum(g, interpret=True, params={})
+    aqk, akk, *_ = _a_call(
+        q, k, G, beta, scale=0.3, l2norm=True, precision="ieee", interpret=True, num_warps=8, parts=PARTS
+    )
+    ref_qk, ref_kk = _exact_a(q, k, g, beta, 0.3)
+    assert np.isfinite(np.asarray(aqk)).all() and np.isfinite(np.asarray(akk)).all()
+    np.testing.assert_allclose(np.asarray(aqk), ref_qk, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(akk), ref_kk, rtol=1e-4, atol=1e-6)
 
 
 def test_chunked_prefill_kernel_bf16_products():

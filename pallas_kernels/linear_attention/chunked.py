@@ -1,28 +1,33 @@
 """Pallas kernels: chunked KDA prefill in two phases, the intra-chunk work parallel over all chunks and the
 inter-chunk recurrence sequential per (sequence, head, tile of V columns).
 
-Chunks of C = 64 tokens, handled as four sub-blocks of 16 rows. With G the within-chunk running sum of the
-log decays (G ≤ 0, decreasing), q, k L2-normalised and q scaled:
+Chunks of C = 64 tokens. With G the within-chunk running sum of the log decays (G ≤ 0, decreasing), q, k
+L2-normalised and q scaled:
 
 Phase 0 (`_cumsum_kernel`): G, the running sum of the log decays within each chunk, float32 and in base 2
 (G·log2(e)), so that every exponential below is one exp2.
-Phase 1 (`_intra_kernel`, grid (B, N, chunks)), per chunk, on whole [64, 64] / [64, K] tiles:
+Phase 1, grid (B, N, chunks), two kernels per chunk:
+  `_a_kernel` (`_a_levels`):
     A_qk[a, b] = Σ_k q_ak k_bk exp(G_ak − G_bk)  (a ≥ b),   A_kk[a, b] = β_a Σ_k k_ak k_bk exp(G_ak − G_bk)  (a > b)
-  Diagonal sub-blocks exactly per element, one column of all four sub-blocks per step (16 steps, key rows
-  gathered), masked before the exponential. For a in sub-block i and b in an earlier one, with P_i = G at the
-  row before sub-block i, exp(G_a − G_b) = exp(G_a − P_i) · exp(P_i − G_b): both factors are ≤ 1, so each i
-  is one tensor-core product of two rescaled tiles and nothing can overflow however strong the gates.
-  Then the UT transform T = (I + A_kk)⁻¹ Diag(β): with D the diagonal sub-blocks, X = (I + D)⁻¹ by the
-  Neumann product (I − D)(I + D²)(I + D⁴)(I + D⁸) and M = X (A_kk − D) (block-strictly-lower, M⁴ = 0),
-  (I + A_kk)⁻¹ = (I − M)(I + M²) X. W = T (exp(G) ⊙ k), U = T v, q_g = exp(G) ⊙ q, k_g = exp(G_C − G) ⊙ k,
-  exp(G_C).
-By default (INTRA = "split") phase 1 runs as two kernels with the same mathematics, `_a_kernel` (A_qk, A_kk,
-q_g, k_g, exp(G_C), 16-row stripe by stripe) then `_solve_kernel` (the inverse, W, U) — see their section.
+  every pair a > b through tensor-core products: the pair is split by exactly one level of a binary
+  hierarchy over the chunk, and with P the G row at that level's block middle, exp(G_a − G_b) =
+  exp(G_a − P) · exp(P − G_b), both factors ≤ 1 — nothing overflows however strong the gates. Also
+  q_g = exp(G) ⊙ q, k_g = exp(G_C − G) ⊙ k, exp(G_C).
+  `_solve_kernel`: the UT transform T = (I + A_kk)⁻¹ Diag(β): with D the diagonal 16-row sub-blocks,
+  X = (I + D)⁻¹ by the Neumann product (I − D)(I + D²)(I + D⁴)(I + D⁸) and M = X (A_kk − D)
+  (block-strictly-lower, M⁴ = 0), (I + A_kk)⁻¹ = (I − M)(I + M²) X; W = T (exp(G) ⊙ k), U = T v.
 Phase 2 (`_state_kernel`, grid (B, N, V/BV)), chunk after chunk with S [K, BV] on chip:
     V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
 Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk); all five in bfloat16 with
 precision="bf16" (W, q_g, k_g, A_qk only enter bf16 products; V' = U − W S is cast to bfloat16 for its
-products, so U's rounding is of the same order — fla stores U in bfloat16 too).
+products, so U's rounding is of the same order — fla stores U in bfloat16 too). A_kk stays float32.
+
+Forms measured and dropped (H200, 32K tokens x 32 heads, bf16; BENCHMARKS.md): phase 1 as one kernel with
+the diagonal sub-blocks per element in a 16-step loop, 10.6 ms for the prefill (255 registers, spills);
+split in two with that loop, 8.57 ms (A kernel 4.78); the diagonal sub-blocks as [16, 16, 32] tiles summed
+over K, 14.0; the hierarchy's levels on diagonal blocks of 16 or 32 rows (more, smaller products) 4.2 / 3.7
+ms for the A kernel vs 2.35 with one 64-row block; phase 1 in one kernel on top of that (cumsum and inverse
+in the A kernel) 9.7-16 ms (spills). Now 4.59 ms vs fla's chunk_kda 4.76 (f860793).
 """
 
 from __future__ import annotations
@@ -32,32 +37,21 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import triton_params
 
 CHUNK = 64
-SUB = 16  # sub-block rows: the smallest tensor-core tile
-# Parts of the intra-chunk phase; leaving some out (zeros / identity in their place) is a profiling aid only
-# (`benchmarks/linear_attention.py --phases` times the phase with each part removed). Adding "remat" (fused
-# phase 1 only, see `_intra_kernel`) measured no gain: 8.26 vs 8.41 ms for that kernel (H200, 32K, c2f09cb).
-PARTS = frozenset({"diag", "off", "solve"})
-# Phase 1 as one fused kernel ("fused", `_intra_kernel`) or two ("split", `_a_kernel` + `_solve_kernel`).
-# H200, 32K tokens x 32 heads, bf16 (BENCHMARKS.md, ef660df / 99f1e83, same runs): fused 10.68 / 10.62 ms,
-# split 8.57 / 8.57 (A kernel 4.78 + solve 1.78 + state 1.26 + cumsum 0.29); split with substitution 10.47;
-# the split's diagonal sub-blocks as [16, 16, 32] tiles summed over K instead of its 16-step loop 14.04
-# (tried at 99f1e83, removed); fla's chunk_kda 4.36-4.62.
-INTRAS = ("fused", "split", "blocks", "blocks32", "blocks64")
-INTRA = "blocks64"
+SUB = 16  # the Neumann chain's diagonal sub-blocks: the smallest tensor-core tile
+# Parts of phase 1; leaving some out (zeros / the identity in their place) is a profiling aid only
+# (`benchmarks/linear_attention.py --phases` times the phase with each part removed): "levels" are the
+# decayed products of A (the a = b terms of A_qk stay), "solve" the inverse.
+PARTS = frozenset({"levels", "solve"})
 LOG2E = 1.4426950408889634
-# Warps of the intra-chunk kernel: at 4 it needed 255 registers per thread and spilled (Nsight Compute on
-# the H200, 4K tokens: 12% occupancy, a third of its stalls on local memory); `num_warps` sets the state pass.
-INTRA_WARPS = 8
-# The split forms' (A kernel, solve kernel) warps. H200, 32K x 32 heads, bf16, each kernel alone: A "blocks64"
-# 2.35 ms at 8 warps (6.14 at 4); solve 1.24 ms at 4 warps (2.22 at 8, 3.62 at 2).
-SPLIT_WARPS = (8, 4)
+# Warps of the (A kernel, solve kernel). H200, 32K x 32 heads, bf16, each kernel alone: the A kernel 2.35 ms at
+# 8 warps (6.14 at 4: spills); the solve 1.24 ms at 4 warps (2.22 at 8, 3.62 at 2).
+INTRA_WARPS = (8, 4)
 # Software-pipelining stages of the state pass (its loads of the next chunk's tiles overlap this chunk's
-# products): 4.53 ms vs 4.92 at 2 for the whole 32K prefill (H200, blocks64).
+# products): 4.53 ms vs 4.92 at 2 for the whole 32K prefill (H200).
 STATE_STAGES = 3
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a @ bᵀ
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ @ b
@@ -135,101 +129,6 @@ def _unit_lower_inverse(a_kk, dot_solve, solve, akk_rows):
     return dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
 
-def _intra_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, aqk_ref, w_ref, u_ref, qg_ref, kg_ref, gl_ref, *akk_ref, scale, l2norm,
-    precision, kslice, parts=PARTS, solve="neumann", barrier=True,
-):  # fmt: skip
-    """g_ref holds G·log2(e) (`_chunk_cumsum`), so every decay below is an exp2. `akk_ref` (solve=
-    "substitution" only): A_kk goes out through it and its rows are read back (after a CTA barrier on GPU)."""
-    dot = _products(precision)
-    dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
-    dk = q_ref.shape[-1]
-    f32 = jnp.float32
-    idx = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    rb, cb = row // SUB, col // SUB  # sub-block of each entry
-
-    # Row factors only: the normalised tiles are formed after the diagonal loop so that no [C, K] tile
-    # stays live across it (register pressure: the loop is most of the kernel's instructions).
-    q_scale = _inv_norm(q_ref[...].astype(f32), l2norm) * scale  # [C]
-    k_scale = _inv_norm(k_ref[...].astype(f32), l2norm)  # [C]
-
-    # Diagonal sub-blocks, exact per element: column j of every sub-block at once (row a of the chunk pairs
-    # with key row 16·⌊a/16⌋ + j), masked before the exponential; K in slices; on the raw q, k (the row
-    # and column norms are applied after the loop).
-    def diag(j, carry):
-        dqk, dkk = carry
-        src = (idx // SUB) * SUB + j  # [C] the key row each row pairs with
-        live = (idx % SUB) >= j
-        vq = jnp.zeros((CHUNK,), f32)
-        vk = jnp.zeros((CHUNK,), f32)
-        for s in range(dk // kslice):
-            cols = pl.ds(s * kslice, kslice)
-            e = jnp.exp2(jnp.where(live[:, None], g_ref[:, cols] - g_ref[src, cols], -jnp.inf))
-            kd = k_ref[src, cols].astype(f32) * e
-            vq += jnp.sum(q_ref[:, cols].astype(f32) * kd, axis=1)
-            vk += jnp.sum(k_ref[:, cols].astype(f32) * kd, axis=1)
-        hit = col == rb * SUB + j
-        return jnp.where(hit, vq[:, None], dqk), jnp.where(hit, vk[:, None], dkk)
-
-    zeros = jnp.zeros((CHUNK, CHUNK), f32)
-    a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros)) if "diag" in parts else (zeros, zeros)
-    a_qk = a_qk * q_scale[:, None] * k_scale[None, :]
-    a_kk = a_kk * k_scale[:, None] * k_scale[None, :]
-
-    q = q_ref[...].astype(f32) * q_scale[:, None]
-    k = k_ref[...].astype(f32) * k_scale[:, None]
-    G = g_ref[...]  # [C, K] float32: G·log2(e), G ≤ 0 decreasing within the chunk
-    beta = beta_ref[...].astype(f32)
-
-    # Earlier sub-blocks: for a in sub-block i and b before it, with P_i = G at the row before sub-block i,
-    # exp(G_a − G_b) = exp(G_a − P_i) · exp(P_i − G_b), both ≤ 1 on the entries kept (the min(·, 0) only
-    # touches entries masked away): one tensor-core product per i.
-    for i in range(1, CHUNK // SUB if "off" in parts else 1):
-        p_i = g_ref[i * SUB - 1, :][None, :]  # [1, K]
-        left = jnp.exp2(jnp.minimum(G - p_i, 0.0))
-        right = k * jnp.exp2(jnp.minimum(p_i - G, 0.0))
-        keep = (rb == i) & (cb < i)
-        a_qk += jnp.where(keep, dot(q * left, right, CONTRACT_LAST), 0.0)
-        a_kk += jnp.where(keep, dot(k * left, right, CONTRACT_LAST), 0.0)
-    aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
-    a_kk = jnp.where(row > col, a_kk * beta[:, None], 0.0)
-
-    def _gated_outputs(q, k, G):  # what the state pass reads besides A_qk, W, U: no part of the inverse
-        g_last = g_ref[CHUNK - 1, :]  # [K]
-        qg_ref[...] = (jnp.exp2(G) * q).astype(qg_ref.dtype)
-        kg_ref[...] = (jnp.exp2(g_last[None, :] - G) * k).astype(kg_ref.dtype)
-        gl_ref[...] = jnp.exp2(g_last)[:, None]
-
-    # parts "remat" (opt-in; measured no faster): the gated outputs are written before the inverse, and k, G are read
-    # again after it, so q, k, G ([C, K] float32 tiles, 3 x 32 registers a thread at 8 warps) are not live
-    # across the inverse's chain — the kernel ran at 255 registers with spills (Nsight Compute).
-    remat = "remat" in parts
-    if remat:
-        _gated_outputs(q, k, G)
-        del q
-
-    # T = (I + A_kk)⁻¹ (`_unit_lower_inverse`); substitution reads A's rows back from memory, written through
-    # akk_ref (after a CTA barrier on GPU)
-    t_inv = jnp.eye(CHUNK, dtype=f32)
-    if "solve" in parts:
-        if solve == "substitution":
-            akk_ref[0][...] = a_kk
-            if barrier:
-                pltriton.debug_barrier()
-        t_inv = _unit_lower_inverse(a_kk, dot_solve, solve, lambda i: akk_ref[0][i, :])
-
-    if remat:  # k and G again from memory (the chunk's tiles, just read: L2): nothing [C, K] spans the solve
-        k = k_ref[...].astype(f32) * k_scale[:, None]
-        G = g_ref[...]
-    else:
-        _gated_outputs(q, k, G)
-    decay = jnp.exp2(G)
-    w_ref[...] = dot(t_inv, beta[:, None] * decay * k).astype(w_ref.dtype)
-    u_ref[...] = dot(t_inv, beta[:, None] * v_ref[...].astype(f32)).astype(u_ref.dtype)
-
-
 def _state_kernel(*refs, nc, precision, packed):
     """The state pass over one (row, head, V-block). Packed sequences (`packed`): chunk_first / chunk_last
     [nc] int32 name the sequence a chunk starts / ends (-1: none); the state is reset to that sequence's
@@ -276,139 +175,6 @@ def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precisio
     s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
 
-def _intra(
-    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=None, parts=PARTS, solve="neumann",
-    intra=INTRA,
-):  # fmt: skip
-    """Phase 1 over every chunk: (A_qk, W, U, q_g, k_g, exp(G_C) [B, chunks, N, K, 1]); intra="split" runs it
-    as two kernels (`_intra_split`)."""
-    if intra != "fused" and intra in INTRAS:
-        blocks = 0 if intra == "split" else int(intra[6:] or SUB)  # rows of the diagonal blocks
-        return _intra_split(
-            q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret,
-            num_warps=num_warps or SPLIT_WARPS, parts=parts, solve=solve, blocks=blocks,
-        )  # fmt: skip
-    if intra != "fused":
-        raise ValueError(f"kda_chunked_pallas: intra={intra!r} must be one of {INTRAS}")
-    params = triton_params(interpret, num_warps or INTRA_WARPS, 2)
-    b, t, n, dk = q.shape
-    dv = v.shape[-1]
-    nc = t // CHUNK
-    f32 = jnp.float32
-
-    def chunk_spec(width):
-        return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
-
-    g = _chunk_cumsum(g, interpret=interpret, params=params)
-    intra = functools.partial(
-        _intra_kernel, scale=scale, l2norm=l2norm, precision=precision, kslice=min(dk, 64), parts=parts,
-        solve=solve, barrier=not interpret,
-    )  # fmt: skip
-    extra = solve == "substitution"  # A_kk as an output: written, then read back row by row
-    # A_qk, W, q_g and k_g only ever enter products: with bf16 products they are stored as bf16 (the cast the
-    # state pass would make, made once; half the bytes written here and read there). U stays float32.
-    inter = jnp.bfloat16 if precision == "bf16" else f32
-    return pl.pallas_call(
-        intra,
-        grid=(b, n, nc),
-        in_specs=[
-            chunk_spec(dk), chunk_spec(dk), chunk_spec(dv), chunk_spec(dk),
-            pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h)),
-        ],
-        out_specs=[
-            chunk_spec(CHUNK), chunk_spec(dk), chunk_spec(dv), chunk_spec(dk), chunk_spec(dk),
-            pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
-        ] + [chunk_spec(CHUNK)] * int(extra),
-        out_shape=[
-            jax.ShapeDtypeStruct((b, t, n, CHUNK), inter), jax.ShapeDtypeStruct((b, t, n, dk), inter),
-            jax.ShapeDtypeStruct((b, t, n, dv), inter), jax.ShapeDtypeStruct((b, t, n, dk), inter),
-            jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, nc, n, dk, 1), f32),
-        ] + [jax.ShapeDtypeStruct((b, t, n, CHUNK), f32)] * int(extra),
-        interpret=interpret,
-        name="kda_chunk_intra",
-        **params,
-    )(q, k, v, g, beta)[:6]  # fmt: skip
-
-
-# ---------------------------------------------------------------- phase 1 as two kernels (intra="split")
-#
-# The fused `_intra_kernel` keeps the chunk's [C, C] and [C, K] tiles live across the diagonal loop, the
-# off-diagonal products, the inverse and W / U; on the H200 it is ~8.4 of ~10 ms of a 32K-token prefill, and
-# its parts alone add up to far less than the whole (register pressure: 255 registers, spills). Split in
-# two, each kernel holds a fraction of that state:
-#   `_a_kernel`: A_qk and β-scaled strict-lower A_kk (float32, through HBM), q_g, k_g, exp(G_C) — one 16-row
-#   stripe of the chunk at a time: its diagonal sub-block exactly per element (a 16-step loop over [16, K]
-#   tiles, each key row broadcast: no gathered rows), its earlier sub-blocks as one [16, K] x [K, C]
-#   product (rescaled both sides at the row before the stripe, as in the fused kernel, columns >= the
-#   stripe masked away);
-#   `_solve_kernel`: (I + A_kk)⁻¹ (Neumann chain, or substitution over A_kk's rows read from HBM) and
-#   W = T (β exp(G) ⊙ k), U = T (β v).
-
-
-def _a_kernel(
-    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm, precision, parts
-):  # fmt: skip
-    dot = _products(precision)
-    f32 = jnp.float32
-    r16 = jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-    row = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 1)
-
-    def inv_norm(x):  # [R, K] -> [R]
-        return _inv_norm(x, l2norm)
-
-    g_last = g_ref[CHUNK - 1, :]  # [K]
-    gl_ref[...] = jnp.exp2(g_last)[:, None]
-    k_scale = inv_norm(k_ref[...].astype(f32))  # [C]: the whole chunk's keys enter every stripe's products
-    for i in range(CHUNK // SUB):  # one 16-row stripe at a time: nothing [C, K] outlives its stripe
-        rows = pl.ds(i * SUB, SUB)
-        q_raw = q_ref[rows, :].astype(f32)
-        k_raw = k_ref[rows, :].astype(f32)
-        qs = inv_norm(q_raw) * scale  # [16]
-        ks = inv_norm(k_raw)
-        gi = g_ref[rows, :]  # [16, K] G·log2(e)
-        qg_ref[rows, :] = (jnp.exp2(gi) * q_raw * qs[:, None]).astype(qg_ref.dtype)
-        kg_ref[rows, :] = (jnp.exp2(g_last[None, :] - gi) * k_raw * ks[:, None]).astype(kg_ref.dtype)
-
-        def diag(j, carry, i=i, q_raw=q_raw, k_raw=k_raw, gi=gi):
-            dqk, dkk = carry
-            src = i * SUB + j
-            kj = k_ref[src, :].astype(f32)  # [K] raw; its norm is applied with the stripe's below
-            e = jnp.exp2(jnp.where((r16 >= j)[:, None], gi - g_ref[src, :][None, :], -jnp.inf))
-            kd = kj[None, :] * e
-            hit = col == src
-            dqk = jnp.where(hit, jnp.sum(q_raw * kd, axis=1)[:, None], dqk)
-            return dqk, jnp.where(hit, jnp.sum(k_raw * kd, axis=1)[:, None], dkk)
-
-        zeros = jnp.zeros((SUB, CHUNK), f32)
-        a_qk, a_kk = jax.lax.fori_loop(0, SUB, diag, (zeros, zeros)) if "diag" in parts else (zeros, zeros)
-        a_qk = a_qk * qs[:, None] * k_scale[None, :]
-        a_kk = a_kk * ks[:, None] * k_scale[None, :]
-        if i and "off" in parts:
-            # earlier sub-blocks: exp(G_a − G_b) = exp(G_a − P) · exp(P − G_b) with P = G at the row before the
-            # stripe, both ≤ 1 on the entries kept
-            p = g_ref[i * SUB - 1, :][None, :]  # [1, K]
-            left = jnp.exp2(gi - p)
-            right = k_ref[...].astype(f32) * k_scale[:, None] * jnp.exp2(jnp.minimum(p - g_ref[...], 0.0))
-            keep = col < i * SUB
-            a_qk += jnp.where(keep, dot(q_raw * qs[:, None] * left, right, CONTRACT_LAST), 0.0)
-            a_kk += jnp.where(keep, dot(k_raw * ks[:, None] * left, right, CONTRACT_LAST), 0.0)
-        aqk_ref[rows, :] = a_qk.astype(aqk_ref.dtype)
-        beta = beta_ref[rows].astype(f32)
-        akk_ref[rows, :] = jnp.where(col < row + i * SUB, a_kk * beta[:, None], 0.0)
-
-
-def _a_kernel_blocks(
-    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm, precision, parts,
-    diag=SUB,
-):  # fmt: skip
-    """`_a_kernel`'s outputs with every sub-block of A as tensor-core products (intra="blocks", "blocks32",
-    "blocks64"; `_a_blocks`)."""
-    _a_blocks(q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, scale=scale, l2norm=l2norm, precision=precision,
-              parts=parts, diag=diag)  # fmt: skip
-    _gated_tiles(q_ref, k_ref, g_ref, qg_ref, kg_ref, gl_ref, scale=scale, l2norm=l2norm)
-
-
 def _normed_rows(q_ref, k_ref, start, n, *, scale, l2norm):
     """Rows [start, start + n) of the chunk: L2-normalised q (times scale) and k, float32 [n, K]."""
     q = q_ref[pl.ds(start, n), :].astype(jnp.float32)
@@ -416,8 +182,49 @@ def _normed_rows(q_ref, k_ref, start, n, *, scale, l2norm):
     return q * (_inv_norm(q, l2norm) * scale)[:, None], k * _inv_norm(k, l2norm)[:, None]
 
 
-def _gated_tiles(q_ref, k_ref, g_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm):
-    """What the state pass reads besides A_qk, W, U: q_g = exp(G) ⊙ q, k_g = exp(G_C − G) ⊙ k, exp(G_C)."""
+def _a_levels(q, k, g_ref, *, precision, levels):
+    """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, g_ref
+    holding G·log2(e).
+
+    A pair of rows a > b is split by exactly one level h ∈ {32, 16, ..., 1} of a binary hierarchy over the
+    chunk: the level whose block of 2h rows holds both, a in its upper half and b in its lower half. With P
+    the G row at that block's middle (the last row of its lower half), exp(G_a − G_b) = exp(G_a − P) ·
+    exp(P − G_b), both factors ≤ 1 (G decreases): nothing overflows however strong the gates, and a factor
+    that underflows bounds the exact value below it. One tile per level serves both sides, E = exp(−|G −
+    P(row)|) (the left factor on upper-half rows, the right one on lower-half rows), and each level is two
+    masked [C, K] x [K, C] tensor-core products; the a = b terms of A_qk have no decay (one more product).
+    13 products per chunk where the per-element form looped over key rows (see the module notes)."""
+    dot = _products(precision)
+    c = q.shape[0]
+    r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
+    ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    a_qk = jnp.where(ra == rb, dot(q, k, CONTRACT_LAST), 0.0)
+    a_kk = jnp.zeros((c, c), jnp.float32)
+    if not levels:
+        return a_qk, a_kk
+    g = g_ref[...]  # [C, K]
+    h = c // 2
+    while h:
+        middle = (r // (2 * h)) * (2 * h) + h - 1  # [C] the middle row of each row's block of 2h
+        e = jnp.exp2(-jnp.abs(g - g_ref[middle, :]))
+        qe, ke = q * e, k * e
+        keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
+        a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
+        a_kk += jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0)
+        h //= 2
+    return a_qk, a_kk
+
+
+def _a_kernel(
+    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm, precision, parts
+):  # fmt: skip
+    """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g and exp(G_C) of one chunk (`_a_levels`)."""
+    q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
+    a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels="levels" in parts)
+    aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
+    akk_ref[...] = a_kk * beta_ref[...].astype(jnp.float32)[:, None]
+    # the gated tiles 16 rows at a time: the [C, K] tiles above are dead by now, nothing large stays live
     g_last = g_ref[CHUNK - 1, :]  # [K]
     gl_ref[...] = jnp.exp2(g_last)[:, None]
     for s in range(0, CHUNK, SUB):
@@ -426,73 +233,6 @@ def _gated_tiles(q_ref, k_ref, g_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm):
         gs = g_ref[rows, :]
         qg_ref[rows, :] = (jnp.exp2(gs) * q).astype(qg_ref.dtype)
         kg_ref[rows, :] = (jnp.exp2(g_last[None, :] - gs) * k).astype(kg_ref.dtype)
-
-
-def _a_blocks(q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, *, scale, l2norm, precision, parts, diag):
-    """A_qk and β-scaled strict-lower A_kk of one chunk, every sub-block as tensor-core products; g_ref holds
-    G·log2(e).
-
-    A pair of rows a > b is split by exactly one level of a binary hierarchy over the chunk (blocks of 64,
-    32, 16, 8, 4, 2): the level whose block holds both, a in its upper half and b in its lower half. With P
-    the G row at the middle of that block (the last row of its lower half), exp(G_a − G_b) =
-    exp(G_a − P) · exp(P − G_b) with both factors ≤ 1 — nothing overflows however strong the gates, and a
-    factor that underflows bounds the exact value below it. Levels of blocks larger than `diag` rows are
-    the chunk's off-diagonal blocks (one product each, written in place); inside each diagonal
-    [diag, diag] block, the finer levels share one tile per level, E = exp(−|G − P(row)|) (the left factor
-    on upper-half rows, the right one on lower-half rows), one masked [diag, K] x [K, diag] product per
-    level, plus the exact a = b term of A_qk. Each block of the outputs is stored once (no element twice:
-    no ordering between threads' stores is needed)."""
-    dot = _products(precision)
-    f32 = jnp.float32
-    r = jax.lax.broadcasted_iota(jnp.int32, (diag,), 0)
-    ra = jax.lax.broadcasted_iota(jnp.int32, (diag, diag), 0)
-    rb = jax.lax.broadcasted_iota(jnp.int32, (diag, diag), 1)
-
-    normed = functools.partial(_normed_rows, q_ref, k_ref, scale=scale, l2norm=l2norm)
-
-    def store(a0, b0, n, a_qk, a_kk):  # block rows [a0, a0 + n) x columns [b0, b0 + n); A_kk rows times β
-        beta = beta_ref[pl.ds(a0, n)].astype(f32)
-        aqk_ref[pl.ds(a0, n), pl.ds(b0, n)] = a_qk.astype(aqk_ref.dtype)
-        akk_ref[pl.ds(a0, n), pl.ds(b0, n)] = a_kk * beta[:, None]
-
-    def cross(a0, n):  # rows [a0, a0 + n) against the n rows just before them
-        b0 = a0 - n
-        zero = jnp.zeros((n, n), f32)
-        aqk_ref[pl.ds(b0, n), pl.ds(a0, n)] = zero.astype(aqk_ref.dtype)  # the mirror block, above the diagonal
-        akk_ref[pl.ds(b0, n), pl.ds(a0, n)] = zero
-        if "off" not in parts:
-            return store(a0, b0, n, zero, zero)
-        p = g_ref[a0 - 1, :][None, :]  # [1, K]
-        qa, ka = normed(a0, n)
-        _, kb = normed(b0, n)
-        left = jnp.exp2(g_ref[pl.ds(a0, n), :] - p)  # ≤ 1: G decreases
-        right = kb * jnp.exp2(p - g_ref[pl.ds(b0, n), :])  # ≤ 1
-        store(a0, b0, n, dot(qa * left, right, CONTRACT_LAST), dot(ka * left, right, CONTRACT_LAST))
-
-    def diagonal(s):  # the [diag, diag] block of rows [s, s + diag)
-        q, k = normed(s, diag)
-        a_qk = jnp.where(ra == rb, dot(q, k, CONTRACT_LAST), 0.0)  # a = b: no decay
-        a_kk = jnp.zeros((diag, diag), f32)
-        if "diag" in parts:
-            gs = g_ref[pl.ds(s, diag), :]  # [diag, K]
-            h = diag // 2
-            while h:
-                ref_row = s + (r // (2 * h)) * (2 * h) + h - 1  # [diag] the middle of each row's 2h-block
-                e = jnp.exp2(-jnp.abs(gs - g_ref[ref_row, :]))
-                qe, ke = q * e, k * e
-                keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
-                a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
-                a_kk += jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0)
-                h //= 2
-        store(s, s, diag, a_qk, a_kk)
-
-    for s in range(0, CHUNK, diag):
-        diagonal(s)
-    n = CHUNK // 2
-    while n >= diag:  # the coarse levels: blocks of 2n rows, upper half against lower half
-        for a0 in range(n, CHUNK, 2 * n):
-            cross(a0, n)
-        n //= 2
 
 
 def _solve_kernel(k_ref, v_ref, g_ref, beta_ref, akk_ref, w_ref, u_ref, *, l2norm, precision, solve, parts):
@@ -516,15 +256,14 @@ def _chunk_spec(width):
 _BETA_SPEC = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
 
 
-def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks):
-    """`_a_kernel` (`_a_kernel_blocks` with `blocks`) over every chunk; g is G·log2(e) (`_chunk_cumsum`) ->
-    (A_qk, β-scaled A_kk float32, q_g, k_g, exp(G_C))."""
+def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts):
+    """`_a_kernel` over every chunk; g is G·log2(e) (`_chunk_cumsum`) -> (A_qk, β-scaled A_kk float32, q_g,
+    k_g, exp(G_C))."""
     b, t, n, dk = q.shape
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
-    kernel = functools.partial(_a_kernel_blocks, diag=blocks) if blocks else _a_kernel
     return pl.pallas_call(
-        functools.partial(kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
+        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
         grid=(b, n, nc),
         in_specs=[_chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk), _BETA_SPEC],
         out_specs=[
@@ -559,14 +298,16 @@ def _solve_call(k, v, g, beta, akk, *, l2norm, precision, interpret, num_warps, 
     )(k, v, g, beta, akk)  # fmt: skip
 
 
-def _intra_split(q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, solve, blocks=0):
-    """Phase 1 as `_a_kernel` (`_a_kernel_blocks` with `blocks`) then `_solve_kernel`: the same six outputs as
-    `_intra`. num_warps: one count for both kernels, or an (A kernel, solve kernel) pair."""
-    a_warps, solve_warps = num_warps if isinstance(num_warps, tuple) else (num_warps, num_warps)
+def _intra(
+    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann"
+):  # fmt: skip
+    """Phase 1 over every chunk: the cumsum, `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
+    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first)."""
+    a_warps, solve_warps = num_warps
     g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
     aqk, akk, qg, kg, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
-        parts=parts, blocks=blocks,
+        parts=parts,
     )  # fmt: skip
     w, u = _solve_call(
         k, v, g, beta, akk, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=solve_warps,
@@ -597,12 +338,11 @@ def _gate_spec(nc, dk):
         "num_stages",
         "solve",
         "parts",
-        "intra",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
-    num_stages=STATE_STAGES, solve="neumann", chunk_first=None, chunk_last=None, parts=PARTS, intra=INTRA,
+    num_stages=STATE_STAGES, solve="neumann", chunk_first=None, chunk_last=None, parts=PARTS,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -618,7 +358,7 @@ def kda_chunked_pallas(
     params = triton_params(interpret, num_warps, num_stages)
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
-        parts=parts, intra=intra,
+        parts=parts,
     )  # fmt: skip
     if packed:
         if b != 1 or chunk_first.shape != (nc,) or chunk_last.shape != (nc,):
