@@ -5,7 +5,7 @@ explains a number, it is not one) and writes the optimized HLO beside the trace 
 Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step; `--model kimi` is the
 Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing). `--stage kda_prefill`
 is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with its defaults and
-with phase 1 split in two kernels), what `benchmarks.linear_attention` times, split into its kernels.
+its defaults), what `benchmarks.linear_attention` times, split into its kernels.
 
     python -m benchmarks.profile_stage [--model hybrid_small|kimi] [--stage kda|sparse|moe|step|kda_prefill]
         [--batch 1 16] [--context 2048] [--tokens 32768] [--out DIR]
@@ -98,23 +98,23 @@ def print_table(title: str, times: dict[str, list[float]], calls: int, top: int)
 
 
 def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
-    """The KDA op at prefill, bf16 inputs: default Pallas path, then phase 1 as two kernels (intra="split")."""
-    from benchmarks.linear_attention import DK, DV, N, _pallas_prefill
+    """The KDA op at prefill, bf16 inputs, the Pallas path with its defaults."""
+    from benchmarks.linear_attention import DK, DV, N
+    from pallas_kernels.linear_attention import kda
 
     ks = jax.random.split(jax.random.key(tokens), 5)
     q, k, v = (jax.random.normal(x, (1, tokens, N, DK), jnp.bfloat16) for x in ks[:3])
     g = -jax.nn.softplus(jax.random.normal(ks[3], (1, tokens, N, DK))) * 0.1
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, tokens, N)))
-    for extra in ("", "split"):
-        fn = jax.jit(_pallas_prefill(32, 4, "bf16", "neumann", extra))
-        jax.block_until_ready(fn(q, k, v, g, beta))
-        trace = out_dir / f"trace_kda_prefill_{tokens}{'_' + extra if extra else ''}"
-        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
-            for _ in range(args.calls):
-                out = fn(q, k, v, g, beta)
-            jax.block_until_ready(out)
-        title = f"KDA prefill T={tokens} N={N} K={DK} V={DV}, bf16 products{', ' + extra if extra else ''}"
-        print_table(title, kernel_times(trace), args.calls, args.top)
+    fn = jax.jit(lambda *a: kda(*a, impl="pallas"))
+    jax.block_until_ready(fn(q, k, v, g, beta))
+    trace = out_dir / f"trace_kda_prefill_{tokens}"
+    with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+        for _ in range(args.calls):
+            out = fn(q, k, v, g, beta)
+        jax.block_until_ready(out)
+    title = f"KDA prefill T={tokens} N={N} K={DK} V={DV}, bf16 products (defaults)"
+    print_table(title, kernel_times(trace), args.calls, args.top)
 
 
 def kimi_model(args):
