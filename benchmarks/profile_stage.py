@@ -4,7 +4,7 @@ explains a number, it is not one) and writes the optimized HLO beside the trace 
 
 Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step; `--model kimi` is the
 Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing). `--stage kda_prefill`
-is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with its defaults and
+is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with
 its defaults), what `benchmarks.linear_attention` times, split into its kernels.
 
     python -m benchmarks.profile_stage [--model hybrid_small|kimi] [--stage kda|sparse|moe|step|kda_prefill]
