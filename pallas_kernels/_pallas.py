@@ -18,6 +18,7 @@ OPS = (
     "indexer_prolog",
     "sparse_mla",
     "moe",
+    "moe_router",
     "attention",
     "projection",
 )

@@ -138,3 +138,13 @@ def test_sparse_mla_kernel_lowers():
         return sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", interpret=False)
 
     assert _lowered_for_h200(run, ql, qr, pool, table, idx).count("xla.gpu.triton") >= 1
+
+
+def test_moe_router_kernel_lowers():
+    from pallas_kernels.moe import moe_route
+
+    x = jnp.ones((1, 2304), jnp.bfloat16)
+    w = jnp.ones((2304, 32), jnp.bfloat16)
+    bias = jnp.zeros((32,), jnp.float32)
+    text = _lowered_for_h200(lambda x, w, b: moe_route(x, w, b, k=8, impl="pallas", interpret=False), x, w, bias)
+    assert text.count("xla.gpu.triton") == 1

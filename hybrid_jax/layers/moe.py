@@ -8,30 +8,22 @@ from flax import nnx
 
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, SwiGLU, _normal
-from pallas_kernels.moe import moe_experts
+from pallas_kernels.moe import moe_experts, moe_route
+from pallas_kernels.moe.reference import route_reference
 
 
 def route(logits: jax.Array, bias: jax.Array, cfg: HybridConfig) -> tuple[jax.Array, jax.Array]:
-    """Router logits [N,E] float32 -> (combine weights [N,k] float32, expert ids [N,k] int32).
+    """Router logits [N,E] float32 -> (combine weights [N,k] float32, expert ids [N,k] int32) under cfg's
+    routing (`pallas_kernels.moe.reference.route_reference`: σ or softmax scores, selection on score + bias
+    within the best `topk_group` of `n_group` groups, weights renormalised and scaled)."""
+    return route_reference(logits, bias, **_routing(cfg))
 
-    s = σ(logits) (or softmax); selection uses s + bias, restricted to the `topk_group` groups whose top-2
-    biased scores sum highest; weights are the unbiased s of the chosen experts, renormalised
-    (+1e-20, as HF) and multiplied by `routed_scaling_factor`.
-    """
-    s = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    choice = s + bias
-    if cfg.n_group > 1:
-        n, e = choice.shape
-        grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
-        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
-        keep_mask = jnp.any(jax.nn.one_hot(keep, cfg.n_group, dtype=jnp.bool_), axis=1)  # [N, G]
-        choice = jnp.where(jnp.repeat(keep_mask, e // cfg.n_group, axis=1), choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
-    w = jnp.take_along_axis(s, idx, axis=1)
-    if cfg.norm_topk_prob:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
+
+def _routing(cfg: HybridConfig) -> dict:
+    return dict(
+        k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group, scoring=cfg.scoring_func,
+        norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+    )  # fmt: skip
 
 
 class Router(nnx.Module):
@@ -67,10 +59,8 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [B,T,D] -> [B,T,D]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        logits = jnp.dot(
-            x2.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-        )
-        w, idx = route(logits, self.gate.e_score_correction_bias[...], self.cfg)
+        # float32 logits (HF); at decode one router kernel does logits, top-k and weights (pallas_kernels/moe)
+        w, idx = moe_route(x2, self.gate.kernel[...], self.gate.e_score_correction_bias[...], **_routing(self.cfg))
         y = moe_experts(  # routed experts as grouped matmuls (pallas_kernels/moe)
             x2, idx, w, self.experts.gate_proj[...], self.experts.up_proj[...], self.experts.down_proj[...]
         )

@@ -1,3 +1,3 @@
-from pallas_kernels.moe.api import moe_experts
+from pallas_kernels.moe.api import moe_experts, moe_route
 
-__all__ = ["moe_experts"]
+__all__ = ["moe_experts", "moe_route"]

@@ -8,7 +8,14 @@ import jax.numpy as jnp
 from pallas_kernels._pallas import auto_impl, forced_choice, pow2
 from pallas_kernels.moe.gemv import auto_split_k, down_gemv, gate_up_gemv
 from pallas_kernels.moe.kernel import grouped_gate_up_pallas, grouped_matmul_pallas
-from pallas_kernels.moe.reference import moe_experts_gather, moe_experts_reference, sort_by_expert
+from pallas_kernels.moe.reference import (
+    moe_experts_gather,
+    moe_experts_reference,
+    route_reference,
+    router_logits_reference,
+    sort_by_expert,
+)
+from pallas_kernels.moe.router import route_pallas, router_block_k
 
 IMPLS = ("auto", "reference", "pallas", "gather", "gemv")
 
@@ -195,11 +202,68 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     # also gate/up's output: whole bn_f tiles; all tiles are powers of two, so the larger one is the lcm).
     d_in = -(-d_in // (s1 * bk_d)) * s1 * bk_d
     f_pad = -(-f_pad // max(s2 * bk_f, bn_f)) * max(s2 * bk_f, bn_f)
-    rows = jnp.pad(jnp.repeat(x, k, axis=0), [(0, 0), (0, d_in - d)])
+    rows = jnp.pad(x, [(0, 0), (0, d_in - d)])  # one row per token: its k pairs read it in place
     gate, up = (pad3(a, d_in, f_pad) for a in (gate_proj, up_proj))
     mma = mma and jnp.dtype(x.dtype).itemsize == 2  # float32 rows keep exact multiply-adds (no TF32)
     kw = dict(interpret=interpret, mma=mma, num_stages=3 if mma else 2)
-    h = gate_up_gemv(e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, **kw)
+    h = gate_up_gemv(e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, pairs_per_row=k, **kw)
     y = down_gemv(e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, **kw)
     y = y[:, :d].reshape(n, k, d)
     return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y)
+
+
+# The router kernel (`router.route_pallas`, one program per token) stands for XLA's six kernels up to this many
+# tokens: decode. Prefill keeps XLA's batched product and top-k (not measured with the kernel).
+ROUTER_MAX_ROWS = 16
+ROUTE_IMPLS = ("auto", "reference", "pallas")
+
+
+def router_kernel_supported(x, w, n_group: int) -> bool:
+    """Shapes the router kernel takes: one expert group, x and W of one 2-byte dtype, E a power of two in
+    [16, 1024], D split into 16-multiple slabs."""
+    e = w.shape[1]
+    return (
+        n_group == 1 and x.dtype == w.dtype and jnp.dtype(w.dtype).itemsize == 2 and 16 <= e <= 1024
+        and e & (e - 1) == 0 and router_block_k(w.shape[0]) is not None
+    )  # fmt: skip
+
+
+def moe_route(
+    x, w, bias, *, k: int, n_group: int = 1, topk_group: int = 1, scoring: str = "sigmoid",
+    norm_topk_prob: bool = True, scaling: float = 1.0, impl: str = "auto", interpret: bool | None = None,
+):  # fmt: skip
+    """An MoE layer's routing: x [N, D], router weight [D, E], selection bias [E] -> (combine weights [N, k]
+    float32, expert ids [N, k] int32), as `reference.route_reference` of the float32 logits x W.
+
+    impl: "reference" (XLA), "pallas" (`router.route_pallas`: logits, scores, top-k and renormalisation in one
+    launch, one program per token; one expert group, bf16 / fp16 x and W), or "auto" (the kernel on a GPU
+    for up to ROUTER_MAX_ROWS tokens where it applies, `use_pallas(ops=["moe_router"])` to force it).
+    Ties go to the lower expert id in both."""
+    if impl not in ROUTE_IMPLS:
+        raise ValueError(f"moe_route: unknown impl={impl!r}; expected one of {ROUTE_IMPLS}")
+    if x.ndim != 2 or w.ndim != 2 or w.shape[0] != x.shape[1] or bias.shape != (w.shape[1],):
+        raise ValueError(f"moe_route: inconsistent shapes x={x.shape} w={w.shape} bias={bias.shape}")
+    if not 0 < k <= w.shape[1]:
+        raise ValueError(f"moe_route: k={k} must be in [1, {w.shape[1]}] experts")
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"moe_route: scoring={scoring!r} must be 'sigmoid' or 'softmax'")
+    supported = router_kernel_supported(x, w, n_group)
+    if impl == "auto":
+        rows_ok = x.shape[0] <= ROUTER_MAX_ROWS or forced_choice("moe_router") is not None
+        impl = "pallas" if auto_impl("moe_router", supported and rows_ok) else "reference"
+    if impl == "pallas":
+        if not supported:
+            raise ValueError(
+                f"moe_route: the kernel needs n_group=1 (got {n_group}), x and W of one 2-byte dtype (got "
+                f"{x.dtype}, {w.dtype}), 16 <= E <= 1024 a power of two (got {w.shape[1]}) and D a multiple of 16 "
+                f"(got {w.shape[0]})"
+            )
+        interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+        return route_pallas(
+            x, w, bias, k=k, scoring=scoring, norm_topk_prob=norm_topk_prob, scaling=float(scaling),
+            interpret=interpret,
+        )  # fmt: skip
+    return route_reference(
+        router_logits_reference(x, w), bias, k=k, n_group=n_group, topk_group=topk_group, scoring=scoring,
+        norm_topk_prob=norm_topk_prob, scaling=scaling,
+    )  # fmt: skip

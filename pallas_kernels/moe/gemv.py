@@ -98,10 +98,15 @@ def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
 
 
 def _pair_call(
-    kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, interpret, num_warps, num_stages
+    kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, interpret, num_warps, num_stages,
+    pairs_per_row=1,
 ):  # fmt: skip
-    """Grid (pairs, output tiles, contraction splits) -> n_out float32 partial sums, each [P, split_k, N]."""
-    p, kdim = rows.shape
+    """Grid (pairs, output tiles, contraction splits) -> n_out float32 partial sums, each [P, split_k, N]; pair
+    p reads row p // pairs_per_row (a token's k pairs share its row: no repeated copy of x)."""
+    p = e_ids.shape[0]
+    kdim = rows.shape[1]
+    if rows.shape[0] * pairs_per_row != p:
+        raise ValueError(f"{name}: {rows.shape[0]} rows x {pairs_per_row} pairs per row != {p} expert ids")
     n_exp, _, width = weights[0].shape
     if kdim % (split_k * block_k) or width % block_n:
         raise ValueError(
@@ -115,7 +120,7 @@ def _pair_call(
         grid=(p, width // block_n, split_k),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j, s: (i,)),
-            pl.BlockSpec((None, ks), lambda i, j, s: (i, s)),
+            pl.BlockSpec((None, ks), lambda i, j, s: (i // pairs_per_row, s)),
             *[pl.BlockSpec((n_exp, ks, block_n), lambda i, j, s: (0, s, j)) for _ in weights],
         ],
         out_specs=[pl.BlockSpec((None, None, block_n), lambda i, j, s: (i, s, j))] * n_out,
@@ -129,18 +134,19 @@ def _pair_call(
 _STATIC = ("block_n", "block_k", "split_k", "mma", "interpret", "num_warps", "num_stages")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "pairs_per_row"))
 def gate_up_gemv(
-    e_ids, x_rows, gate, up, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3
+    e_ids, x_rows, gate, up, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3,
+    pairs_per_row=1,
 ):  # fmt: skip
-    """e_ids [P] int32, x_rows [P, D] (D a multiple of split_k * block_k), gate/up [E, D, F] (F a multiple of
-    block_n) -> h [P, F] in x_rows.dtype: SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p]). mma: each step one
-    tensor-core product (the row broadcast to 16) with the weight tiles streamed through shared memory;
-    else CUDA-core multiply-adds."""
+    """e_ids [P] int32, x_rows [P / pairs_per_row, D] (D a multiple of split_k * block_k; pair p reads row
+    p // pairs_per_row), gate/up [E, D, F] (F a multiple of block_n) -> h [P, F] in x_rows.dtype:
+    SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p]). mma: each step one tensor-core product (the row broadcast to 16)
+    with the weight tiles streamed through shared memory; else CUDA-core multiply-adds."""
     g, u = _pair_call(
         _gate_up_mma_kernel if mma else _gate_up_kernel, "moe_gate_up_gemv", e_ids, x_rows, (gate, up), 2,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, pairs_per_row=pairs_per_row,
     )  # fmt: skip
     return (jax.nn.silu(jnp.sum(g, axis=1)) * jnp.sum(u, axis=1)).astype(x_rows.dtype)
 

@@ -67,3 +67,34 @@ def moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj):
     h = (jax.nn.silu(h_gate) * h_up).astype(dt)
     y = jnp.einsum("nkf,nkfd->nkd", h, down_proj[idx].astype(dt), preferred_element_type=jnp.float32)
     return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y)
+
+
+def route_reference(
+    logits, bias, *, k: int, n_group: int = 1, topk_group: int = 1, scoring: str = "sigmoid",
+    norm_topk_prob: bool = True, scaling: float = 1.0,
+):  # fmt: skip
+    """DeepSeek-V3 "noaux_tc" routing: logits [N, E] float32, bias [E] -> (combine weights [N, k] float32,
+    expert ids [N, k] int32).
+
+    s = σ(logits) (or softmax); selection uses s + bias, restricted to the `topk_group` groups (of `n_group`)
+    whose top-2 biased scores sum highest; weights are the unbiased s of the chosen experts, renormalised
+    (+1e-20, as HF) when `norm_topk_prob`, times `scaling`. Ties go to the lower expert id (`lax.top_k`)."""
+    s = jax.nn.sigmoid(logits) if scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = s + bias
+    if n_group > 1:
+        n, e = choice.shape
+        grouped = choice.reshape(n, n_group, e // n_group)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        _, keep = jax.lax.top_k(group_score, topk_group)
+        keep_mask = jnp.any(jax.nn.one_hot(keep, n_group, dtype=jnp.bool_), axis=1)  # [N, G]
+        choice = jnp.where(jnp.repeat(keep_mask, e // n_group, axis=1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, k)
+    w = jnp.take_along_axis(s, idx, axis=1)
+    if norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * scaling, idx.astype(jnp.int32)
+
+
+def router_logits_reference(x, w):
+    """x [N, D], router weight [D, E] -> logits [N, E] float32 (the product in float32, as HF's router)."""
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
