@@ -147,4 +147,21 @@ def test_moe_router_kernel_lowers():
     w = jnp.ones((2304, 32), jnp.bfloat16)
     bias = jnp.zeros((32,), jnp.float32)
     text = _lowered_for_h200(lambda x, w, b: moe_route(x, w, b, k=8, impl="pallas", interpret=False), x, w, bias)
-    assert text.count("xla.gpu.triton") == 1
+    assert text.count("xla.gpu.triton") == 2  # the logits' GEMV, the selection
+
+
+def test_moe_gemv_with_shared_expert_lowers():
+    from pallas_kernels.moe import moe_experts
+
+    d, f, e, k = 256, 128, 8, 2
+    x = jnp.ones((1, d), jnp.bfloat16)
+    idx = jnp.zeros((1, k), jnp.int32)
+    w = jnp.ones((1, k), jnp.float32)
+    gate = jnp.ones((e, d, f), jnp.bfloat16)
+    down = jnp.ones((e, f, d), jnp.bfloat16)
+    shared = (jnp.ones((d, f), jnp.bfloat16),) * 2 + (jnp.ones((f, d), jnp.bfloat16),)
+
+    def run(x, idx, w, gate, down):
+        return moe_experts(x, idx, w, gate, gate, down, impl="gemv", interpret=False, shared=shared)
+
+    assert _lowered_for_h200(run, x, idx, w, gate, down).count("xla.gpu.triton") == 2

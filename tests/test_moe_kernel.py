@@ -178,3 +178,29 @@ def test_gemv_kernels_bf16():
     assert rel_err(got, ref) < 1e-2
     jaxpr = str(jax.make_jaxpr(lambda *a: moe_experts(*a, impl="gemv", interpret=True))(*args))
     assert "name=moe_gate_up_gemv" in jaxpr and "name=moe_down_gemv" in jaxpr
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fs", [24, 40])  # 24 = F: one more program row per token in the same launches
+def test_gemv_with_shared_expert(dtype, fs):
+    """The shared expert beside the routed pairs (`moe_experts(shared=)`): the routed sum plus a SwiGLU of the
+    shared weights rounded to x's dtype, through the GEMV kernels (still two launches when its width is F)
+    and through the reference."""
+    from pallas_kernels.moe.reference import swiglu_reference
+
+    x, idx, w, gate, up, down = _case(5, 3, 40, 24, 9, 2, 0.0)
+    ks = jax.random.split(jax.random.key(6), 3)
+    shapes = [(40, fs), (40, fs), (fs, 40)]
+    shared = tuple(jax.random.normal(kk, s) * s[0] ** -0.5 for kk, s in zip(ks, shapes, strict=True))
+    x, gate, up, down = (a.astype(dtype) for a in (x, gate, up, down))
+    shared = tuple(a.astype(dtype) for a in shared)
+    ref = moe_experts(x, idx, w, gate, up, down, impl="reference") + swiglu_reference(x, *shared)
+    fn = lambda *a: moe_experts(*a, impl="gemv", block_n=16, block_k=16, interpret=True, shared=shared)  # noqa: E731
+    got = fn(x, idx, w, gate, up, down)
+    launches = str(jax.make_jaxpr(fn)(x, idx, w, gate, up, down)).count("pallas_call")
+    assert launches == 2  # gate/up and down, the shared expert inside them or beside them through XLA
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert rel_err(got, ref) < tol
+    assert rel_err(moe_experts(x, idx, w, gate, up, down, impl="reference", shared=shared), ref) < 1e-6
+    with pytest.raises(ValueError, match="shared expert weights"):
+        moe_experts(x, idx, w, gate, up, down, shared=shared[:2])

@@ -67,13 +67,16 @@ def test_router_auto_choice_and_errors(monkeypatch):
     assert "moe_router" not in traced(x, w, n_group=2)  # grouped selection: the reference
     assert "moe_router" not in traced(x.astype(jnp.float32), w.astype(jnp.float32))  # float32 router
     with use_pallas(ops=["moe_router"]):
-        assert "moe_router" in traced(big, w)
+        assert "moe_router" in traced(x, w)
+        assert "moe_router" not in traced(big, w)  # beyond the GEMV's 16 rows
     with pytest.raises(ValueError, match="impl='triton'"):
         moe_route(x, w, bias, impl="triton", **kw)
     with pytest.raises(ValueError, match="k=33"):
         moe_route(x, w, bias, k=33)
     with pytest.raises(ValueError, match=r"bias=\(31,\)"):
         moe_route(x, w, bias[:31], **kw)
+    with pytest.raises(ValueError, match="at most 16 tokens \\(got 17\\)"):
+        moe_route(big, w, bias, impl="pallas", **kw)
     with pytest.raises(ValueError, match="n_group=1 \\(got 2\\)"):
         moe_route(x, w, bias, n_group=2, impl="pallas", **kw)
 

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.config import HybridConfig
-from hybrid_jax.layers.common import DTypes, SwiGLU, _normal
+from hybrid_jax.layers.common import DTypes, Projection, SwiGLU, _normal
 from pallas_kernels.moe import moe_experts, moe_route
 from pallas_kernels.moe.reference import route_reference
+from pallas_kernels.projection.api import kernel_allowed
 
 
 def route(logits: jax.Array, bias: jax.Array, cfg: HybridConfig) -> tuple[jax.Array, jax.Array]:
@@ -61,9 +62,23 @@ class MoE(nnx.Module):
         x2 = x.reshape(-1, shape[-1])
         # float32 logits (HF); at decode one router kernel does logits, top-k and weights (pallas_kernels/moe)
         w, idx = moe_route(x2, self.gate.kernel[...], self.gate.e_score_correction_bias[...], **_routing(self.cfg))
-        y = moe_experts(  # routed experts as grouped matmuls (pallas_kernels/moe)
-            x2, idx, w, self.experts.gate_proj[...], self.experts.up_proj[...], self.experts.down_proj[...]
+        shared = self._shared_weights()
+        ex = self.experts
+        y = moe_experts(  # routed experts as grouped matmuls (pallas_kernels/moe), the shared one with them
+            x2, idx, w, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...], shared=shared
         )
-        if self.cfg.num_shared_experts:
+        if self.cfg.num_shared_experts and shared is None:
             y = y + self.shared_experts(x2).astype(jnp.float32)
         return y.astype(self.dt.compute).reshape(shape)
+
+    def _shared_weights(self):
+        """The shared expert's (gate, up, down) kernels for `moe_experts` to run beside the routed ones (at a
+        batch-1 decode step in the same two launches), or None where it stays a separate SwiGLU: quantized or
+        biased projections, or a multi-device mesh (XLA partitions the SwiGLU's products by their logical
+        axes; a Pallas call it cannot partition)."""
+        if not self.cfg.num_shared_experts or not kernel_allowed():
+            return None
+        layers = (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj)
+        if not all(isinstance(p, Projection) and p.bias is None for p in layers):
+            return None
+        return tuple(p.kernel[...].astype(p.dtype or p.kernel[...].dtype) for p in layers)

@@ -14,8 +14,9 @@ from pallas_kernels.moe.reference import (
     route_reference,
     router_logits_reference,
     sort_by_expert,
+    swiglu_reference,
 )
-from pallas_kernels.moe.router import route_pallas, router_block_k
+from pallas_kernels.moe.router import route_pallas, router_kernel_shapes
 
 IMPLS = ("auto", "reference", "pallas", "gather", "gemv")
 
@@ -92,8 +93,9 @@ def moe_experts(
     num_stages: int | None = None,
     precision: str = "tf32",
     interpret: bool | None = None,
+    shared=None,
 ):
-    """Σ_j w_tj E_{idx_tj}(x_t) with E(x) = W_down(SiLU(W_gate x) ⊙ W_up x).
+    """Σ_j w_tj E_{idx_tj}(x_t) with E(x) = W_down(SiLU(W_gate x) ⊙ W_up x) [+ the shared expert S(x)].
 
     x [N,D]; idx [N,k] int expert ids; w [N,k] weights; gate/up [E,D,F]; down [E,F,D] -> [N,D] float32.
     impl: "reference" (`lax.ragged_dot` grouped matmuls), "gather" (jnp with each pair's expert weights
@@ -110,6 +112,10 @@ def moe_experts(
     kernel from `PALLAS_MIN_PAIRS` pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the
     reference otherwise — batched decode of models with few experts; on CPU the reference;
     `pallas_kernels.use_pallas(ops=["moe"])` forces the kernel or the reference).
+    shared: the shared expert's (gate [D, Fs], up [D, Fs], down [Fs, D]), added as S(x) rounded to x's dtype
+    (what a separate SwiGLU of bf16 projections returns). With "gemv" and Fs = F it runs as one more
+    program row per token in the routed experts' two launches (its four projection kernels and their
+    epilogues saved at every decode step); otherwise as XLA products (`swiglu_reference`).
     """
     if impl not in IMPLS:
         raise ValueError(f"moe_experts: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -136,11 +142,25 @@ def moe_experts(
             raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
     if split_k is not None and (split_k < 1 or split_k & (split_k - 1)):
         raise ValueError(f"moe_experts: split_k={split_k} must be a power of two >= 1")
+    if shared is not None and (
+        len(shared) != 3
+        or shared[0].shape != (d, shared[0].shape[1])
+        or shared[1].shape != shared[0].shape
+        or shared[2].shape != shared[0].shape[::-1]
+    ):
+        raise ValueError(f"moe_experts: shared expert weights {[a.shape for a in shared]} must be [D, Fs] x2, [Fs, D]")
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    if impl == "gemv" and shared is not None and shared[0].shape[1] == f:  # the shared expert in the same launches
+        return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared)
+    if shared is not None:
+        return moe_experts(
+            x, idx, w, gate_proj, up_proj, down_proj, impl=impl, block_m=block_m, block_n=block_n, block_k=block_k,
+            split_k=split_k, num_warps=num_warps, num_stages=num_stages, precision=precision, interpret=interpret,
+        ) + swiglu_reference(x, *shared)  # fmt: skip
     if impl == "reference":
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
     if impl == "gather":
         return moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj)
-    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     if impl == "gemv":
         return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret)
 
@@ -183,8 +203,10 @@ def moe_experts(
     return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y, precision=jax.lax.Precision.HIGHEST)
 
 
-def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, mma=True):
-    """impl="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k."""
+def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared=None,
+                  mma=True):  # fmt: skip
+    """impl="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k; the
+    shared expert's (gate, up, down) as one more program row per token in the same launches."""
     n, d = x.shape
     k = idx.shape[1]
     f = gate_proj.shape[-1]
@@ -206,25 +228,29 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     gate, up = (pad3(a, d_in, f_pad) for a in (gate_proj, up_proj))
     mma = mma and jnp.dtype(x.dtype).itemsize == 2  # float32 rows keep exact multiply-adds (no TF32)
     kw = dict(interpret=interpret, mma=mma, num_stages=3 if mma else 2)
-    h = gate_up_gemv(e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, pairs_per_row=k, **kw)
-    y = down_gemv(e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, **kw)
-    y = y[:, :d].reshape(n, k, d)
-    return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y)
+    pad2 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, p1 - a.shape[0]), (0, p2 - a.shape[1])])  # noqa: E731
+    sh_gu = None if shared is None else (pad2(shared[0], d_in, f_pad), pad2(shared[1], d_in, f_pad))
+    sh_d = None if shared is None else (pad2(shared[2], f_pad, d_out),)
+    h = gate_up_gemv(e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, pairs_per_row=k, shared=sh_gu, **kw)
+    y = down_gemv(e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, shared=sh_d, **kw)
+    out = jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y[:p, :d].reshape(n, k, d))
+    # the shared expert rounded to x's dtype, as a separate SwiGLU returns it
+    return out if shared is None else out + y[p:, :d].astype(x.dtype).astype(jnp.float32)
 
 
-# The router kernel (`router.route_pallas`, one program per token) stands for XLA's six kernels up to this many
-# tokens: decode. Prefill keeps XLA's batched product and top-k (not measured with the kernel).
+# The router kernels (`router.route_pallas`: the GEMV's partial logits, then one selection program per token)
+# stand for XLA's six kernels up to this many tokens (the GEMV's row limit): decode. Prefill keeps XLA's
+# batched product and top-k.
 ROUTER_MAX_ROWS = 16
 ROUTE_IMPLS = ("auto", "reference", "pallas")
 
 
 def router_kernel_supported(x, w, n_group: int) -> bool:
-    """Shapes the router kernel takes: one expert group, x and W of one 2-byte dtype, E a power of two in
-    [16, 1024], D split into 16-multiple slabs."""
-    e = w.shape[1]
+    """Shapes the router kernels take: one expert group, x and W of one 2-byte dtype, at most ROUTER_MAX_ROWS
+    tokens, E a power of two in [16, 1024], D in 16-multiple slabs."""
     return (
-        n_group == 1 and x.dtype == w.dtype and jnp.dtype(w.dtype).itemsize == 2 and 16 <= e <= 1024
-        and e & (e - 1) == 0 and router_block_k(w.shape[0]) is not None
+        n_group == 1 and x.dtype == w.dtype and jnp.dtype(w.dtype).itemsize == 2
+        and x.shape[0] <= ROUTER_MAX_ROWS and router_kernel_shapes(*w.shape)
     )  # fmt: skip
 
 
@@ -235,9 +261,10 @@ def moe_route(
     """An MoE layer's routing: x [N, D], router weight [D, E], selection bias [E] -> (combine weights [N, k]
     float32, expert ids [N, k] int32), as `reference.route_reference` of the float32 logits x W.
 
-    impl: "reference" (XLA), "pallas" (`router.route_pallas`: logits, scores, top-k and renormalisation in one
-    launch, one program per token; one expert group, bf16 / fp16 x and W), or "auto" (the kernel on a GPU
-    for up to ROUTER_MAX_ROWS tokens where it applies, `use_pallas(ops=["moe_router"])` to force it).
+    impl: "reference" (XLA), "pallas" (`router.route_pallas`: the logits' partial sums by the projection GEMV
+    kernel, then scores, top-k and renormalisation in one more launch; one expert group, bf16 / fp16 x and W,
+    up to ROUTER_MAX_ROWS tokens), or "auto" (the kernels on a GPU where they apply,
+    `use_pallas(ops=["moe_router"])` to force them on any backend).
     Ties go to the lower expert id in both."""
     if impl not in ROUTE_IMPLS:
         raise ValueError(f"moe_route: unknown impl={impl!r}; expected one of {ROUTE_IMPLS}")
@@ -249,14 +276,13 @@ def moe_route(
         raise ValueError(f"moe_route: scoring={scoring!r} must be 'sigmoid' or 'softmax'")
     supported = router_kernel_supported(x, w, n_group)
     if impl == "auto":
-        rows_ok = x.shape[0] <= ROUTER_MAX_ROWS or forced_choice("moe_router") is not None
-        impl = "pallas" if auto_impl("moe_router", supported and rows_ok) else "reference"
+        impl = "pallas" if auto_impl("moe_router", supported) else "reference"
     if impl == "pallas":
         if not supported:
             raise ValueError(
-                f"moe_route: the kernel needs n_group=1 (got {n_group}), x and W of one 2-byte dtype (got "
-                f"{x.dtype}, {w.dtype}), 16 <= E <= 1024 a power of two (got {w.shape[1]}) and D a multiple of 16 "
-                f"(got {w.shape[0]})"
+                f"moe_route: the kernels need n_group=1 (got {n_group}), x and W of one 2-byte dtype (got "
+                f"{x.dtype}, {w.dtype}), at most {ROUTER_MAX_ROWS} tokens (got {x.shape[0]}), 16 <= E <= 1024 a "
+                f"power of two (got {w.shape[1]}) and D a multiple of 16 (got {w.shape[0]})"
             )
         interpret = jax.default_backend() == "cpu" if interpret is None else interpret
         return route_pallas(

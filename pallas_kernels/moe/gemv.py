@@ -42,93 +42,125 @@ def _mma_step(xk, w):
     return jnp.dot(rows, w, preferred_element_type=jnp.float32)
 
 
-def _gate_up_mma_kernel(e_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, bk, nk):
+def _routed_or_shared(e_ref, routed, shared, n_routed, run):
+    """run(weights) with the pair's expert's slabs, or (programs from n_routed on) the shared expert's."""
     e = e_ref[0]
-
-    def body(kk, acc):
-        cols = pl.ds(kk * bk, bk)
-        xk = x_ref[cols]
-        return acc[0] + _mma_step(xk, wg_ref[e, cols, :]), acc[1] + _mma_step(xk, wu_ref[e, cols, :])
-
-    zero = jnp.zeros((MMA_ROWS, g_ref.shape[-1]), jnp.float32)
-    g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
-    g_ref[...] = first_row(g)
-    u_ref[...] = first_row(u)
+    expert = [lambda cols, ref=ref: ref[e, cols, :] for ref in routed]
+    if not shared:
+        return run(expert)
+    i = pl.program_id(0)
+    pl.when(i < n_routed)(lambda: run(expert))
+    pl.when(i >= n_routed)(lambda: run([lambda cols, ref=ref: ref[cols, :] for ref in shared]))
 
 
-def _down_mma_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
-    e = e_ref[0]
+def _gate_up_mma_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed):
+    *shared, g_ref, u_ref = refs
 
-    def body(kk, acc):
-        cols = pl.ds(kk * bk, bk)
-        return acc + _mma_step(h_ref[cols], wd_ref[e, cols, :])
+    def run(w):
+        def body(kk, acc):
+            cols = pl.ds(kk * bk, bk)
+            xk = x_ref[cols]
+            return acc[0] + _mma_step(xk, w[0](cols)), acc[1] + _mma_step(xk, w[1](cols))
 
-    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((MMA_ROWS, y_ref.shape[-1]), jnp.float32))
-    y_ref[...] = first_row(acc)
+        zero = jnp.zeros((MMA_ROWS, g_ref.shape[-1]), jnp.float32)
+        g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
+        g_ref[...] = first_row(g)
+        u_ref[...] = first_row(u)
+
+    _routed_or_shared(e_ref, (wg_ref, wu_ref), shared, n_routed, run)
 
 
-def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, bk, nk):
-    e = e_ref[0]
+def _down_mma_kernel(e_ref, h_ref, wd_ref, *refs, bk, nk, n_routed):
+    *shared, y_ref = refs
+
+    def run(w):
+        def body(kk, acc):
+            cols = pl.ds(kk * bk, bk)
+            return acc + _mma_step(h_ref[cols], w[0](cols))
+
+        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((MMA_ROWS, y_ref.shape[-1]), jnp.float32))
+        y_ref[...] = first_row(acc)
+
+    _routed_or_shared(e_ref, (wd_ref,), shared, n_routed, run)
+
+
+def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed):
+    *shared, g_ref, u_ref = refs
     bn = g_ref.shape[-1]
 
     # Partial products accumulate as [BK, BN] tiles and are summed over BK once at the end: a reduction across
     # the tile's rows at every step would cross warps (through shared memory) at every step.
-    def body(kk, acc):
-        g, u = acc
-        xk = x_ref[pl.ds(kk * bk, bk)].astype(jnp.float32)[:, None]  # [BK, 1]
-        g = g + xk * wg_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32)
-        u = u + xk * wu_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32)
-        return g, u
+    def run(w):
+        def body(kk, acc):
+            g, u = acc
+            cols = pl.ds(kk * bk, bk)
+            xk = x_ref[cols].astype(jnp.float32)[:, None]  # [BK, 1]
+            return g + xk * w[0](cols).astype(jnp.float32), u + xk * w[1](cols).astype(jnp.float32)
 
-    zero = jnp.zeros((bk, bn), jnp.float32)
-    g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
-    g_ref[...] = jnp.sum(g, axis=0)
-    u_ref[...] = jnp.sum(u, axis=0)
+        zero = jnp.zeros((bk, bn), jnp.float32)
+        g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
+        g_ref[...] = jnp.sum(g, axis=0)
+        u_ref[...] = jnp.sum(u, axis=0)
+
+    _routed_or_shared(e_ref, (wg_ref, wu_ref), shared, n_routed, run)
 
 
-def _down_kernel(e_ref, h_ref, wd_ref, y_ref, *, bk, nk):
-    e = e_ref[0]
+def _down_kernel(e_ref, h_ref, wd_ref, *refs, bk, nk, n_routed):
+    *shared, y_ref = refs
 
-    def body(kk, acc):
-        hk = h_ref[pl.ds(kk * bk, bk)].astype(jnp.float32)[:, None]
-        return acc + hk * wd_ref[e, pl.ds(kk * bk, bk), :].astype(jnp.float32)
+    def run(w):
+        def body(kk, acc):
+            cols = pl.ds(kk * bk, bk)
+            return acc + h_ref[cols].astype(jnp.float32)[:, None] * w[0](cols).astype(jnp.float32)
 
-    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, y_ref.shape[-1]), jnp.float32))
-    y_ref[...] = jnp.sum(acc, axis=0)
+        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, y_ref.shape[-1]), jnp.float32))
+        y_ref[...] = jnp.sum(acc, axis=0)
+
+    _routed_or_shared(e_ref, (wd_ref,), shared, n_routed, run)
 
 
 def _pair_call(
     kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, interpret, num_warps, num_stages,
-    pairs_per_row=1,
+    pairs_per_row=1, shared=(), shared_row_offset=0,
 ):  # fmt: skip
-    """Grid (pairs, output tiles, contraction splits) -> n_out float32 partial sums, each [P, split_k, N]; pair
-    p reads row p // pairs_per_row (a token's k pairs share its row: no repeated copy of x)."""
+    """Grid (pairs [+ shared rows], output tiles, contraction splits) -> n_out float32 partial sums, each
+    [P (+ R), split_k, N]. Pair p reads row p // pairs_per_row (a token's k pairs share its row: no repeated
+    copy of x). With `shared` weights (the shared expert's, [K, N] each) R = rows.shape[0] more programs
+    follow the P pairs: program P + r runs row r + P - shared_row_offset through the shared weights."""
     p = e_ids.shape[0]
-    kdim = rows.shape[1]
-    if rows.shape[0] * pairs_per_row != p:
-        raise ValueError(f"{name}: {rows.shape[0]} rows x {pairs_per_row} pairs per row != {p} expert ids")
+    n_rows, kdim = rows.shape
+    if not shared and n_rows * pairs_per_row != p:
+        raise ValueError(f"{name}: {n_rows} rows x {pairs_per_row} pairs per row != {p} expert ids")
     n_exp, _, width = weights[0].shape
     if kdim % (split_k * block_k) or width % block_n:
         raise ValueError(
             f"{name}: contraction {kdim} must be a multiple of split_k * block_k = {split_k} * {block_k} and "
             f"output width {width} of block_n = {block_n}"
         )
+    if any(w.shape != (kdim, width) for w in shared):
+        raise ValueError(f"{name}: shared weights {[w.shape for w in shared]} must be [{kdim}, {width}]")
+    n_shared = (p // pairs_per_row if shared_row_offset else n_rows - p) if shared else 0
     ks = kdim // split_k
-    out = jax.ShapeDtypeStruct((p, split_k, width), jnp.float32)
+    out = jax.ShapeDtypeStruct((p + n_shared, split_k, width), jnp.float32)
+
+    def row(i):
+        return jnp.where(i < p, i // pairs_per_row, i - shared_row_offset)
+
     return pl.pallas_call(
-        functools.partial(kernel, bk=block_k, nk=ks // block_k),
-        grid=(p, width // block_n, split_k),
+        functools.partial(kernel, bk=block_k, nk=ks // block_k, n_routed=p),
+        grid=(p + n_shared, width // block_n, split_k),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, j, s: (i,)),
-            pl.BlockSpec((None, ks), lambda i, j, s: (i // pairs_per_row, s)),
+            pl.BlockSpec((1,), lambda i, j, s: (jnp.minimum(i, p - 1),)),
+            pl.BlockSpec((None, ks), lambda i, j, s: (row(i), s)),
             *[pl.BlockSpec((n_exp, ks, block_n), lambda i, j, s: (0, s, j)) for _ in weights],
+            *[pl.BlockSpec((ks, block_n), lambda i, j, s: (s, j)) for _ in shared],
         ],
         out_specs=[pl.BlockSpec((None, None, block_n), lambda i, j, s: (i, s, j))] * n_out,
         out_shape=[out] * n_out,
         interpret=interpret,
         name=name,
         **triton_params(interpret, num_warps, num_stages),
-    )(e_ids, rows, *weights)
+    )(e_ids, rows, *weights, *shared)
 
 
 _STATIC = ("block_n", "block_k", "split_k", "mma", "interpret", "num_warps", "num_stages")
@@ -137,28 +169,34 @@ _STATIC = ("block_n", "block_k", "split_k", "mma", "interpret", "num_warps", "nu
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "pairs_per_row"))
 def gate_up_gemv(
     e_ids, x_rows, gate, up, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3,
-    pairs_per_row=1,
+    pairs_per_row=1, shared=None,
 ):  # fmt: skip
     """e_ids [P] int32, x_rows [P / pairs_per_row, D] (D a multiple of split_k * block_k; pair p reads row
     p // pairs_per_row), gate/up [E, D, F] (F a multiple of block_n) -> h [P, F] in x_rows.dtype:
-    SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p]). mma: each step one tensor-core product (the row broadcast to 16)
-    with the weight tiles streamed through shared memory; else CUDA-core multiply-adds."""
+    SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p]). shared: the shared expert's (gate, up) [D, F], run for every row
+    after the pairs in the same launch: h [P + rows, F]. mma: each step one tensor-core product (the row
+    broadcast to 16) with the weight tiles streamed through shared memory; else CUDA-core multiply-adds."""
     g, u = _pair_call(
         _gate_up_mma_kernel if mma else _gate_up_kernel, "moe_gate_up_gemv", e_ids, x_rows, (gate, up), 2,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
-        num_stages=num_stages, pairs_per_row=pairs_per_row,
+        num_stages=num_stages, pairs_per_row=pairs_per_row, shared=tuple(shared or ()),
+        shared_row_offset=e_ids.shape[0],
     )  # fmt: skip
     return (jax.nn.silu(jnp.sum(g, axis=1)) * jnp.sum(u, axis=1)).astype(x_rows.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def down_gemv(e_ids, h, down, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3):
+def down_gemv(
+    e_ids, h, down, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3,
+    shared=None,
+):  # fmt: skip
     """e_ids [P] int32, h [P, F] (F a multiple of split_k * block_k), down [E, F, D] (D a multiple of block_n)
-    -> y [P, D] float32: h_p down[e_p] (mma as `gate_up_gemv`)."""
+    -> y [P, D] float32: h_p down[e_p] (mma as `gate_up_gemv`). shared: the shared expert's down [F, D] for
+    the rows of h after the P pairs (h [P + R, F] -> y [P + R, D])."""
     (y,) = _pair_call(
         _down_mma_kernel if mma else _down_kernel, "moe_down_gemv", e_ids, h, (down,), 1,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, shared=tuple(shared or ()),
     )  # fmt: skip
     return jnp.sum(y, axis=1)
 

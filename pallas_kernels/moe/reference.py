@@ -98,3 +98,12 @@ def route_reference(
 def router_logits_reference(x, w):
     """x [N, D], router weight [D, E] -> logits [N, E] float32 (the product in float32, as HF's router)."""
     return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def swiglu_reference(x, gate, up, down):
+    """A dense SwiGLU expert as XLA products in x's dtype (float32 accumulation): x [N, D], gate / up [D, F],
+    down [F, D] -> [N, D] float32, the output rounded to x's dtype first (what a bf16 SwiGLU layer returns)."""
+    dt = x.dtype
+    g, u = (jnp.dot(x, a.astype(dt)).astype(jnp.float32) for a in (gate, up))
+    h = (jax.nn.silu(g) * u).astype(dt)
+    return jnp.dot(h, down.astype(dt)).astype(jnp.float32)

@@ -1,11 +1,14 @@
-"""Pallas kernel: an MoE layer's router for decode-sized calls, logits to chosen experts in one launch.
+"""Pallas kernels: an MoE layer's router for decode-sized calls, logits to chosen experts in two launches.
 
 At batch-1 decode XLA ran the router as six small kernels per MoE layer (the [D] x [D, E] product as a
 serial reduction, σ + bias, the top-k sort, its slice, the gather of the chosen scores, the renormalisation:
-~10 us of a ~1.1 ms Kimi-shaped step per layer, BENCHMARKS.md). One program per token does it all:
+~10 us of a ~1.1 ms Kimi-shaped step per layer, BENCHMARKS.md). Here:
 
-    logits = x W (float32 accumulation; the row broadcast to a 16-row tensor-core tile, W streamed in slabs)
-    s = σ(logits) or softmax;  k times: e* = argmax(s + bias) (lowest id on ties), take s[e*], mask e*
+1. the logits' partial sums over contraction slabs: the projection op's GEMV kernel (`projection.kernel`,
+   its programs spread over the SMs: one program streaming the whole weight took 7.6 us per layer);
+2. `_select_kernel`, one program (one warp: every reduction stays in registers) per token:
+    logits = Σ_s partials_s;  s = σ(logits) or softmax;
+    k times: e* = argmax(s + bias) (lowest id on ties), take s[e*], mask e*
     w = s_chosen / (Σ s_chosen + 1e-20) · scaling  (renormalised when norm_topk_prob)
 
 One expert group only (n_group = 1, the Kimi-Linear routing); grouped selection stays with the reference.
@@ -20,21 +23,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas import first_row, pow2, triton_params
+from pallas_kernels._pallas import pow2, triton_params
+from pallas_kernels.projection.api import _rows_in, auto_split_k, auto_tiles
+from pallas_kernels.projection.kernel import gemv_group_partials
 
-MMA_ROWS = 16
 
-
-def _router_kernel(x_ref, w_ref, b_ref, wt_ref, id_ref, *, k, bk, scoring, norm, scaling):
-    kdim, e = w_ref.shape
-
-    def body(i, acc):
-        cols = pl.ds(i * bk, bk)
-        rows = jnp.broadcast_to(x_ref[cols][None, :], (MMA_ROWS, bk))
-        return acc + jnp.dot(rows, w_ref[cols, :], preferred_element_type=jnp.float32,
-                             precision=jax.lax.Precision.HIGHEST)  # fmt: skip
-
-    logits = first_row(jax.lax.fori_loop(0, kdim // bk, body, jnp.zeros((MMA_ROWS, e), jnp.float32)))
+def _select_kernel(parts_ref, b_ref, wt_ref, id_ref, *, k, scoring, norm, scaling):
+    splits, e = parts_ref.shape
+    logits = parts_ref[0, :]
+    for s in range(1, splits):
+        logits += parts_ref[s, :]
     if scoring == "sigmoid":
         s = 1.0 / (1.0 + jnp.exp(-logits))
     else:
@@ -58,36 +56,33 @@ def _router_kernel(x_ref, w_ref, b_ref, wt_ref, id_ref, *, k, bk, scoring, norm,
     id_ref[...] = ids
 
 
-def router_block_k(kdim: int) -> int | None:
-    """The contraction slab: the largest power of two <= 256 dividing kdim, at least 16; None if none."""
-    bk = 256
-    while bk >= 16 and kdim % bk:
-        bk //= 2
-    return bk if bk >= 16 else None
+def router_kernel_shapes(kdim: int, experts: int) -> bool:
+    """Whether the kernels take a [kdim, experts] router: the GEMV's tiles, E a power of two in [16, 1024]."""
+    return 16 <= experts <= 1024 and experts & (experts - 1) == 0 and auto_tiles(kdim, experts) is not None
 
 
 @functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scaling", "interpret"))
 def route_pallas(x, w, bias, *, k, scoring, norm_topk_prob, scaling, interpret=False):
-    """x [N, D], router weight [D, E] (same 2-byte dtype; E a power of two >= 16, D a multiple of 16), bias
-    [E] -> (weights [N, k] float32, expert ids [N, k] int32); one program per token."""
+    """x [N, D] (N <= 16), router weight [D, E] (same 2-byte dtype, `router_kernel_shapes`), bias [E] ->
+    (weights [N, k] float32, expert ids [N, k] int32)."""
     n, d = x.shape
     e = w.shape[1]
-    kp = max(pow2(k), 2)
-    kernel = functools.partial(
-        _router_kernel, k=k, bk=router_block_k(d), scoring=scoring, norm=norm_topk_prob, scaling=scaling
+    bn, bk = auto_tiles(d, e)
+    split = auto_split_k(d, e, bn, bk)
+    parts = gemv_group_partials(
+        (_rows_in(x, w.dtype),), (w,), x_of=(0,), block_n=bn, block_k=bk, split_k=split, interpret=interpret
     )
+    parts = parts.reshape(split, -1, e)  # [S, 1 or 16 rows, E]
+    kp = max(pow2(k), 2)
+    kernel = functools.partial(_select_kernel, k=k, scoring=scoring, norm=norm_topk_prob, scaling=scaling)
     ws, ids = pl.pallas_call(
         kernel,
         grid=(n,),
-        in_specs=[
-            pl.BlockSpec((None, d), lambda i: (i, 0)),
-            pl.BlockSpec((d, e), lambda i: (0, 0)),
-            pl.BlockSpec((e,), lambda i: (0,)),
-        ],
+        in_specs=[pl.BlockSpec((split, None, e), lambda i: (0, i, 0)), pl.BlockSpec((e,), lambda i: (0,))],
         out_specs=[pl.BlockSpec((None, kp), lambda i: (i, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.float32), jax.ShapeDtypeStruct((n, kp), jnp.int32)],
         interpret=interpret,
-        name="moe_router",
-        **triton_params(interpret, 4, 3),
-    )(x, w, bias.astype(jnp.float32))
+        name="moe_router_select",
+        **triton_params(interpret, 1, 1),
+    )(parts, bias.astype(jnp.float32))
     return ws[:, :k], ids[:, :k]
