@@ -13,6 +13,7 @@ import jax.numpy as jnp
 OPS = (
     "kda_prefill",
     "kda_decode",
+    "kda_decode_layer",
     "kda_summary",
     "indexer",
     "indexer_prolog",

@@ -165,3 +165,15 @@ def test_moe_gemv_with_shared_expert_lowers():
         return moe_experts(x, idx, w, gate, gate, down, impl="gemv", interpret=False, shared=shared)
 
     assert _lowered_for_h200(run, x, idx, w, gate, down).count("xla.gpu.triton") == 2
+
+
+def test_kda_decode_layer_kernel_lowers():
+    from pallas_kernels.linear_attention import kda_decode_layer
+    from tests.test_kda_decode_layer import _inputs
+
+    args = _inputs(0, 2, 4, 128, 4, False, jnp.bfloat16)
+
+    def run(*a):
+        return kda_decode_layer(*a, num_heads=4, head_dim=128, impl="pallas", interpret=False)
+
+    assert _lowered_for_h200(run, *args).count("xla.gpu.triton") == 1

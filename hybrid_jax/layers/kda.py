@@ -10,12 +10,14 @@ from flax import nnx
 from hybrid_jax.cache import KDAState, StepInfo
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, linear, project_many
-from pallas_kernels.linear_attention import kda, kda_decode_step
+from pallas_kernels.linear_attention import kda, kda_decode_layer, kda_decode_step
+from pallas_kernels.linear_attention.api import decode_layer_uses_kernel
 from pallas_kernels.linear_attention.context_parallel import (
     gather_in_sequence_order,
     kda_sequence_parallel,
     split_pieces,
 )
+from pallas_kernels.linear_attention.reference import gated_rms_norm, kda_gate, short_conv
 from sharding.rules import constrain
 
 
@@ -47,10 +49,7 @@ class GatedRMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dt.param), logical_axes=("norm",))
 
     def __call__(self, o: jax.Array, z: jax.Array) -> jax.Array:
-        o32 = o.astype(jnp.float32)
-        y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.eps)
-        y = y * self.weight[...].astype(jnp.float32) * jax.nn.sigmoid(z.astype(jnp.float32))
-        return y.astype(self.dtype)
+        return gated_rms_norm(o, z, self.weight[...], self.eps, self.dtype)
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -109,18 +108,11 @@ class KimiDeltaAttention(nnx.Module):
 
     def _short_conv(self, xhat: jax.Array, prev: jax.Array, n_new: jax.Array) -> tuple[jax.Array, jax.Array]:
         """xhat [B,T,3C] raw projections, prev [B,W-1,3C] -> (SiLU(conv) [B,T,3C], new conv state)."""
-        w = self.cfg.kda_conv_size
-        t = xhat.shape[1]
-        kernel = jnp.concatenate(
-            [self.q_conv1d.kernel[...], self.k_conv1d.kernel[...], self.v_conv1d.kernel[...]], axis=1
-        ).astype(jnp.float32)  # [W, 3C]
-        xp = jnp.concatenate([prev.astype(xhat.dtype), xhat], axis=1)  # [B, W-1+T, 3C]
-        xp32 = xp.astype(jnp.float32)
-        u = sum(kernel[j] * xp32[:, j : j + t] for j in range(w))
-        # The new state is the W-1 raw inputs before the first padded token of each row.
-        idx = n_new[:, None] + jnp.arange(w - 1)[None, :]  # [B, W-1]
-        new_prev = jnp.take_along_axis(xp, idx[:, :, None], axis=1)
-        return jax.nn.silu(u).astype(self.dt.compute), new_prev.astype(prev.dtype)
+        kernel = jnp.concatenate([c[...] for c in self._conv_kernels()], axis=1).astype(jnp.float32)  # [W, 3C]
+        return short_conv(xhat, prev, kernel, n_new, self.dt.compute)
+
+    def _conv_kernels(self):
+        return self.q_conv1d.kernel, self.k_conv1d.kernel, self.v_conv1d.kernel
 
     def _projections(self, x: jax.Array):
         """x [B,T,D] -> (q̂, k̂, v̂ [B,T,C] raw, f [B,T,gate] decay projection, z [B,T,C] output-gate projection,
@@ -141,16 +133,10 @@ class KimiDeltaAttention(nnx.Module):
     def _decay(self, f: jax.Array) -> jax.Array:
         """Log decay g from the decay projection f [B,T,gate], float32: [B,T,N,K] (per channel) or [B,T,N]."""
         cfg = self.cfg
-        f = f.astype(jnp.float32) + self.dt_bias[...]
-        b, t = f.shape[:2]
-        a = jnp.exp(self.A_log[...])  # [N]
-        if not cfg.kda_scalar_decay:
-            f = f.reshape(b, t, cfg.kda_num_heads, cfg.kda_head_dim)
-            a = a[:, None]
-        if cfg.kda_gate_lower_bound is not None:
-            return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a * f)
-        softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
-        return -a * softplus
+        return kda_gate(
+            f, self.A_log[...], self.dt_bias[...], num_heads=cfg.kda_num_heads, head_dim=cfg.kda_head_dim,
+            scalar=cfg.kda_scalar_decay, lower_bound=cfg.kda_gate_lower_bound,
+        )  # fmt: skip
 
     def _output(self, z: jax.Array, o: jax.Array) -> jax.Array:
         """Output gate z [B,T,C] + gated RMSNorm per head, then o_proj: o [B,T,N,V] -> [B,T,D]."""
@@ -201,6 +187,16 @@ class KimiDeltaAttention(nnx.Module):
         b, t, _ = x.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
         q_raw, k_raw, v_raw, f, z, b_logits = self._projections(x)
+        if info.mode == "decode" and info.cp is None and decode_layer_uses_kernel(hd):
+            # conv, gates, state update and gated norm as one kernel (pallas_kernels/linear_attention)
+            state = self.init_state(b, x.dtype) if state is None else state
+            y, conv, s = kda_decode_layer(
+                q_raw[:, 0], k_raw[:, 0], v_raw[:, 0], state.conv, [c[...] for c in self._conv_kernels()],
+                f[:, 0], self.A_log[...], self.dt_bias[...], b_logits[:, 0], z[:, 0], self.o_norm.weight[...],
+                state.recurrent, info.valid[:, 0], info.n_new, num_heads=n, head_dim=hd,
+                scalar_decay=cfg.kda_scalar_decay, lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps,
+            )  # fmt: skip
+            return self.o_proj(y.reshape(b, t, n * hd)), _placed(KDAState(conv=conv, recurrent=s))
         xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)  # XLA's q, k, v end their own fusions
         if info.cp is not None:
             return self._context_parallel(x, xhat, f, z, b_logits, info, state)

@@ -9,15 +9,17 @@ import numpy as np
 from pallas_kernels._pallas import auto_impl, pow2
 from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
+from pallas_kernels.linear_attention.layer_decode import decode_layer_pallas
 from pallas_kernels.linear_attention.reference import (
     apply_summary,
     compose_summaries,
     kda_chunked,
+    kda_decode_layer_reference,
     kda_recurrent,
 )
 from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
 
-__all__ = ["apply_summary", "compose_summaries", "kda", "kda_decode_step", "kda_state_summary"]
+__all__ = ["apply_summary", "compose_summaries", "kda", "kda_decode_layer", "kda_decode_step", "kda_state_summary"]
 
 IMPLS = ("auto", "recurrent", "chunked", "pallas")
 
@@ -312,3 +314,69 @@ def kda_decode_step(
         scale=scale, l2norm=use_qk_l2norm, block_v=min(pv, block_v), interpret=interpret, num_warps=num_warps,
     )  # fmt: skip
     return o[..., :dv], s[:, :, :dk, :dv]
+
+
+LAYER_IMPLS = ("auto", "reference", "pallas")
+
+
+def decode_layer_uses_kernel(head_dim: int) -> bool:
+    """Whether `kda_decode_layer(impl="auto")` runs the fused kernel: inside a `use_pallas()` block covering
+    "kda_decode_layer" where the shapes allow (a power-of-two head of 16 to 256). Not a default anywhere yet:
+    built and tested in interpret mode, not yet timed on the GPU against the unfused step."""
+    supported = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    return auto_impl("kda_decode_layer", supported, default_on_gpu=False)
+
+
+def kda_decode_layer(
+    q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
+    n_new, *, num_heads: int, head_dim: int, scalar_decay: bool = False, lower_bound: float | None = None,
+    eps: float = 1e-6, impl: str = "auto", interpret: bool | None = None, num_warps: int = 4,
+):  # fmt: skip
+    """One decode token of a KDA layer from its raw projections to o_proj's input: short conv + SiLU, q / k
+    normalisation, decay and β gates (zero on padded rows), the state update and the gated RMSNorm.
+
+    q_raw, k_raw, v_raw, z [B, N*K] in the compute dtype; conv_state [B, W-1, 3*N*K] (q | k | v channels);
+    conv_weights the (q, k, v) conv kernels [W, N*K]; f [B, N*K] decay projection ([B, N] with scalar_decay);
+    a_log [N]; dt_bias [N*K] ([N]); b_logits [B, N]; norm_weight [K]; state [B, N, K, K] float32; valid [B]
+    bool; n_new [B] tokens this step (0 or 1) -> (y [B, N, K] in q_raw.dtype, new conv state, new state).
+    impl: "reference" (`reference.kda_decode_layer_reference`), "pallas" (`layer_decode.decode_layer_pallas`:
+    one program per (sequence, head), conv state and state updated in place) or "auto"
+    (`decode_layer_uses_kernel`)."""
+    if impl not in LAYER_IMPLS:
+        raise ValueError(f"kda_decode_layer: unknown impl={impl!r}; expected one of {LAYER_IMPLS}")
+    b, c = q_raw.shape
+    if c != num_heads * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != q_raw.shape or z.shape != q_raw.shape:
+        raise ValueError(
+            f"kda_decode_layer: q/k/v/z {[x.shape for x in (q_raw, k_raw, v_raw, z)]} must all be "
+            f"[B, {num_heads} x {head_dim}]"
+        )
+    if conv_state.ndim != 3 or conv_state.shape[0] != b or conv_state.shape[2] != 3 * c:
+        raise ValueError(f"kda_decode_layer: conv_state.shape={conv_state.shape} must be [{b}, W-1, {3 * c}]")
+    width = conv_state.shape[1] + 1
+    if len(conv_weights) != 3 or any(w.shape != (width, c) for w in conv_weights):
+        raise ValueError(f"kda_decode_layer: conv weights {[w.shape for w in conv_weights]} must be 3 x {(width, c)}")
+    gate = num_heads if scalar_decay else c
+    if f.shape != (b, gate) or dt_bias.shape != (gate,) or a_log.shape != (num_heads,):
+        raise ValueError(
+            f"kda_decode_layer: f {f.shape}, dt_bias {dt_bias.shape}, A_log {a_log.shape} must be "
+            f"{(b, gate)}, {(gate,)}, {(num_heads,)}"
+        )
+    if state.shape != (b, num_heads, head_dim, head_dim) or b_logits.shape != (b, num_heads):
+        raise ValueError(f"kda_decode_layer: state {state.shape} / b_logits {b_logits.shape} do not match")
+    if impl == "auto":
+        impl = "pallas" if decode_layer_uses_kernel(head_dim) else "reference"
+    args = (q_raw, k_raw, v_raw, conv_state, tuple(conv_weights), f, a_log, dt_bias, b_logits, z, norm_weight,
+            state, valid, n_new)  # fmt: skip
+    if impl == "reference":
+        return kda_decode_layer_reference(
+            *args, num_heads=num_heads, head_dim=head_dim, scalar_decay=scalar_decay, lower_bound=lower_bound,
+            eps=eps,
+        )  # fmt: skip
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"kda_decode_layer: the kernel needs a power-of-two head_dim in [16, 256], got {head_dim}")
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    return decode_layer_pallas(
+        *args, num_heads=num_heads, scalar_decay=scalar_decay,
+        lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps), interpret=interpret,
+        num_warps=num_warps,
+    )  # fmt: skip

@@ -160,3 +160,66 @@ def kda_chunked(q, k, v, g, beta, *, initial_state=None, scale=None, use_qk_l2no
     s, o = jax.lax.scan(_chunk_step, s0, xs)  # o [nc,B,N,C,V]
     o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, -1, n, o.shape[-1])[:, :t]
     return o.astype(out_dtype), s
+
+
+# ---------------------------------------------------------------- a KDA layer's pieces around the recurrence
+# (the model's KDA layer computes them with these functions; `kda_decode_layer_reference` composes them for a
+# decode step, the ground truth of the fused decode-layer kernel)
+
+
+def short_conv(xhat, prev, kernel, n_new, out_dtype):
+    """Causal depthwise conv of width W + SiLU: xhat [B,T,C] raw projections, prev [B,W-1,C] the last W-1 raw
+    inputs, kernel [W,C] float32, n_new [B] real tokens per row -> (SiLU(conv) [B,T,C] in out_dtype, the new
+    prev: the W-1 raw inputs before each row's first padded token)."""
+    w = kernel.shape[0]
+    t = xhat.shape[1]
+    xp = jnp.concatenate([prev.astype(xhat.dtype), xhat], axis=1)  # [B, W-1+T, C]
+    xp32 = xp.astype(jnp.float32)
+    u = sum(kernel[j] * xp32[:, j : j + t] for j in range(w))
+    idx = n_new[:, None] + jnp.arange(w - 1)[None, :]  # [B, W-1]
+    new_prev = jnp.take_along_axis(xp, idx[:, :, None], axis=1)
+    return jax.nn.silu(u).astype(out_dtype), new_prev.astype(prev.dtype)
+
+
+def kda_gate(f, a_log, dt_bias, *, num_heads, head_dim, scalar, lower_bound=None):
+    """Log decay g from the decay projection f [B,T,N*K] (per channel) or [B,T,N] (scalar), float32
+    [B,T,N,K] or [B,T,N]: −exp(A_log) ⊙ softplus(f + dt_bias), or lb·σ(exp(A_log)(f + dt_bias))."""
+    f = f.astype(jnp.float32) + dt_bias
+    a = jnp.exp(a_log)  # [N]
+    if not scalar:
+        f = f.reshape(*f.shape[:-1], num_heads, head_dim)
+        a = a[:, None]
+    if lower_bound is not None:
+        return lower_bound * jax.nn.sigmoid(a * f)
+    softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
+    return -a * softplus
+
+
+def gated_rms_norm(o, z, weight, eps, out_dtype):
+    """γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(z) over the last axis, float32 with one final rounding."""
+    o32 = o.astype(jnp.float32)
+    y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32) * jax.nn.sigmoid(z.astype(jnp.float32))).astype(out_dtype)
+
+
+def kda_decode_layer_reference(
+    q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
+    n_new, *, num_heads, head_dim, scalar_decay=False, lower_bound=None, eps=1e-6,
+):  # fmt: skip
+    """One decode token of a KDA layer between its projections and o_proj: raw q, k, v, z [B, N*K]
+    (compute dtype), conv_state [B, W-1, 3*N*K], conv_weights (q, k, v) [W, N*K] each, decay projection f
+    [B, N*K] (or [B, N]), A_log [N], dt_bias, β logits [B, N], o_norm's γ [K], state [B, N, K, V] float32,
+    valid [B] bool, n_new [B] -> (gated-normed o [B, N, V] in q_raw.dtype, new conv state, new state)."""
+    b = q_raw.shape[0]
+    dt = q_raw.dtype
+    xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)[:, None]  # [B, 1, 3C]
+    kernel = jnp.concatenate(conv_weights, axis=1).astype(jnp.float32)
+    qkv, conv = short_conv(xhat, conv_state, kernel, n_new, dt)
+    q, k, v = (x.reshape(b, num_heads, head_dim) for x in jnp.split(qkv[:, 0], 3, axis=-1))
+    g = kda_gate(f, a_log, dt_bias, num_heads=num_heads, head_dim=head_dim, scalar=scalar_decay,
+                 lower_bound=lower_bound)  # fmt: skip
+    g = jnp.where(valid.reshape((b,) + (1,) * (g.ndim - 1)), g, 0.0)
+    beta = jnp.where(valid[:, None], jax.nn.sigmoid(b_logits.astype(jnp.float32)), 0.0)
+    o, s = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state=state)
+    y = gated_rms_norm(o[:, 0], z.reshape(b, num_heads, head_dim), norm_weight, eps, dt)
+    return y, conv, s

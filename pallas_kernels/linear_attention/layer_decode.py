@@ -1,0 +1,122 @@
+"""Pallas kernel: a KDA layer's whole decode token between its projections and o_proj, in one launch.
+
+At a batch-1 decode step XLA ran the work around the recurrence as ~8 small kernels per KDA layer (the
+short-conv window, its split into q, k, v, the new conv state, the decay and β gates with their padding
+masks, the gated RMSNorm's reduction and multiply) beside the state-update kernel (BENCHMARKS.md profiles).
+Here one program per (sequence b, head n) does, with the head's whole state S [K, V] in float32:
+
+    q, k, v = SiLU(Σ_j w_j x_{t-W+1+j}) over the W-1 cached raw inputs and this token's (per channel)
+    the cached inputs shift by one where the row has a token (n_new = 1), else stay
+    q, k ← L2-normalised (eps 1e-6 inside the root), q ← q · K^-1/2
+    g = −exp(A_log) ⊙ softplus(f + dt_bias)  (or lb·σ(exp(A_log)(f + dt_bias))),  β = σ(b); both 0 if padded
+    S ← Diag(exp g) S;   u = β (v − Sᵀk);   S ← S + k uᵀ;   o = Sᵀq  (rounded to the compute dtype)
+    y = γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(z)
+
+The conv state and S are updated in place (`input_output_aliases`). Every intermediate rounds where the
+model's unfused path rounds (q, k, v and o to the compute dtype), so the two agree to float32 summation order.
+Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). K = V, a power of two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._pallas import triton_params
+
+
+def _kernel(
+    qr_ref, kr_ref, vr_ref, cs_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref, z_ref, nw_ref,
+    valid_ref, nnew_ref, s_ref, y_ref, cs_out_ref, s_out_ref, *, width, scalar, lower_bound, eps,
+):  # fmt: skip
+    f32 = jnp.float32
+    dt = qr_ref.dtype
+    shift = nnew_ref[0] > 0  # this row has a token: the cached inputs move by one
+    live = valid_ref[0] > 0
+
+    def conv(part, raw_ref, w_ref):  # one of q, k, v for this head: [K] after SiLU, in the compute dtype
+        # the raw inputs, oldest first, in the projections' dtype (as the model joins them)
+        window = [cs_ref[j, part, :].astype(dt) for j in range(width - 1)] + [raw_ref[...]]
+        u = jnp.zeros(window[-1].shape, f32)
+        for j, x in enumerate(window):
+            u = u + w_ref[j, :].astype(f32) * x.astype(f32)
+        for j in range(width - 1):
+            cs_out_ref[j, part, :] = jnp.where(shift, window[j + 1], window[j]).astype(cs_out_ref.dtype)
+        return (u / (1.0 + jnp.exp(-u))).astype(dt).astype(f32)
+
+    q = conv(0, qr_ref, wq_ref)
+    k = conv(1, kr_ref, wk_ref)
+    v = conv(2, vr_ref, wv_ref)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * (q.shape[0] ** -0.5)
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
+
+    fv = f_ref[...].astype(f32) + dtb_ref[...].astype(f32)  # [K] or [1]
+    a = jnp.exp(alog_ref[...].astype(f32))  # [1]
+    if lower_bound is not None:
+        g = lower_bound * (1.0 / (1.0 + jnp.exp(-a * fv)))
+    else:
+        g = -a * jnp.where(fv > 20.0, fv, jnp.log1p(jnp.exp(jnp.minimum(fv, 20.0))))
+    g = jnp.where(live, g, 0.0)
+    beta = jnp.where(live, 1.0 / (1.0 + jnp.exp(-bl_ref[...].astype(f32))), 0.0)  # [1]
+
+    decay = jnp.exp(g)
+    s = s_ref[...] * (jnp.broadcast_to(decay, k.shape) if scalar else decay)[:, None]  # [K, V]
+    u = beta * (v - jnp.sum(k[:, None] * s, axis=0))  # [V]
+    s = s + k[:, None] * u[None, :]
+    s_out_ref[...] = s
+    o = jnp.sum(q[:, None] * s, axis=0).astype(dt).astype(f32)  # [V], rounded as the unfused path's output
+    y = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * nw_ref[...].astype(f32)
+    y_ref[...] = (y * (1.0 / (1.0 + jnp.exp(-z_ref[...].astype(f32))))).astype(y_ref.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps")
+)
+def decode_layer_pallas(
+    q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
+    n_new, *, num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4,
+):  # fmt: skip
+    """Shapes as `reference.kda_decode_layer_reference` (K = V a power of two) -> (y [B, N, K] in q_raw.dtype,
+    new conv state, new state); conv_state and state are updated in place."""
+    b, c = q_raw.shape
+    n = num_heads
+    hd = c // n
+    w = conv_state.shape[1] + 1
+    heads = lambda x: x.reshape(b, n, -1)  # noqa: E731
+    vec = pl.BlockSpec((None, None, hd), lambda i, h: (i, h, 0))
+    one = pl.BlockSpec((None, None, 1), lambda i, h: (i, h, 0))
+    gate_spec = one if scalar_decay else vec
+    conv_spec = pl.BlockSpec((None, w - 1, 3, None, hd), lambda i, h: (i, 0, 0, h, 0))
+    weight_spec = pl.BlockSpec((w, None, hd), lambda i, h: (0, h, 0))
+    state_spec = pl.BlockSpec((None, None, hd, hd), lambda i, h: (i, h, 0, 0))
+    row = pl.BlockSpec((None, 1), lambda i, h: (i, 0))
+    kernel = functools.partial(_kernel, width=w, scalar=scalar_decay, lower_bound=lower_bound, eps=eps)
+    y, conv, s = pl.pallas_call(
+        kernel,
+        grid=(b, n),
+        in_specs=[
+            vec, vec, vec, conv_spec, weight_spec, weight_spec, weight_spec, gate_spec,
+            pl.BlockSpec((None, 1), lambda i, h: (h, 0)),
+            pl.BlockSpec((None, 1) if scalar_decay else (None, hd), lambda i, h: (h, 0)),
+            one, vec, pl.BlockSpec((hd,), lambda i, h: (0,)), row, row, state_spec,
+        ],
+        out_specs=[vec, conv_spec, state_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, hd), q_raw.dtype),
+            jax.ShapeDtypeStruct((b, w - 1, 3, n, hd), conv_state.dtype),
+            jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        ],
+        input_output_aliases={3: 1, 15: 2},
+        interpret=interpret,
+        name="kda_decode_layer",
+        **triton_params(interpret, num_warps, 1),
+    )(
+        heads(q_raw), heads(k_raw), heads(v_raw), conv_state.reshape(b, w - 1, 3, n, hd),
+        *(x.reshape(w, n, hd) for x in conv_weights), heads(f), a_log.reshape(n, 1),
+        dt_bias.reshape(n, -1), heads(b_logits), heads(z), norm_weight,
+        valid.astype(jnp.int32).reshape(b, 1), n_new.astype(jnp.int32).reshape(b, 1), state.astype(jnp.float32),
+    )  # fmt: skip
+    return y, conv.reshape(conv_state.shape), s

@@ -1,0 +1,102 @@
+"""The fused KDA decode-layer kernel (interpret mode on CPU) against its jnp reference, and the model's KDA
+layer through it against its unfused decode step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import use_pallas
+from pallas_kernels.linear_attention import kda_decode_layer
+from tests.conftest import rel_err
+
+
+def _inputs(seed, b, n, hd, w, scalar, dtype):
+    ks = iter(jax.random.split(jax.random.key(seed), 16))
+    c = n * hd
+    raw = [jax.random.normal(next(ks), (b, c), dtype) for _ in range(4)]  # q, k, v, z
+    conv_state = jax.random.normal(next(ks), (b, w - 1, 3 * c), dtype)
+    conv_weights = tuple(jax.random.normal(next(ks), (w, c)) * 0.5 for _ in range(3))
+    gate = n if scalar else c
+    f = jax.random.normal(next(ks), (b, gate), dtype)
+    a_log = jax.random.uniform(next(ks), (n,), minval=-1.0, maxval=1.0)
+    dt_bias = jax.random.normal(next(ks), (gate,)) * 0.5
+    b_logits = jax.random.normal(next(ks), (b, n), dtype)
+    norm_weight = 1.0 + 0.1 * jax.random.normal(next(ks), (hd,))
+    state = jax.random.normal(next(ks), (b, n, hd, hd))
+    valid = jnp.arange(b) != 1  # row 1 padded: gates off, conv state kept
+    n_new = valid.astype(jnp.int32)
+    q, k, v, z = raw
+    return (q, k, v, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid, n_new)
+
+
+@pytest.mark.parametrize(
+    "b,n,hd,w,scalar,lower_bound,dtype",
+    [
+        (3, 2, 16, 4, False, None, jnp.float32),
+        (4, 3, 32, 4, True, None, jnp.float32),
+        (2, 2, 16, 3, False, -5.0, jnp.float32),
+        (3, 2, 32, 4, False, None, jnp.bfloat16),
+    ],
+)
+def test_decode_layer_kernel_matches_reference(b, n, hd, w, scalar, lower_bound, dtype):
+    args = _inputs(b * 7 + hd, b, n, hd, w, scalar, dtype)
+    kw = dict(num_heads=n, head_dim=hd, scalar_decay=scalar, lower_bound=lower_bound, eps=1e-5)
+    y_ref, conv_ref, s_ref = kda_decode_layer(*args, impl="reference", **kw)
+    y, conv, s = kda_decode_layer(*args, impl="pallas", interpret=True, **kw)
+    assert y.shape == (b, n, hd) and y.dtype == dtype and conv.dtype == dtype and s.dtype == jnp.float32
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: q, k, v and o rounded where the orders differ
+    assert rel_err(y, y_ref) < tol and rel_err(s, s_ref) < max(tol, 1e-4)
+    np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(conv_ref, np.float32))  # moved exactly
+    # the padded row keeps its conv state and its recurrent state; the others move
+    np.testing.assert_array_equal(np.asarray(conv[1], np.float32), np.asarray(args[3][1], np.float32))
+    np.testing.assert_allclose(np.asarray(s[1]), np.asarray(args[11][1]), rtol=1e-6)
+    assert not np.array_equal(np.asarray(conv[0], np.float32), np.asarray(args[3][0], np.float32))
+
+
+def test_decode_layer_errors_and_auto():
+    args = _inputs(0, 2, 2, 16, 4, False, jnp.float32)
+    kw = dict(num_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="impl='triton'"):
+        kda_decode_layer(*args, impl="triton", **kw)
+    with pytest.raises(ValueError, match=r"conv_state.shape=\(2, 3, 90\)"):
+        kda_decode_layer(*args[:3], args[3][..., :90], *args[4:], **kw)
+    with pytest.raises(ValueError, match=r"\[B, 3 x 8\]"):
+        kda_decode_layer(*args, num_heads=3, head_dim=8)
+
+    def traced():  # a fresh function each time: use_pallas() is read at trace time
+        return str(jax.make_jaxpr(lambda *a: kda_decode_layer(*a, interpret=True, **kw))(*args))
+
+    assert "kda_decode_layer" not in traced()  # not a default anywhere yet
+    with use_pallas(ops=["kda_decode_layer"]):
+        assert "name=kda_decode_layer" in traced()
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["kda", "gated-deltanet"])
+def test_model_decode_through_fused_layer_kernel(tiny_cfg, scalar):
+    """A model's decode steps (two sequences) with the fused KDA layer kernel forced: the same
+    logits and caches as the unfused step."""
+    from flax import nnx
+
+    from hybrid_jax import HybridLM
+    from tests.conftest import prefill_then_decode, random_ids
+
+    cfg = tiny_cfg.replace(kda_scalar_decay=True, kda_decay_rank=None) if scalar else tiny_cfg
+    model = HybridLM(cfg, rngs=nnx.Rngs(5))
+    ids = random_ids(43, (2, 10))
+
+    def jits():  # fresh functions: use_pallas() is read at trace time
+        return {
+            "prefill": jax.jit(lambda m, i, c, n: m.prefill(i, c, n)),
+            "decode": jax.jit(lambda m, i, c: m.decode_step(i, c)),
+        }
+
+    ref, ref_cache = prefill_then_decode(model, ids, jits(), 7, 16)
+    with use_pallas(ops=["kda_decode_layer"]):
+        traced = str(jax.make_jaxpr(lambda m, i, c: m.decode_step(i, c))(model, ids[:, 0], model.init_cache(2, 16)))
+        got, cache = prefill_then_decode(model, ids, jits(), 7, 16)
+    assert "name=kda_decode_layer" in traced  # the kernel, traced once, called by every KDA layer:
+    assert traced.count("name=decode_layer_pallas") == cfg.layer_types.count("linear")
+    assert rel_err(got, ref) < 1e-5
+    for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(ref_cache), strict=True):
+        assert rel_err(a.astype("float32"), b.astype("float32")) < 1e-5
