@@ -11,7 +11,10 @@ chunked WY/UT form at chunk 64 (see `prefill_flops`).
 fla (`fla-core`, Triton, PyTorch) runs in the same process when importable: carry its wheel and einops to
 the GPU machine (`pip download --no-deps fla-core einops`).
 
-    python -m benchmarks.linear_attention [--only decode|prefill] [--no-record]
+    python -m benchmarks.linear_attention [--only decode|layer|prefill] [--no-record]
+
+`--only layer`: a KDA layer's decode token between its projections and o_proj (`kda_decode_layer`'s fused
+kernel against the model's unfused step), B in {1, 16, 64}.
 """
 
 from __future__ import annotations
@@ -147,6 +150,71 @@ def decode_rows(bw, rate, fla) -> list[dict]:
     return rows
 
 
+def _unfused_layer(q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight,
+                   state, valid, n_new):  # fmt: skip
+    """The model's unfused decode token of a KDA layer: XLA's conv / gates / gated norm around the Pallas
+    state-update kernel (what `hybrid_jax.layers.kda` runs without the fused layer kernel)."""
+    from pallas_kernels.linear_attention.reference import gated_rms_norm, kda_gate, short_conv
+
+    b = q_raw.shape[0]
+    xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)[:, None]
+    kernel = jnp.concatenate(conv_weights, axis=1).astype(jnp.float32)
+    qkv, conv = short_conv(xhat, conv_state, kernel, n_new, q_raw.dtype)
+    q, k, v = (x.reshape(b, N, DK) for x in jnp.split(qkv[:, 0], 3, axis=-1))
+    g = jnp.where(valid[:, None, None], kda_gate(f, a_log, dt_bias, num_heads=N, head_dim=DK, scalar=False), 0.0)
+    beta = jnp.where(valid[:, None], jax.nn.sigmoid(b_logits.astype(jnp.float32)), 0.0)
+    o, s = kda_decode_step(q, k, v, g, beta, state, impl="pallas")
+    return gated_rms_norm(o, z.reshape(b, N, DK), norm_weight, 1e-5, q_raw.dtype), conv, s
+
+
+def _layer_loop(step, args):
+    """STEPS decode tokens of one layer carrying the conv state and the state (inputs reused), the outputs
+    summed so that nothing is dropped."""
+
+    def body(_, carry):
+        conv, s, acc = carry
+        y, conv, s = step(*args[:3], conv, *args[4:11], s, *args[12:])
+        return conv, s, acc + y[0, 0, 0].astype(jnp.float32)
+
+    conv, s, acc = jax.lax.fori_loop(0, STEPS, body, (args[3], args[11], jnp.float32(0)))
+    return acc, conv, s
+
+
+def layer_rows(bw, rate) -> list[dict]:
+    """A KDA layer's decode token between its projections and o_proj: the fused layer kernel against the
+    model's unfused step (XLA's ~8 small kernels around the state-update kernel), STEPS per executable."""
+    from pallas_kernels.linear_attention import kda_decode_layer
+
+    rows = []
+    for b in (1, 16, 64):
+        ks = iter(jax.random.split(jax.random.key(100 + b), 16))
+        c = N * DK
+        raw = [jax.random.normal(next(ks), (b, c), jnp.bfloat16) for _ in range(4)]
+        conv_state = jax.random.normal(next(ks), (b, 3, 3 * c), jnp.bfloat16)
+        conv_weights = tuple(jax.random.normal(next(ks), (4, c)) * 0.5 for _ in range(3))
+        f = jax.random.normal(next(ks), (b, c), jnp.bfloat16)
+        a_log = jax.random.uniform(next(ks), (N,), minval=-1.0, maxval=1.0)
+        dt_bias = jax.random.normal(next(ks), (c,)) * 0.5
+        b_logits = jax.random.normal(next(ks), (b, N), jnp.bfloat16)
+        state = jax.random.normal(next(ks), (b, N, DK, DV)) * 0.1
+        valid, n_new = jnp.ones((b,), bool), jnp.ones((b,), jnp.int32)
+        q, k, v, z = raw
+        args = (q, k, v, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, jnp.ones((DK,)), state, valid,
+                n_new)  # fmt: skip
+        fused = functools.partial(kda_decode_layer, num_heads=N, head_dim=DK, eps=1e-5, impl="pallas")
+        ref = jax.jit(_unfused_layer)(*args)
+        nbytes = 2 * state.nbytes + 2 * conv_state.nbytes + 5 * q.nbytes
+        flops = b * N * DK * DV * 8
+        shape = f"B={b} N={N} K={DK} V={DV} conv 4"
+        for name, step in (("unfused (XLA glue + Pallas state step)", _unfused_layer), ("fused layer kernel", fused)):
+            out = jax.jit(step)(*args)
+            err = max(rel_err(out[0], ref[0]), rel_err(out[2], ref[2]))
+            loop = jax.jit(functools.partial(_layer_loop, step))
+            ms = median_ms(functools.partial(loop, args), iters=10) / STEPS
+            rows.append(row("decode layer", shape, name, ms, flops, nbytes, bw, rate, err))
+    return rows
+
+
 PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 
@@ -264,7 +332,7 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--only", choices=("decode", "prefill"))
+    p.add_argument("--only", choices=("decode", "layer", "prefill"))
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
     p.add_argument(
@@ -281,6 +349,8 @@ def main() -> None:
     rows = []
     if args.only in (None, "decode"):
         rows += decode_rows(bw, rate, fla)
+    if args.only in (None, "layer"):
+        rows += layer_rows(bw, rate)
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
         rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases)
