@@ -64,8 +64,8 @@ class DecoderLayer(nnx.Module):
         bs = self.cfg.attn_res_block_size
         if bs is None:
             a, state = self.self_attn(self.input_layernorm(h), info, state)
-            h = h + a
-            return h + self.mlp(self.post_attention_layernorm(h)), blocks, state
+            h, x = self.post_attention_layernorm.add(h, a)  # h + a and its norm (one kernel where switched on)
+            return h + self.mlp(x), blocks, state
         residual = h
         if blocks:
             h = self.pre_attn_residual(blocks, h)

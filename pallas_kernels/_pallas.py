@@ -22,6 +22,7 @@ OPS = (
     "moe_router",
     "attention",
     "projection",
+    "rms_norm",
 )
 _PREFER_PALLAS = contextvars.ContextVar("prefer_pallas", default=None)  # (enabled, frozenset of ops)
 

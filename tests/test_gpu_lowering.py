@@ -177,3 +177,16 @@ def test_kda_decode_layer_kernel_lowers():
         return kda_decode_layer(*a, num_heads=4, head_dim=128, impl="pallas", interpret=False)
 
     assert _lowered_for_h200(run, *args).count("xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_kernel_lowers(residual):
+    from pallas_kernels.norm import rms_norm
+
+    x = jnp.ones((1, 2304), jnp.bfloat16)
+    w = jnp.ones((2304,), jnp.bfloat16)
+
+    def run(x, w):
+        return rms_norm(x, w, eps=1e-6, residual=x if residual else None, impl="pallas", interpret=False)
+
+    assert _lowered_for_h200(run, x, w).count("xla.gpu.triton") == 1

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.norm import norm_uses_kernel, rms_norm
 from pallas_kernels.projection import auto_uses_kernel, project, project_group
 from pallas_kernels.projection.api import auto_tiles
 
@@ -180,9 +181,15 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype or dt.param), logical_axes=(axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(self.dtype) * y.astype(self.dtype)
+        # `pallas_kernels.norm` (its reference is this formula); the kernel at decode sizes where switched on
+        return rms_norm(x, self.weight[...], eps=self.eps, out_dtype=self.dtype)[1]
+
+    def add(self, residual: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(residual + x, this norm of it): one kernel where `pallas_kernels.norm.norm_uses_kernel` says so."""
+        if residual.dtype == x.dtype and norm_uses_kernel(x):
+            return rms_norm(x, self.weight[...], eps=self.eps, residual=residual, out_dtype=self.dtype)
+        h = residual + x
+        return h, self(h)
 
 
 class LayerNorm(nnx.Module):
