@@ -10,13 +10,18 @@ Columns: the option set, the median ms per step (n steps per executable, median 
 byte floor (`e2e.decode_floor_bytes` over the measured copy bandwidth), and the kernels one step launches,
 counted in the optimized HLO (`kernel_count.count_kernels`: the loop body once, plus the few kernels around it).
 
+`--pallas-ops` adds the opt-in kernels to compare in the same process: each entry a "+"-joined set of
+`pallas_kernels.OPS` traced inside `use_pallas(ops=...)` ("none": the defaults), e.g.
+`--variants default --pallas-ops none kda_decode_layer rms_norm kda_decode_layer+rms_norm`.
+
     python -m benchmarks.xla_flags [--models hybrid_small] [--hf-dir FOLDER] [--batches 1 16]
-        [--context 2048] [--variants default no_graphs ...] [--no-record]
+        [--context 2048] [--variants default no_graphs ...] [--pallas-ops none OP+OP ...] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import jax
@@ -63,9 +68,9 @@ def _loop(model, n: int, options: dict):
     return leaves, jax.jit(steps, donate_argnums=2, compiler_options=options or None)
 
 
-def _row(label, b, context, v, ms, floor, kernels) -> dict:
+def _row(label, b, context, v, ops, ms, floor, kernels) -> dict:
     return {
-        "model": label, "batch": b, "context": context, "options": v,
+        "model": label, "batch": b, "context": context, "options": v, "pallas ops": ops,
         "compiler_options": " ".join(f"{k}={o!r}" for k, o in VARIANTS[v].items()) or "(none)",
         "ms per step": "" if ms is None else f"{ms:.3f}", "floor ms": f"{floor:.3f}",
         "x floor": "" if ms is None else f"{ms / floor:.2f}", "kernels per step": kernels,
@@ -81,10 +86,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--pallas-ops", nargs="+", default=["none"], help='opt-in kernel sets, "+"-joined; "none"')
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
-
     from benchmarks.e2e import build_model, decode_floor_bytes
+    from pallas_kernels import use_pallas
 
     bw, _ = ceilings()
     rows = []
@@ -101,18 +107,21 @@ def main() -> None:
         prefill = jit_module(lambda m, ids, c: m.prefill(ids, c, last_only=True), model, donate_argnums=1)
         for b in args.batches:
             ids = jax.random.randint(jax.random.key(b), (b, args.context), 0, cfg.vocab_size - 8, jnp.int32)
-            total = args.context + args.steps * (args.reps + 2) * len(args.variants) + 8
+            runs = len(args.variants) * len(args.pallas_ops)
+            total = args.context + args.steps * (args.reps + 2) * runs + 8
             cache = model.init_cache(b, -(-total // page) * page)
             logits, cache = prefill(ids, cache)
             floor = decode_floor_bytes(model, cache, b, args.context) / bw * 1e3
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            for v in args.variants:
-                leaves, loop = _loop(model, args.steps, VARIANTS[v])
+            for v, ops in ((v, ops) for v in args.variants for ops in args.pallas_ops):
+                leaves, loop = _loop(model, args.steps, VARIANTS[v])  # a fresh function: traced under `ops`
+                switch = contextlib.nullcontext() if ops == "none" else use_pallas(ops=ops.split("+"))
                 try:
-                    compiled = loop.lower(leaves, tok, cache).compile()
+                    with switch:
+                        compiled = loop.lower(leaves, tok, cache).compile()
                 except Exception as e:  # noqa: BLE001 — an option this XLA rejects is a row, not a crash
-                    print(f"  {label} B={b} {v}: {type(e).__name__}: {e}"[:300], flush=True)
-                    rows.append(_row(label, b, args.context, v, None, floor, "rejected"))
+                    print(f"  {label} B={b} {v} {ops}: {type(e).__name__}: {e}"[:300], flush=True)
+                    rows.append(_row(label, b, args.context, v, ops, None, floor, "rejected"))
                     continue
                 kernels = sum(count_kernels(compiled.as_text()).values())
                 box = {"tok": tok, "cache": cache}
@@ -123,7 +132,7 @@ def main() -> None:
 
                 ms = median_ms(run, warmup=2, iters=args.reps) / args.steps
                 tok, cache = box["tok"], box["cache"]
-                row = _row(label, b, args.context, v, ms, floor, kernels)
+                row = _row(label, b, args.context, v, ops, ms, floor, kernels)
                 print("  " + " | ".join(f"{k}={o}" for k, o in row.items()), flush=True)
                 rows.append(row)
             del cache, logits
