@@ -91,3 +91,25 @@ def prefill_then_decode(model, ids, jitted, n_prefill: int, max_len: int):
         lg, cache = jitted["decode"](model, ids[:, i], cache)
         steps.append(lg[:, None])
     return jnp.concatenate(steps, axis=1), cache
+
+
+def fresh_jits():
+    """Jitted prefill / decode of fresh functions: `use_pallas()` is read at trace time, so each side of a
+    comparison traces its own."""
+    return {
+        "prefill": jax.jit(lambda m, ids, c, n: m.prefill(ids, c, n)),
+        "decode": jax.jit(lambda m, ids, c: m.decode_step(ids, c)),
+    }
+
+
+def decode_with_ops(model, ids, ops, n_prefill: int = 7, max_len: int = 16):
+    """`prefill_then_decode` with the defaults and inside `use_pallas(ops=ops)`: (reference (logits, cache),
+    switched (logits, cache), the decode step's jaxpr text under the switch)."""
+    from pallas_kernels import use_pallas
+
+    ref = prefill_then_decode(model, ids, fresh_jits(), n_prefill, max_len)
+    with use_pallas(ops=ops):
+        cache = model.init_cache(ids.shape[0], max_len)
+        traced = str(jax.make_jaxpr(lambda m, i, c: m.decode_step(i, c))(model, ids[:, 0], cache))
+        got = prefill_then_decode(model, ids, fresh_jits(), n_prefill, max_len)
+    return ref, got, traced

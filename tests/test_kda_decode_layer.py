@@ -79,22 +79,11 @@ def test_model_decode_through_fused_layer_kernel(tiny_cfg, scalar):
     from flax import nnx
 
     from hybrid_jax import HybridLM
-    from tests.conftest import prefill_then_decode, random_ids
+    from tests.conftest import decode_with_ops, random_ids
 
     cfg = tiny_cfg.replace(kda_scalar_decay=True, kda_decay_rank=None) if scalar else tiny_cfg
     model = HybridLM(cfg, rngs=nnx.Rngs(5))
-    ids = random_ids(43, (2, 10))
-
-    def jits():  # fresh functions: use_pallas() is read at trace time
-        return {
-            "prefill": jax.jit(lambda m, i, c, n: m.prefill(i, c, n)),
-            "decode": jax.jit(lambda m, i, c: m.decode_step(i, c)),
-        }
-
-    ref, ref_cache = prefill_then_decode(model, ids, jits(), 7, 16)
-    with use_pallas(ops=["kda_decode_layer"]):
-        traced = str(jax.make_jaxpr(lambda m, i, c: m.decode_step(i, c))(model, ids[:, 0], model.init_cache(2, 16)))
-        got, cache = prefill_then_decode(model, ids, jits(), 7, 16)
+    (ref, ref_cache), (got, cache), traced = decode_with_ops(model, random_ids(43, (2, 10)), ["kda_decode_layer"])
     assert "name=kda_decode_layer" in traced  # the kernel, traced once, called by every KDA layer:
     assert traced.count("name=decode_layer_pallas") == cfg.layer_types.count("linear")
     assert rel_err(got, ref) < 1e-5

@@ -7,16 +7,9 @@ from flax import nnx
 
 from hybrid_jax import HybridLM
 from pallas_kernels import use_pallas
+from tests.conftest import fresh_jits as _fresh_jits
 from tests.conftest import prefill_then_decode, random_ids, rel_err
 from tests.test_quant import _quant
-
-
-def _fresh_jits():
-    # use_pallas() is read at trace time, so each side traces its own functions
-    return {
-        "prefill": jax.jit(lambda m, ids, c, n: m.prefill(ids, c, n)),
-        "decode": jax.jit(lambda m, ids, c: m.decode_step(ids, c)),
-    }
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16-pools", "fp8-latent+mxfp8-indexer"])

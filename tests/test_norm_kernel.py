@@ -58,21 +58,10 @@ def test_model_decode_through_norm_kernel(tiny_cfg):
     from flax import nnx
 
     from hybrid_jax import HybridLM
-    from tests.conftest import prefill_then_decode, random_ids
+    from tests.conftest import decode_with_ops, random_ids
 
     model = HybridLM(tiny_cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(6))
-    ids = random_ids(44, (2, 10))
-
-    def jits():
-        return {
-            "prefill": jax.jit(lambda m, i, c, n: m.prefill(i, c, n)),
-            "decode": jax.jit(lambda m, i, c: m.decode_step(i, c)),
-        }
-
-    ref, _ = prefill_then_decode(model, ids, jits(), 7, 16)
-    with use_pallas(ops=["rms_norm"]):
-        traced = str(jax.make_jaxpr(lambda m, i, c: m.decode_step(i, c))(model, ids[:, 0], model.init_cache(2, 16)))
-        got, _ = prefill_then_decode(model, ids, jits(), 7, 16)
+    (ref, _), (got, _), traced = decode_with_ops(model, random_ids(44, (2, 10)), ["rms_norm"])
     assert "name=rms_norm" in traced
     assert rel_err(got, ref) < 2e-2  # bf16 model: a rounding flip in a norm moves later layers a little
     assert int(jnp.sum(jnp.argmax(got, -1) == jnp.argmax(ref, -1))) >= got.shape[0] * got.shape[1] - 1
