@@ -18,6 +18,7 @@ from pallas_kernels.linear_attention.reference import (
     kda_recurrent,
 )
 from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
+from pallas_kernels.projection.api import kernel_allowed
 
 __all__ = ["apply_summary", "compose_summaries", "kda", "kda_decode_layer", "kda_decode_step", "kda_state_summary"]
 
@@ -321,9 +322,10 @@ LAYER_IMPLS = ("auto", "reference", "pallas")
 
 def decode_layer_uses_kernel(head_dim: int) -> bool:
     """Whether `kda_decode_layer(impl="auto")` runs the fused kernel: inside a `use_pallas()` block covering
-    "kda_decode_layer" where the shapes allow (a power-of-two head of 16 to 256). Not a default anywhere yet:
-    built and tested in interpret mode, not yet timed on the GPU against the unfused step."""
-    supported = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    "kda_decode_layer" where the shapes allow (a power-of-two head of 16 to 256), outside a multi-device mesh
+    (`projection.api.kernel_allowed`: XLA cannot partition a Pallas call). Not a default anywhere yet: built
+    and tested in interpret mode, not yet timed on the GPU against the unfused step."""
+    supported = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and kernel_allowed()
     return auto_impl("kda_decode_layer", supported, default_on_gpu=False)
 
 

@@ -17,6 +17,7 @@ from pallas_kernels.moe.reference import (
     swiglu_reference,
 )
 from pallas_kernels.moe.router import route_pallas, router_kernel_shapes
+from pallas_kernels.projection.api import kernel_allowed
 
 IMPLS = ("auto", "reference", "pallas", "gather", "gemv")
 
@@ -275,8 +276,8 @@ def moe_route(
     if scoring not in ("sigmoid", "softmax"):
         raise ValueError(f"moe_route: scoring={scoring!r} must be 'sigmoid' or 'softmax'")
     supported = router_kernel_supported(x, w, n_group)
-    if impl == "auto":
-        impl = "pallas" if auto_impl("moe_router", supported) else "reference"
+    if impl == "auto":  # not under a multi-device mesh outside shard_map: XLA cannot partition a Pallas call
+        impl = "pallas" if auto_impl("moe_router", supported and kernel_allowed()) else "reference"
     if impl == "pallas":
         if not supported:
             raise ValueError(

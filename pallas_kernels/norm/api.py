@@ -9,6 +9,7 @@ import jax
 from pallas_kernels._pallas import auto_impl
 from pallas_kernels.norm.kernel import rms_norm_pallas, slab
 from pallas_kernels.norm.reference import rms_norm_reference
+from pallas_kernels.projection.api import kernel_allowed
 
 IMPLS = ("auto", "reference", "pallas")
 # The kernel stands for XLA's reduce + scale at decode sizes only (rows per call); prefill keeps XLA's.
@@ -17,9 +18,10 @@ MAX_ROWS = 16
 
 def norm_uses_kernel(x) -> bool:
     """Whether `rms_norm(x, impl="auto")` runs the kernel: inside a `use_pallas()` block covering "rms_norm"
-    for up to MAX_ROWS rows of a width that splits into power-of-two slabs. Not a default anywhere yet:
+    for up to MAX_ROWS rows of a width that splits into power-of-two slabs, outside a multi-device mesh (XLA
+    cannot partition a Pallas call; `projection.api.kernel_allowed`). Not a default anywhere yet:
     built and tested in interpret mode, not yet timed on the GPU against XLA's two kernels."""
-    supported = math.prod(x.shape[:-1]) <= MAX_ROWS and slab(x.shape[-1]) is not None
+    supported = math.prod(x.shape[:-1]) <= MAX_ROWS and slab(x.shape[-1]) is not None and kernel_allowed()
     return auto_impl("rms_norm", supported, default_on_gpu=False)
 
 
