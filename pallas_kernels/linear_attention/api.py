@@ -58,8 +58,8 @@ def kda(
     bfloat16 inputs, "tf32" otherwise),
     `num_warps` per program, `interpret` (default: when the default backend is the CPU), `solve`: how the
     intra-chunk kernel forms (I + A_kk)⁻¹ — "neumann" (tensor-core products, the default) or "substitution"
-    (row-by-row forward substitution in float32; opt-in: 10.05 vs 10.21 ms at 32K on the H200, b143688 —
-    within noise).
+    (row-by-row forward substitution in float32; opt-in: within noise of "neumann" at 32K on the H200 with
+    an earlier A kernel, b143688; not re-timed since).
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
