@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import pow2, triton_params
-from pallas_kernels.projection.api import _rows_in, auto_split_k, auto_tiles
+from pallas_kernels.projection.api import auto_split_k, auto_tiles, kernel_rows
 from pallas_kernels.projection.kernel import gemv_group_partials
 
 
@@ -70,7 +70,7 @@ def route_pallas(x, w, bias, *, k, scoring, norm_topk_prob, scaling, interpret=F
     bn, bk = auto_tiles(d, e)
     split = auto_split_k(d, e, bn, bk)
     parts = gemv_group_partials(
-        (_rows_in(x, w.dtype),), (w,), x_of=(0,), block_n=bn, block_k=bk, split_k=split, interpret=interpret
+        (kernel_rows(x, w.dtype),), (w,), x_of=(0,), block_n=bn, block_k=bk, split_k=split, interpret=interpret
     )
     parts = parts.reshape(split, -1, e)  # [S, 1 or 16 rows, E]
     kp = max(pow2(k), 2)

@@ -116,7 +116,7 @@ def project(
     )[0]  # fmt: skip
 
 
-def _rows_in(x: jax.Array, dtype) -> jax.Array:
+def kernel_rows(x: jax.Array, dtype) -> jax.Array:
     """x [..., K] as the kernels take it: one row as [1, K] (padded in the kernel), else padded to 16 rows."""
     rows, kdim = math.prod(x.shape[:-1]), x.shape[-1]
     x2 = x.reshape(rows, kdim).astype(dtype)
@@ -199,7 +199,7 @@ def project_group(
         if hit is None:
             unique.append(x)
     parts = gemv_group_partials(
-        tuple(_rows_in(x, ws[0].dtype) for x in unique), tuple(ws), x_of=tuple(x_of), block_n=block_n,
+        tuple(kernel_rows(x, ws[0].dtype) for x in unique), tuple(ws), x_of=tuple(x_of), block_n=block_n,
         block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     y = jnp.sum(parts, axis=0)  # [Σ N] for one row, else [16, Σ N]
