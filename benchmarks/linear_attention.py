@@ -150,21 +150,13 @@ def decode_rows(bw, rate, fla) -> list[dict]:
     return rows
 
 
-def _unfused_layer(q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight,
-                   state, valid, n_new):  # fmt: skip
+def _unfused_layer(*args):
     """The model's unfused decode token of a KDA layer: XLA's conv / gates / gated norm around the Pallas
     state-update kernel (what `hybrid_jax.layers.kda` runs without the fused layer kernel)."""
-    from pallas_kernels.linear_attention.reference import gated_rms_norm, kda_gate, short_conv
+    from pallas_kernels.linear_attention.reference import kda_decode_layer_reference
 
-    b = q_raw.shape[0]
-    xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)[:, None]
-    kernel = jnp.concatenate(conv_weights, axis=1).astype(jnp.float32)
-    qkv, conv = short_conv(xhat, conv_state, kernel, n_new, q_raw.dtype)
-    q, k, v = (x.reshape(b, N, DK) for x in jnp.split(qkv[:, 0], 3, axis=-1))
-    g = jnp.where(valid[:, None, None], kda_gate(f, a_log, dt_bias, num_heads=N, head_dim=DK, scalar=False), 0.0)
-    beta = jnp.where(valid[:, None], jax.nn.sigmoid(b_logits.astype(jnp.float32)), 0.0)
-    o, s = kda_decode_step(q, k, v, g, beta, state, impl="pallas")
-    return gated_rms_norm(o, z.reshape(b, N, DK), norm_weight, 1e-5, q_raw.dtype), conv, s
+    step = functools.partial(kda_decode_step, impl="pallas")
+    return kda_decode_layer_reference(*args, num_heads=N, head_dim=DK, eps=1e-5, step=step)
 
 
 def _layer_loop(step, args):

@@ -204,12 +204,14 @@ def gated_rms_norm(o, z, weight, eps, out_dtype):
 
 def kda_decode_layer_reference(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
-    n_new, *, num_heads, head_dim, scalar_decay=False, lower_bound=None, eps=1e-6,
+    n_new, *, num_heads, head_dim, scalar_decay=False, lower_bound=None, eps=1e-6, step=None,
 ):  # fmt: skip
     """One decode token of a KDA layer between its projections and o_proj: raw q, k, v, z [B, N*K]
     (compute dtype), conv_state [B, W-1, 3*N*K], conv_weights (q, k, v) [W, N*K] each, decay projection f
     [B, N*K] (or [B, N]), A_log [N], dt_bias, β logits [B, N], o_norm's γ [K], state [B, N, K, V] float32,
-    valid [B] bool, n_new [B] -> (gated-normed o [B, N, V] in q_raw.dtype, new conv state, new state)."""
+    valid [B] bool, n_new [B] -> (gated-normed o [B, N, V] in q_raw.dtype, new conv state, new state).
+    step(q, k, v, g, beta, state) -> (o, state) for one token [B, N, ...]: the recurrence (default
+    `kda_recurrent`; the benchmarks pass the Pallas decode step to time the unfused layer)."""
     b = q_raw.shape[0]
     dt = q_raw.dtype
     xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)[:, None]  # [B, 1, 3C]
@@ -220,6 +222,10 @@ def kda_decode_layer_reference(
                  lower_bound=lower_bound)  # fmt: skip
     g = jnp.where(valid.reshape((b,) + (1,) * (g.ndim - 1)), g, 0.0)
     beta = jnp.where(valid[:, None], jax.nn.sigmoid(b_logits.astype(jnp.float32)), 0.0)
-    o, s = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state=state)
-    y = gated_rms_norm(o[:, 0], z.reshape(b, num_heads, head_dim), norm_weight, eps, dt)
+    if step is None:
+        o, s = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state=state)
+        o = o[:, 0]
+    else:
+        o, s = step(q, k, v, g, beta, state)
+    y = gated_rms_norm(o, z.reshape(b, num_heads, head_dim), norm_weight, eps, dt)
     return y, conv, s
