@@ -168,6 +168,8 @@ def test_gemv_split_k_rule_and_errors():
     with pytest.raises(ValueError, match="3 rows x 2 pairs per row != 2 expert ids"):
         w = jnp.ones((9, 32, 32))
         gemv.gate_up_gemv(e_ids, jnp.ones((3, 32)), w, w, block_n=32, block_k=16, pairs_per_row=2, interpret=True)
+    with pytest.raises(ValueError, match="2 rows leave none after the 2 pairs"):
+        gemv.down_gemv(e_ids, jnp.ones((2, 32)), w, block_n=32, block_k=16, shared=(w[0],), interpret=True)
 
 
 def test_gemv_kernels_bf16():

@@ -129,8 +129,10 @@ def _pair_call(
     follow the P pairs: program P + r runs row r + P - shared_row_offset through the shared weights."""
     p = e_ids.shape[0]
     n_rows, kdim = rows.shape
-    if not shared and n_rows * pairs_per_row != p:
+    if (shared_row_offset or not shared) and n_rows * pairs_per_row != p:
         raise ValueError(f"{name}: {n_rows} rows x {pairs_per_row} pairs per row != {p} expert ids")
+    if shared and not shared_row_offset and n_rows <= p:  # the rows after the P pairs' are the shared ones
+        raise ValueError(f"{name}: {n_rows} rows leave none after the {p} pairs' for the shared expert")
     n_exp, _, width = weights[0].shape
     if kdim % (split_k * block_k) or width % block_n:
         raise ValueError(
