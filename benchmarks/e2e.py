@@ -57,6 +57,15 @@ def _torch_side(python: str, cmd: list[str], timeout: float) -> tuple[list[dict]
     return results, log
 
 
+def add_kimi_args(p: argparse.ArgumentParser) -> None:
+    """The options that say where and how big the Kimi-shaped folder is, and which Python makes it."""
+    p.add_argument("--kimi-dir", type=Path, default=Path(tempfile.gettempdir()) / "hybrid_jax_e2e_kimi")
+    p.add_argument("--kimi-layers", type=int, default=8)
+    p.add_argument("--kimi-experts", type=int, default=32)
+    p.add_argument("--kimi-vocab", type=int, default=163840)
+    p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers (+ fla)")
+
+
 def ensure_kimi_dir(args) -> None:
     """The Kimi-shaped Hugging Face folder `args.kimi_dir`, made by the transformers side when missing (layers,
     experts and vocabulary from `args`)."""
@@ -66,6 +75,12 @@ def ensure_kimi_dir(args) -> None:
             "--vocab", str(args.kimi_vocab)] + (["--tiny"] if getattr(args, "tiny", False) else [])  # fmt: skip
     _, log = _torch_side(args.torch_python, make, timeout=900)
     print(log.strip().splitlines()[-1] if log.strip() else "", flush=True)
+
+
+def kimi_model(args):
+    """The Kimi-shaped folder `args.kimi_dir` (made by the transformers side when missing), loaded in bf16."""
+    ensure_kimi_dir(args)
+    return build_model("kimi", kimi_dir=args.kimi_dir)
 
 
 def _peak_gib() -> float | None:
@@ -315,15 +330,11 @@ def main() -> None:
         "--quant-ttft", type=int, nargs="*", default=None, help="TTFT lengths of quantized runs (default --ttft)"
     )
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--kimi-dir", type=Path, default=Path(tempfile.gettempdir()) / "hybrid_jax_e2e_kimi")
-    p.add_argument("--kimi-layers", type=int, default=8)
-    p.add_argument("--kimi-experts", type=int, default=32)
-    p.add_argument("--kimi-vocab", type=int, default=163840)
+    add_kimi_args(p)
     p.add_argument("--tiny", action="store_true", help="the Kimi-shaped model at widths / 16 (CPU smoke tests)")
     p.add_argument("--baseline-ttft", type=int, nargs="*", default=None, help="default: --ttft up to 32K")
     p.add_argument("--pallas-ops", nargs="*", default=None, help="ops whose Pallas kernel 'auto' must pick (e.g. moe)")
     p.add_argument("--no-baseline", action="store_true")
-    p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers (+ fla)")
     p.add_argument("--startup-config", default="hybrid_small", help="preset the start-up rows generate with")
     p.add_argument("--no-startup", action="store_true")
     p.add_argument("--no-record", action="store_true")

@@ -17,7 +17,6 @@ import argparse
 import collections
 import gzip
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import flat_module
+from benchmarks.e2e import add_kimi_args, kimi_model
 from benchmarks.e2e_stages import _info
 
 
@@ -117,24 +117,12 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
     print_table(title, kernel_times(trace), args.calls, args.top)
 
 
-def kimi_model(args):
-    """The Kimi-shaped folder of `benchmarks.e2e` (made by its transformers side when missing), loaded."""
-    from benchmarks.e2e import build_model, ensure_kimi_dir
-
-    ensure_kimi_dir(args)
-    return build_model("kimi", kimi_dir=args.kimi_dir)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="hybrid_small", help="a preset, or kimi (the Kimi-shaped folder)")
     p.add_argument("--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill"])
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill only")
-    p.add_argument("--kimi-dir", type=Path, default=Path(tempfile.gettempdir()) / "hybrid_jax_e2e_kimi")
-    p.add_argument("--kimi-layers", type=int, default=8)
-    p.add_argument("--kimi-experts", type=int, default=32)
-    p.add_argument("--kimi-vocab", type=int, default=163840)
-    p.add_argument("--torch-python", default=sys.executable)
+    add_kimi_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--calls", type=int, default=20)

@@ -14,7 +14,7 @@ counted in the optimized HLO (`kernel_count.count_kernels`: the loop body once, 
 `pallas_kernels.OPS` traced inside `use_pallas(ops=...)` ("none": the defaults), e.g.
 `--variants default --pallas-ops none kda_decode_layer rms_norm kda_decode_layer+rms_norm`.
 
-    python -m benchmarks.xla_flags [--models hybrid_small] [--hf-dir FOLDER] [--batches 1 16]
+    python -m benchmarks.xla_flags [--models hybrid_small kimi] [--hf-dir FOLDER] [--batches 1 16]
         [--context 2048] [--variants default no_graphs ...] [--pallas-ops none OP+OP ...] [--no-record]
 """
 
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import ceilings, flat_module, jit_module, median_ms, report
+from benchmarks.e2e import add_kimi_args
 from benchmarks.kernel_count import count_kernels
 
 # name -> compiler options; names are what the table and --variants show.
@@ -79,7 +80,7 @@ def _row(label, b, context, v, ops, ms, floor, kernels) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["hybrid_small"])
+    p.add_argument("--models", nargs="+", default=["hybrid_small"], help="presets, or kimi (e2e's Kimi-shaped folder)")
     p.add_argument("--hf-dir", type=Path, default=None, help="also a Hugging Face folder (e.g. e2e's Kimi-shaped)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
@@ -88,8 +89,9 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--pallas-ops", nargs="+", default=["none"], help='opt-in kernel sets, "+"-joined; "none"')
     p.add_argument("--no-record", action="store_true")
+    add_kimi_args(p)
     args = p.parse_args()
-    from benchmarks.e2e import build_model, decode_floor_bytes
+    from benchmarks.e2e import build_model, decode_floor_bytes, kimi_model
     from pallas_kernels import use_pallas
 
     bw, _ = ceilings()
@@ -100,6 +102,8 @@ def main() -> None:
             from checkpoints import from_pretrained
 
             model, label = from_pretrained(args.hf_dir, dtype=jnp.bfloat16, progress=False), "kimi (hf folder)"
+        elif name == "kimi":
+            model, label = kimi_model(args), "kimi"
         else:
             model, label = build_model(name), name
         cfg = model.config
