@@ -2,11 +2,13 @@
 and the roofline. One run prints one table (and appends it to BENCHMARKS.md).
 
 Decode steps are timed 20 at a time: inside one jitted `fori_loop` for JAX, as one replayed CUDA graph for
-fla, so neither pays a host dispatch per step. Floors: FLOPs over the measured bf16 matmul rate and bytes
-over the measured copy bandwidth (both measured at the start of the run); the larger is the floor and
-"% of floor" is floor / time. Decode bytes: the float32 state read and written once (2·B·N·K·V·4) plus
-q, k, v, g, beta, o. Prefill bytes: q, k, v (bf16), g (float32), beta, o (bf16) once; prefill FLOPs: the
-chunked WY/UT form at chunk 64 (see `prefill_flops`).
+fla, so neither pays a host dispatch per step; prefill calls 5 at a time back to back (JAX: wall time of
+queued dispatches and one wait; fla: CUDA events around the 5), median of 10.
+Floors: FLOPs over the measured bf16 matmul rate and bytes over the measured copy bandwidth (both measured
+at the start of the run); the larger is the floor and "% of floor" is floor / time. Decode bytes: the
+float32 state read and written once (2·B·N·K·V·4) plus q, k, v, g, beta, o. Prefill bytes: q, k, v
+(bf16), g (float32), beta, o (bf16) once; prefill FLOPs: the chunked WY/UT form at chunk 64 (see
+`prefill_flops`).
 
 fla (`fla-core`, Triton, PyTorch) runs in the same process when importable: carry its wheel and einops to
 the GPU machine (`pip download --no-deps fla-core einops`).
@@ -34,7 +36,8 @@ from pallas_kernels.linear_attention import kda, kda_decode_step
 N, DK, DV, CHUNK = 32, 128, 128, 64
 
 
-def torch_median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+def torch_median_ms(fn, warmup: int = 3, iters: int = 20, calls: int = 1) -> float:
+    """Median CUDA-event ms of fn() (per call, `calls` calls between the two events)."""
     import torch
 
     for _ in range(warmup):
@@ -44,11 +47,18 @@ def torch_median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        ts.append(start.elapsed_time(end))
+        ts.append(start.elapsed_time(end) / calls)
     return statistics.median(ts)
+
+
+# Prefill timings: PREFILL_CALLS calls back to back per timing (both sides), median of PREFILL_ITERS — one call
+# per timing with iters=5 had JAX pay its host dispatch + wait inside each timing, and two runs of the same
+# kernel (f860793, 48e30e6) differed by 9% at 32K.
+PREFILL_CALLS, PREFILL_ITERS = 5, 10
 
 
 def prefill_flops(tokens: int) -> float:
@@ -255,7 +265,7 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
         shape = f"B=1 T={t} N={N} K={DK} V={DV}"
         ref = jax.jit(lambda q, k, v, g, beta: kda(q, k, v, g, beta, impl="chunked", chunk_size=CHUNK))
         ref_o, _ = ref(q, k, v, g, beta)
-        ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=5)
+        ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=3)
         rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
         for bv, nw, prec, solve in variants:
             fn = jax.jit(functools.partial(kda, impl="pallas", block_v=bv, num_warps=nw, precision=prec, solve=solve))
@@ -264,7 +274,7 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
             print(f"  (T={t} pallas {bv}x{nw} {prec}: compile + first call {time.perf_counter() - t0:.1f} s)",
                   flush=True)  # fmt: skip
             err = rel_err(o, ref_o)
-            ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
+            ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
             label += f", {solve}" if solve != "neumann" else ""
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
@@ -282,7 +292,7 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
             call = functools.partial(
                 chunk_kda, tq, tk, tv, tg, tb, output_final_state=True, use_qk_l2norm_in_kernel=True
             )
-            ms = torch_median_ms(call, iters=10)
+            ms = torch_median_ms(call, 2, PREFILL_ITERS, PREFILL_CALLS)
             rows.append(row("prefill", shape, "fla chunk_kda", ms, flops, nbytes, bw, rate, err))
     return rows
 
@@ -302,11 +312,11 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8) -> list[dict]:
     rows = []
     ref = jax.jit(functools.partial(kda, impl="chunked", chunk_size=CHUNK, cu_seqlens=cu))
     ref_o, _ = ref(q, k, v, g, beta)
-    ms = median_ms(functools.partial(ref, q, k, v, g, beta), warmup=1, iters=5)
+    ms = median_ms(functools.partial(ref, q, k, v, g, beta), warmup=1, iters=3)
     rows.append(row("prefill varlen", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
     fn = jax.jit(functools.partial(kda, impl="pallas", cu_seqlens=cu))  # defaults: bf16 products for bf16 inputs
     err = rel_err(fn(q, k, v, g, beta)[0], ref_o)
-    ms = median_ms(functools.partial(fn, q, k, v, g, beta), warmup=1, iters=5)
+    ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
     impl = "pallas chunked, packed chunk-aligned (defaults)"
     rows.append(row("prefill varlen", shape, impl, ms, flops, nbytes, bw, rate, err))
     if fla is not None:
@@ -317,7 +327,7 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8) -> list[dict]:
             chunk_kda, tq, tk, tv, tg, tb, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=tcu
         )
         err = rel_err(call()[0].float().cpu().numpy(), ref_o)
-        ms = torch_median_ms(call, iters=10)
+        ms = torch_median_ms(call, 2, PREFILL_ITERS, PREFILL_CALLS)
         rows.append(row("prefill varlen", shape, "fla chunk_kda", ms, flops, nbytes, bw, rate, err))
     return rows
 

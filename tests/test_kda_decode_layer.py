@@ -54,7 +54,7 @@ def test_decode_layer_kernel_matches_reference(b, n, hd, w, scalar, lower_bound,
     assert not np.array_equal(np.asarray(conv[0], np.float32), np.asarray(args[3][0], np.float32))
 
 
-def test_decode_layer_errors_and_auto():
+def test_decode_layer_errors_and_auto(monkeypatch):
     args = _inputs(0, 2, 2, 16, 4, False, jnp.float32)
     kw = dict(num_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="impl='triton'"):
@@ -67,9 +67,17 @@ def test_decode_layer_errors_and_auto():
     def traced():  # a fresh function each time: use_pallas() is read at trace time
         return str(jax.make_jaxpr(lambda *a: kda_decode_layer(*a, interpret=True, **kw))(*args))
 
-    assert "kda_decode_layer" not in traced()  # not a default anywhere yet
+    assert "kda_decode_layer" not in traced()  # the reference on CPU
     with use_pallas(ops=["kda_decode_layer"]):
         assert "name=kda_decode_layer" in traced()
+    with use_pallas(False, ops=["kda_decode_layer"]):
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        assert "kda_decode_layer" not in traced()  # switched off by name on a GPU
+    assert "name=kda_decode_layer" in traced()  # the default on a GPU
+    args24 = _inputs(0, 2, 2, 24, 4, False, jnp.float32)  # a head of 24 is no power of two: the reference
+    assert "kda_decode_layer" not in str(
+        jax.make_jaxpr(lambda *a: kda_decode_layer(*a, interpret=True, num_heads=2, head_dim=24))(*args24)
+    )
 
 
 @pytest.mark.parametrize("scalar", [False, True], ids=["kda", "gated-deltanet"])

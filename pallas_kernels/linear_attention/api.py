@@ -323,10 +323,11 @@ LAYER_IMPLS = ("auto", "reference", "pallas")
 def decode_layer_uses_kernel(head_dim: int) -> bool:
     """Whether `kda_decode_layer(impl="auto")` runs the fused kernel: inside a `use_pallas()` block covering
     "kda_decode_layer" where the shapes allow (a power-of-two head of 16 to 256), outside a multi-device mesh
-    (`projection.api.kernel_allowed`: XLA cannot partition a Pallas call). Not a default anywhere yet: built
-    and tested in interpret mode, not yet timed on the GPU against the unfused step."""
+    (`projection.api.kernel_allowed`: XLA cannot partition a Pallas call); the default on GPU: it measured
+    1-4% faster per decode step than the unfused step at B=1 and 16 (`benchmarks.xla_flags --pallas-ops`,
+    48e30e6), the layer alone 0.032 vs 0.040 ms at B=16 (`benchmarks.linear_attention --only layer`)."""
     supported = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and kernel_allowed()
-    return auto_impl("kda_decode_layer", supported, default_on_gpu=False)
+    return auto_impl("kda_decode_layer", supported)
 
 
 def kda_decode_layer(

@@ -19,8 +19,9 @@ MAX_ROWS = 16
 def norm_uses_kernel(x) -> bool:
     """Whether `rms_norm(x, impl="auto")` runs the kernel: inside a `use_pallas()` block covering "rms_norm"
     for up to MAX_ROWS rows of a width that splits into power-of-two slabs, outside a multi-device mesh (XLA
-    cannot partition a Pallas call; `projection.api.kernel_allowed`). Not a default anywhere yet:
-    built and tested in interpret mode, not yet timed on the GPU against XLA's two kernels."""
+    cannot partition a Pallas call; `projection.api.kernel_allowed`). Opt-in only: a decode step with it
+    measured slower (Kimi-shaped B=1 1.155 vs 1.073 ms, `benchmarks.xla_flags --pallas-ops rms_norm`,
+    48e30e6): XLA fuses the norm with the ops beside it, and the kernel splits those fusions."""
     supported = math.prod(x.shape[:-1]) <= MAX_ROWS and slab(x.shape[-1]) is not None and kernel_allowed()
     return auto_impl("rms_norm", supported, default_on_gpu=False)
 
