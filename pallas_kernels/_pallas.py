@@ -84,6 +84,15 @@ def first_row(acc):
     return jnp.sum(jnp.where(row == 0, acc, 0.0), axis=0)
 
 
+def sum_rows(ref, cols=slice(None)):
+    """Σ_r ref[r, cols] in float32, one row at a time: a ref of S partial sums (a split-K producer's S need be
+    no power of two, and the Triton lowering takes only power-of-two arrays)."""
+    total = ref[0, cols].astype(jnp.float32)
+    for r in range(1, ref.shape[0]):
+        total = total + ref[r, cols].astype(jnp.float32)
+    return total
+
+
 def triton_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
     """`pallas_call` keyword arguments: Triton compiler parameters on GPU, nothing in interpret mode."""
     if interpret:

@@ -164,7 +164,9 @@ def test_moe_gemv_with_shared_expert_lowers():
     def run(x, idx, w, gate, down):
         return moe_experts(x, idx, w, gate, gate, down, impl="gemv", interpret=False, shared=shared)
 
-    assert _lowered_for_h200(run, x, idx, w, gate, down).count("xla.gpu.triton") == 2
+    text = _lowered_for_h200(run, x, idx, w, gate, down)
+    assert text.count("xla.gpu.triton") == 2
+    assert text.count("stablehlo.reduce") == 1  # only the down partials: gate/up are combined in the down kernel
 
 
 def test_kda_decode_layer_kernel_lowers():
@@ -177,6 +179,34 @@ def test_kda_decode_layer_kernel_lowers():
         return kda_decode_layer(*a, num_heads=4, head_dim=128, impl="pallas", interpret=False)
 
     assert _lowered_for_h200(run, *args).count("xla.gpu.triton") == 1
+
+
+def test_kda_decode_layer_kernel_lowers_with_split_k_inputs():
+    """Batch 1 as the model runs it: the projections as split-K partial sums (3, 2 and 18 partials: counts
+    that are no power of two) read by the layer kernel, the second projections reading the first's."""
+    from pallas_kernels.linear_attention import kda_decode_layer
+    from pallas_kernels.projection import project_group
+    from tests.test_kda_decode_layer import _inputs
+
+    n, hd = 16, 128
+    c = n * hd
+    args = list(_inputs(0, 1, n, hd, 4, False, jnp.bfloat16))
+    x = jnp.ones((1, 1, 768), jnp.bfloat16)
+    ws = [jnp.ones((768, m), jnp.bfloat16) for m in (c, c, c, 128, 128)]
+    wb = jnp.ones((768, n), jnp.bfloat16)
+    w2 = [jnp.ones((128, c), jnp.bfloat16)] * 2
+
+    def run(x, ws, wb, w2, args):
+        q, k, v, fa, za = project_group(x, ws, impl="pallas", interpret=False, lazy=True, split_k=3)
+        (b,) = project_group(x, [wb], impl="pallas", interpret=False, lazy=True)
+        f, z = project_group([fa, za], w2, impl="pallas", interpret=False, lazy=True)
+        a = list(args)
+        a[0], a[1], a[2], a[5], a[8], a[9] = q, k, v, f, b, z
+        return kda_decode_layer(*a, num_heads=n, head_dim=hd, impl="pallas", interpret=False)
+
+    text = _lowered_for_h200(run, x, ws, wb, w2, args)
+    assert text.count("xla.gpu.triton") == 4  # three projection launches and the layer
+    assert "stablehlo.reduce" not in text  # no partial sums added between them
 
 
 @pytest.mark.parametrize("residual", [False, True])

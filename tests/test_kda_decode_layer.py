@@ -1,6 +1,8 @@
 """The fused KDA decode-layer kernel (interpret mode on CPU) against its jnp reference, and the model's KDA
 layer through it against its unfused decode step."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +56,49 @@ def test_decode_layer_kernel_matches_reference(b, n, hd, w, scalar, lower_bound,
     assert not np.array_equal(np.asarray(conv[0], np.float32), np.asarray(args[3][0], np.float32))
 
 
+def _split_k(seed, values, splits, offset, dtype):
+    """values [1, W_i] arrays as one `SplitK` each over a shared partial-sum array: `splits` random partials
+    summing to them (float32), laid out after `offset` columns of other data."""
+    from pallas_kernels.projection import SplitK
+
+    width = sum(v.shape[-1] for v in values)
+    noise = jax.random.normal(jax.random.key(seed), (splits - 1, offset + width))
+    body = jnp.concatenate([jnp.zeros((1, offset))] + [v.astype(jnp.float32) for v in values], axis=-1)
+    parts = jnp.concatenate([body - jnp.sum(noise, axis=0, keepdims=True), noise])
+    starts = offset + np.cumsum([0] + [v.shape[-1] for v in values[:-1]])
+    return [SplitK(parts, int(st), v.shape[-1], (1, 1), jnp.dtype(dtype)) for st, v in zip(starts, values, strict=True)]
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["kda", "gated-deltanet"])
+def test_decode_layer_reads_split_k_partials(scalar):
+    """The projections given as split-K partial sums (`projection.SplitK`, as the GEMV kernel leaves them at
+    batch 1): the kernel adds them per head itself and gets the reference's numbers on their values; partials
+    that do not start on a head boundary are added before the kernel."""
+    n, hd = 3, 32
+    args = list(_inputs(5, 1, n, hd, 4, scalar, jnp.bfloat16))
+    q, k, v, f, b_logits, z = (args[i] for i in (0, 1, 2, 5, 8, 9))
+    sq, sk, sv = _split_k(1, [q, k, v], 3, 64, jnp.bfloat16)  # after 64 columns of another projection
+    sf, sz = _split_k(2, [f, z], 2, 0, jnp.bfloat16)
+    (sb,) = _split_k(3, [b_logits], 18, 5, jnp.bfloat16)  # one column per head: any start
+    kw = dict(num_heads=n, head_dim=hd, scalar_decay=scalar)
+    values = [x.value().reshape(1, -1) for x in (sq, sk, sv, sf, sb, sz)]
+    ref_args = list(args)
+    for i, x in zip((0, 1, 2, 5, 8, 9), values, strict=True):
+        ref_args[i] = x
+    y_ref, conv_ref, s_ref = kda_decode_layer(*ref_args, impl="reference", **kw)
+    split_args = list(args)
+    for i, x in zip((0, 1, 2, 5, 8, 9), (sq, sk, sv, sf, sb, sz), strict=True):
+        split_args[i] = x
+    for split_args_i in (split_args, [*split_args[:9], _split_k(4, [z], 2, 7, jnp.bfloat16)[0], *split_args[10:]]):
+        y, conv, s = kda_decode_layer(*split_args_i, impl="pallas", interpret=True, **kw)
+        assert rel_err(y, y_ref) < 2e-2 and rel_err(s, s_ref) < 1e-4
+        np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(conv_ref, np.float32))
+    y2, _, _ = kda_decode_layer(*split_args, impl="reference", **kw)  # the reference adds them first
+    assert rel_err(y2, y_ref) < 1e-6
+    with pytest.raises(ValueError, match="one row only"):
+        kda_decode_layer(*split_args[:9], dataclasses.replace(sz, lead=(2, 1)), *split_args[10:], **kw)
+
+
 def test_decode_layer_errors_and_auto(monkeypatch):
     args = _inputs(0, 2, 2, 16, 4, False, jnp.float32)
     kw = dict(num_heads=2, head_dim=16)
@@ -97,3 +142,25 @@ def test_model_decode_through_fused_layer_kernel(tiny_cfg, scalar):
     assert rel_err(got, ref) < 1e-5
     for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(ref_cache), strict=True):
         assert rel_err(a.astype("float32"), b.astype("float32")) < 1e-5
+
+
+def test_model_batch1_decode_reads_projection_partials(tiny_cfg):
+    """Batch 1 with the projection GEMV and the fused layer kernel: the KDA layers' projections reach the
+    layer kernel (and the low-rank second halves) as unreduced partial sums — no XLA reduction between the
+    launches — with the logits and caches of the same step whose projections are reduced first."""
+    from flax import nnx
+
+    from hybrid_jax import HybridLM
+    from tests.conftest import decode_with_ops, random_ids
+
+    model = HybridLM(tiny_cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
+    ids = random_ids(44, (1, 10))
+    (ref, ref_cache), (got, cache), traced = decode_with_ops(model, ids, ["projection", "kda_decode_layer"])
+    _, (unfused, _), traced_unfused = decode_with_ops(model, ids, ["projection"])
+    n_linear = tiny_cfg.layer_types.count("linear")
+    assert traced.count("name=decode_layer_pallas") == n_linear
+    # fewer reductions than the unfused step's: q/k/v, f/z, β and the low-rank inputs are added in the kernels
+    assert traced.count("reduce_sum") <= traced_unfused.count("reduce_sum") - 3 * n_linear
+    assert rel_err(got, unfused) < 2e-2 and rel_err(got, ref) < 3e-2  # bf16: kernels and XLA round differently
+    for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(ref_cache), strict=True):
+        assert rel_err(a.astype("float32"), b.astype("float32")) < 3e-2

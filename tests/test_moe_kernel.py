@@ -172,6 +172,25 @@ def test_gemv_split_k_rule_and_errors():
         gemv.down_gemv(e_ids, jnp.ones((2, 32)), w, block_n=32, block_k=16, shared=(w[0],), interpret=True)
 
 
+@pytest.mark.parametrize("mma", [True, False])
+def test_down_gemv_forms_h_from_gate_up_partials(mma):
+    """down_gemv given gate_up_gemv's (gate, up) partial sums (3 splits: no power of two) forms each slab of
+    h = SiLU(Σ gate) ⊙ Σ up itself, rounded as gate_up_gemv rounds it: the values of the call given h."""
+    ks = jax.random.split(jax.random.key(7), 4)
+    e_ids = jnp.array([3, 0, 3, 5], jnp.int32)
+    dtype = jnp.bfloat16 if mma else jnp.float32
+    g, u = (jax.random.normal(k, (4, 3, 96)) for k in ks[:2])
+    down = jax.random.normal(ks[2], (6, 96, 64), dtype)
+    h = (jax.nn.silu(jnp.sum(g, axis=1)) * jnp.sum(u, axis=1)).astype(dtype)
+    kw = dict(block_n=32, block_k=16, split_k=2, mma=mma, interpret=True)
+    want = gemv.down_gemv(e_ids, h, down, **kw)
+    got = gemv.down_gemv(e_ids, (g, u), down, h_dtype=dtype, **kw)
+    assert got.shape == want.shape == (4, 64)
+    assert rel_err(got, want) < (1e-2 if mma else 1e-5)  # bf16 h: an element may round the other way
+    with pytest.raises(ValueError, match="needs h_dtype"):
+        gemv.down_gemv(e_ids, (g, u), down, **kw)
+
+
 def test_gemv_kernels_bf16():
     args = _case(11, 2, 40, 24, 9, 3, 3.0)
     args = (args[0].astype(jnp.bfloat16), *args[1:3], *(a.astype(jnp.bfloat16) for a in args[3:]))

@@ -64,6 +64,40 @@ def test_group_matches_one_by_one(seed, lead, kdim, widths, inputs):
     assert api.group_tiles(kdim, widths)[0] == max(t for t in (16, 32, 64, 128) if all(n % t == 0 for n in widths))
 
 
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    lead=st.sampled_from([(1,), (1, 1)]),
+    widths=st.sampled_from([(64, 96, 32), (128, 64, 64), (32, 32, 160)]),
+    split=st.sampled_from([None, 1, 2]),
+)
+def test_lazy_partials_feed_the_next_projection(seed, lead, widths, split):
+    """lazy=True leaves one-row outputs as split-K partial sums (`SplitK`) whose value is the product; a second
+    group reads them without a reduction in between (or their value where they do not line up with its
+    slabs) and gets the same numbers as the chain of reference products with the bf16 rounding between."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (*lead, 128), jnp.float32).astype(jnp.bfloat16)
+    w1 = [(jax.random.normal(k, (128, n)) * 0.09).astype(jnp.bfloat16) for k, n in zip(keys[1:4], widths, strict=True)]
+    firsts = project_group(x, w1, impl="pallas", lazy=True, split_k=split)
+    assert all(isinstance(f, api.SplitK) for f in firsts)
+    values = [project(x, w, impl="reference") for w in w1]  # bf16, as the group's non-lazy outputs
+    for f, v in zip(firsts, values, strict=True):
+        assert f.shape == v.shape and f.dtype == v.dtype
+        np.testing.assert_allclose(np.asarray(f.value(), np.float32), np.asarray(v, np.float32), rtol=1e-2, atol=1e-2)
+    # second projections of two of the first outputs, of different K each time: same-K pairs in one group
+    k2 = widths[1]
+    w2 = [(jax.random.normal(k, (k2, 48)) * k2**-0.5).astype(jnp.bfloat16) for k in jax.random.split(keys[4], 2)]
+    xs2 = [firsts[1], firsts[2]] if widths[2] == k2 else [firsts[1], firsts[1]]
+    got = project_group(xs2, w2, impl="pallas", out_dtype=jnp.float32)
+    for g, x2, w in zip(got, xs2, w2, strict=True):
+        ref = project(x2.value(), w, impl="reference", out_dtype=jnp.float32)
+        assert g.shape == (*lead, 48) and rel_err(g, ref) < 1e-5
+    # non-lazy and reference paths give arrays; a SplitK input also works through the reference
+    assert not isinstance(project_group(x, w1, impl="pallas")[0], api.SplitK)
+    ref_path = project_group(firsts[1], w2[:1], impl="reference", out_dtype=jnp.float32)[0]
+    assert rel_err(ref_path, project(firsts[1].value(), w2[0], impl="reference", out_dtype=jnp.float32)) < 1e-6
+
+
 def test_group_errors_and_auto(monkeypatch):
     x = jnp.ones((1, 64), jnp.bfloat16)
     w32 = jnp.ones((64, 32), jnp.bfloat16)
@@ -207,7 +241,7 @@ def test_decode_step_groups_projections(tiny_cfg, monkeypatch):
     xla = step()
     with pallas_kernels.use_pallas(ops=["projection"]):
         grouped = step()
-        one_by_one = lambda xs, ws, **kw: [project(x, w, **kw) for x, w in zip(xs, ws, strict=True)]  # noqa: E731
+        one_by_one = lambda xs, ws, lazy=False, **kw: [project(x, w, **kw) for x, w in zip(xs, ws, strict=True)]  # noqa: E731
         monkeypatch.setattr(common, "project_group", one_by_one)
         single = step()
     assert launches[0] == 0 and 0 < launches[1] < launches[2], launches

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.norm import norm_uses_kernel, rms_norm
-from pallas_kernels.projection import auto_uses_kernel, project, project_group
+from pallas_kernels.projection import SplitK, auto_uses_kernel, materialize, project, project_group
 from pallas_kernels.projection.api import auto_tiles
 
 # Initialisers used for random models (tests, benchmarks). Real weights come from checkpoints.
@@ -139,7 +139,9 @@ class Projection(nnx.Linear):
         return super().__call__(inputs)
 
 
-def project_many(calls: Sequence[tuple[nnx.Module, jax.Array]], *, own_xla: bool = False) -> list[jax.Array]:
+def project_many(
+    calls: Sequence[tuple[nnx.Module, jax.Array | SplitK]], *, own_xla: bool = False, lazy: bool = False
+) -> list:
     """[layer(x) for layer, x in calls], the same values; projections that `Projection` would each send to the
     GEMV kernel (a batch-1 decode step on a GPU) and that share K, dtype and output tile run as one launch
     (`projection.project_group`; weights with an output tile of 64 or more group together at the tile they
@@ -148,7 +150,10 @@ def project_many(calls: Sequence[tuple[nnx.Module, jax.Array]], *, own_xla: bool
     layer's five projections of x in one launch instead of five (each with its own pad and partial-sum
     kernels) is time saved at every step; prefill and larger batches take XLA's path as before.
     own_xla: the outputs XLA computes end their own fusions (`own_kernels`); the kernel's outputs do not need
-    it (their partial sums are a few adds per element, cheap to fuse into any consumer)."""
+    it (their partial sums are a few adds per element, cheap to fuse into any consumer).
+    lazy: the kernel's outputs come back as `projection.SplitK` partial sums (for Pallas consumers that add
+    them themselves, and as inputs here: a second projection reads the first's partials directly); XLA's
+    outputs are arrays either way."""
     outs: list[jax.Array | None] = [None] * len(calls)
     groups: dict[tuple, list] = {}
     cast: dict[tuple, jax.Array] = {}  # one converted input per (input object, dtype): a group streams it once
@@ -157,16 +162,18 @@ def project_many(calls: Sequence[tuple[nnx.Module, jax.Array]], *, own_xla: bool
             w = layer.kernel[...]
             w = w.astype(layer.dtype or w.dtype)
             key = (id(x), str(w.dtype))
-            if key not in cast:
-                cast[key] = x.astype(w.dtype)
+            if key not in cast:  # partial sums in the weights' dtype stay unreduced: the kernel adds them
+                same = isinstance(x, SplitK) and x.dtype == w.dtype
+                cast[key] = x if same else materialize(x).astype(w.dtype)
             xw = cast[key]
-            if auto_uses_kernel(xw, w):
+            if auto_uses_kernel(jax.ShapeDtypeStruct(xw.shape, w.dtype), w):
                 group = (w.shape[0], str(w.dtype), xw.shape, auto_tiles(*w.shape)[0] >= 64)
                 groups.setdefault(group, []).append((i, xw, w))
                 continue
-        outs[i] = own_kernels(layer(x))[0] if own_xla else layer(x)
+        y = layer(materialize(x))
+        outs[i] = own_kernels(y)[0] if own_xla else y
     for members in groups.values():
-        ys = project_group([m[1] for m in members], [m[2] for m in members], impl="pallas")
+        ys = project_group([m[1] for m in members], [m[2] for m in members], impl="pallas", lazy=lazy)
         for (i, _, _), y in zip(members, ys, strict=True):
             outs[i] = y
     return outs

@@ -18,6 +18,7 @@ from pallas_kernels.linear_attention.context_parallel import (
     split_pieces,
 )
 from pallas_kernels.linear_attention.reference import gated_rms_norm, kda_gate, short_conv
+from pallas_kernels.projection import SplitK, materialize
 from sharding.rules import constrain
 
 
@@ -114,21 +115,24 @@ class KimiDeltaAttention(nnx.Module):
     def _conv_kernels(self):
         return self.q_conv1d.kernel, self.k_conv1d.kernel, self.v_conv1d.kernel
 
-    def _projections(self, x: jax.Array):
+    def _projections(self, x: jax.Array, lazy: bool = False):
         """x [B,T,D] -> (q̂, k̂, v̂ [B,T,C] raw, f [B,T,gate] decay projection, z [B,T,C] output-gate projection,
         b [B,T,N] β logits). At a batch-1 decode step on a GPU the six projections of x go to the GEMV kernel
-        as one launch per output tile size, and the two low-rank second halves as one more (`project_many`)."""
+        as one launch per output tile size, and the two low-rank second halves as one more (`project_many`),
+        reading the first halves' partial sums. lazy: the kernel's outputs stay partial sums
+        (`projection.SplitK`) for the fused decode-layer kernel to add."""
         cfg = self.cfg
         f_first = self.f_proj if cfg.kda_decay_rank is None else self.f_a_proj
         z_first = self.g_proj if cfg.kda_output_gate_rank is None else self.g_a_proj
         firsts = (self.q_proj, self.k_proj, self.v_proj, f_first, z_first, self.b_proj)
-        q, k, v, f, z, b = project_many([(layer, x) for layer in firsts], own_xla=True)
+        q, k, v, f, z, b = project_many([(layer, x) for layer in firsts], own_xla=True, lazy=True)
         seconds = [(self.f_b_proj, f)] if cfg.kda_decay_rank is not None else []
         seconds += [(self.g_b_proj, z)] if cfg.kda_output_gate_rank is not None else []
-        outs = iter(project_many(seconds))
+        outs = iter(project_many(seconds, lazy=lazy))
         f = f if cfg.kda_decay_rank is None else next(outs)
         z = z if cfg.kda_output_gate_rank is None else next(outs)
-        return q, k, v, f, z, b
+        outs = (q, k, v, f, z, b)
+        return outs if lazy else tuple(materialize(y) for y in outs)
 
     def _decay(self, f: jax.Array) -> jax.Array:
         """Log decay g from the decay projection f [B,T,gate], float32: [B,T,N,K] (per channel) or [B,T,N]."""
@@ -186,17 +190,21 @@ class KimiDeltaAttention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
-        q_raw, k_raw, v_raw, f, z, b_logits = self._projections(x)
         if info.mode == "decode" and info.cp is None and decode_layer_uses_kernel(hd):
-            # conv, gates, state update and gated norm as one kernel (pallas_kernels/linear_attention)
+            # conv, gates, state update and gated norm as one kernel (pallas_kernels/linear_attention), which
+            # adds the GEMV kernel's partial sums itself at batch 1
+            q_raw, k_raw, v_raw, f, z, b_logits = (
+                y if isinstance(y, SplitK) else y[:, 0] for y in self._projections(x, lazy=True)
+            )
             state = self.init_state(b, x.dtype) if state is None else state
             y, conv, s = kda_decode_layer(
-                q_raw[:, 0], k_raw[:, 0], v_raw[:, 0], state.conv, [c[...] for c in self._conv_kernels()],
-                f[:, 0], self.A_log[...], self.dt_bias[...], b_logits[:, 0], z[:, 0], self.o_norm.weight[...],
-                state.recurrent, info.valid[:, 0], info.n_new, num_heads=n, head_dim=hd,
-                scalar_decay=cfg.kda_scalar_decay, lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps,
+                q_raw, k_raw, v_raw, state.conv, [c[...] for c in self._conv_kernels()], f, self.A_log[...],
+                self.dt_bias[...], b_logits, z, self.o_norm.weight[...], state.recurrent, info.valid[:, 0],
+                info.n_new, num_heads=n, head_dim=hd, scalar_decay=cfg.kda_scalar_decay,
+                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps,
             )  # fmt: skip
             return self.o_proj(y.reshape(b, t, n * hd)), _placed(KDAState(conv=conv, recurrent=s))
+        q_raw, k_raw, v_raw, f, z, b_logits = self._projections(x)
         xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)  # XLA's q, k, v end their own fusions
         if info.cp is not None:
             return self._context_parallel(x, xhat, f, z, b_logits, info, state)

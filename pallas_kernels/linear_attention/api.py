@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +21,7 @@ from pallas_kernels.linear_attention.reference import (
     kda_recurrent,
 )
 from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
-from pallas_kernels.projection.api import kernel_allowed
+from pallas_kernels.projection.api import SplitK, kernel_allowed, materialize
 
 __all__ = ["apply_summary", "compose_summaries", "kda", "kda_decode_layer", "kda_decode_step", "kda_state_summary"]
 
@@ -347,6 +350,14 @@ def kda_decode_layer(
     (`decode_layer_uses_kernel`)."""
     if impl not in LAYER_IMPLS:
         raise ValueError(f"kda_decode_layer: unknown impl={impl!r}; expected one of {LAYER_IMPLS}")
+    projected = (q_raw, k_raw, v_raw, f, b_logits, z)
+    for x in projected:
+        if isinstance(x, SplitK) and math.prod(x.lead) != 1:
+            raise ValueError(f"kda_decode_layer: split-K partial sums are taken for one row only, got {x.shape}")
+    # one-row partial sums as [1, width]; the reference and any that do not line up with the heads are added
+    q_raw, k_raw, v_raw, f, b_logits, z = (
+        dataclasses.replace(x, lead=(1,)) if isinstance(x, SplitK) else x for x in projected
+    )
     b, c = q_raw.shape
     if c != num_heads * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != q_raw.shape or z.shape != q_raw.shape:
         raise ValueError(
@@ -368,6 +379,15 @@ def kda_decode_layer(
         raise ValueError(f"kda_decode_layer: state {state.shape} / b_logits {b_logits.shape} do not match")
     if impl == "auto":
         impl = "pallas" if decode_layer_uses_kernel(head_dim) else "reference"
+    dtype = jnp.dtype(q_raw.dtype)
+    if impl == "reference":
+        q_raw, k_raw, v_raw, f, b_logits, z = (materialize(x) for x in (q_raw, k_raw, v_raw, f, b_logits, z))
+    else:  # partials the kernel reads per head: starts on head boundaries (any column for one-per-head inputs)
+        units = (head_dim, head_dim, head_dim, 1 if scalar_decay else head_dim, 1, head_dim)
+        q_raw, k_raw, v_raw, f, b_logits, z = (
+            x if isinstance(x, SplitK) and x.start % unit == 0 else materialize(x)
+            for x, unit in zip((q_raw, k_raw, v_raw, f, b_logits, z), units, strict=True)
+        )
     args = (q_raw, k_raw, v_raw, conv_state, tuple(conv_weights), f, a_log, dt_bias, b_logits, z, norm_weight,
             state, valid, n_new)  # fmt: skip
     if impl == "reference":
@@ -381,5 +401,5 @@ def kda_decode_layer(
     return decode_layer_pallas(
         *args, num_heads=num_heads, scalar_decay=scalar_decay,
         lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps), interpret=interpret,
-        num_warps=num_warps,
+        num_warps=num_warps, dtype=dtype,
     )  # fmt: skip

@@ -25,21 +25,24 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas import triton_params
+from pallas_kernels._pallas import sum_rows, triton_params
+from pallas_kernels.projection.api import SplitK
 
 
 def _kernel(
     qr_ref, kr_ref, vr_ref, cs_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref, z_ref, nw_ref,
-    valid_ref, nnew_ref, s_ref, y_ref, cs_out_ref, s_out_ref, *, width, scalar, lower_bound, eps,
+    valid_ref, nnew_ref, s_ref, y_ref, cs_out_ref, s_out_ref, *, width, scalar, lower_bound, eps, dt,
 ):  # fmt: skip
     f32 = jnp.float32
-    dt = qr_ref.dtype
     shift = nnew_ref[0] > 0  # this row has a token: the cached inputs move by one
     live = valid_ref[0] > 0
 
+    def val(ref):  # a projection's value for this head: its S partial sums added, rounded to the compute dtype
+        return sum_rows(ref).astype(dt)
+
     def conv(part, raw_ref, w_ref):  # one of q, k, v for this head: [K] after SiLU, in the compute dtype
         # the raw inputs, oldest first, in the projections' dtype (as the model joins them)
-        window = [cs_ref[j, part, :].astype(dt) for j in range(width - 1)] + [raw_ref[...]]
+        window = [cs_ref[j, part, :].astype(dt) for j in range(width - 1)] + [val(raw_ref)]
         u = jnp.zeros(window[-1].shape, f32)
         for j, x in enumerate(window):
             u = u + w_ref[j, :].astype(f32) * x.astype(f32)
@@ -53,14 +56,14 @@ def _kernel(
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * (q.shape[0] ** -0.5)
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
 
-    fv = f_ref[...].astype(f32) + dtb_ref[...].astype(f32)  # [K] or [1]
+    fv = val(f_ref).astype(f32) + dtb_ref[...].astype(f32)  # [K] or [1]
     a = jnp.exp(alog_ref[...].astype(f32))  # [1]
     if lower_bound is not None:
         g = lower_bound * (1.0 / (1.0 + jnp.exp(-a * fv)))
     else:
         g = -a * jnp.where(fv > 20.0, fv, jnp.log1p(jnp.exp(jnp.minimum(fv, 20.0))))
     g = jnp.where(live, g, 0.0)
-    beta = jnp.where(live, 1.0 / (1.0 + jnp.exp(-bl_ref[...].astype(f32))), 0.0)  # [1]
+    beta = jnp.where(live, 1.0 / (1.0 + jnp.exp(-val(bl_ref).astype(f32))), 0.0)  # [1]
 
     decay = jnp.exp(g)
     s = s_ref[...] * (jnp.broadcast_to(decay, k.shape) if scalar else decay)[:, None]  # [K, V]
@@ -69,43 +72,60 @@ def _kernel(
     s_out_ref[...] = s
     o = jnp.sum(q[:, None] * s, axis=0).astype(dt).astype(f32)  # [V], rounded as the unfused path's output
     y = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * nw_ref[...].astype(f32)
-    y_ref[...] = (y * (1.0 / (1.0 + jnp.exp(-z_ref[...].astype(f32))))).astype(y_ref.dtype)
+    y_ref[...] = (y * (1.0 / (1.0 + jnp.exp(-val(z_ref).astype(f32))))).astype(y_ref.dtype)
+
+
+def _split(x, unit: int):
+    """A projection input as the kernel reads it: (partials [S, B, W], block offset in `unit`-wide blocks) — an
+    array [B, C] is one partial; a one-row `SplitK` is its partial sums, read in place."""
+    if isinstance(x, SplitK):
+        return x.parts[:, None, :], x.start // unit
+    return x[None], 0
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps")
+    jax.jit, static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps", "dtype")
 )
 def decode_layer_pallas(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
-    n_new, *, num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4,
+    n_new, *, num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4, dtype=None,
 ):  # fmt: skip
-    """Shapes as `reference.kda_decode_layer_reference` (K = V a power of two) -> (y [B, N, K] in q_raw.dtype,
-    new conv state, new state); conv_state and state are updated in place."""
-    b, c = q_raw.shape
+    """Shapes as `reference.kda_decode_layer_reference` (K = V a power of two) -> (y [B, N, K] in the compute
+    dtype, new conv state, new state); conv_state and state are updated in place. q_raw, k_raw, v_raw, f, z,
+    b_logits may be one-row `projection.SplitK`s lined up with the heads (start a multiple of K, of 1 for the
+    one-per-head b_logits / scalar f): the kernel adds their partial sums; dtype is then the compute dtype."""
+    b, c = conv_state.shape[0], conv_weights[0].shape[1]
+    dt = jnp.dtype(dtype or q_raw.dtype)
     n = num_heads
     hd = c // n
     w = conv_state.shape[1] + 1
-    heads = lambda x: x.reshape(b, n, -1)  # noqa: E731
+
+    def split_spec(x, unit):
+        parts, off = _split(x, unit)
+        spec = pl.BlockSpec((parts.shape[0], None, unit), lambda i, h, off=off: (0, i, off + h))
+        return parts, spec
+
+    (qp, q_spec), (kp, k_spec), (vp, v_spec), (zp, z_spec) = (split_spec(x, hd) for x in (q_raw, k_raw, v_raw, z))
+    fp, f_spec = split_spec(f, 1 if scalar_decay else hd)
+    bp, b_spec = split_spec(b_logits, 1)
     vec = pl.BlockSpec((None, None, hd), lambda i, h: (i, h, 0))
-    one = pl.BlockSpec((None, None, 1), lambda i, h: (i, h, 0))
-    gate_spec = one if scalar_decay else vec
     conv_spec = pl.BlockSpec((None, w - 1, 3, None, hd), lambda i, h: (i, 0, 0, h, 0))
     weight_spec = pl.BlockSpec((w, None, hd), lambda i, h: (0, h, 0))
     state_spec = pl.BlockSpec((None, None, hd, hd), lambda i, h: (i, h, 0, 0))
     row = pl.BlockSpec((None, 1), lambda i, h: (i, 0))
-    kernel = functools.partial(_kernel, width=w, scalar=scalar_decay, lower_bound=lower_bound, eps=eps)
+    kernel = functools.partial(_kernel, width=w, scalar=scalar_decay, lower_bound=lower_bound, eps=eps, dt=dt)
     y, conv, s = pl.pallas_call(
         kernel,
         grid=(b, n),
         in_specs=[
-            vec, vec, vec, conv_spec, weight_spec, weight_spec, weight_spec, gate_spec,
+            q_spec, k_spec, v_spec, conv_spec, weight_spec, weight_spec, weight_spec, f_spec,
             pl.BlockSpec((None, 1), lambda i, h: (h, 0)),
             pl.BlockSpec((None, 1) if scalar_decay else (None, hd), lambda i, h: (h, 0)),
-            one, vec, pl.BlockSpec((hd,), lambda i, h: (0,)), row, row, state_spec,
+            b_spec, z_spec, pl.BlockSpec((hd,), lambda i, h: (0,)), row, row, state_spec,
         ],
         out_specs=[vec, conv_spec, state_spec],
         out_shape=[
-            jax.ShapeDtypeStruct((b, n, hd), q_raw.dtype),
+            jax.ShapeDtypeStruct((b, n, hd), dt),
             jax.ShapeDtypeStruct((b, w - 1, 3, n, hd), conv_state.dtype),
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
@@ -114,9 +134,8 @@ def decode_layer_pallas(
         name="kda_decode_layer",
         **triton_params(interpret, num_warps, 1),
     )(
-        heads(q_raw), heads(k_raw), heads(v_raw), conv_state.reshape(b, w - 1, 3, n, hd),
-        *(x.reshape(w, n, hd) for x in conv_weights), heads(f), a_log.reshape(n, 1),
-        dt_bias.reshape(n, -1), heads(b_logits), heads(z), norm_weight,
-        valid.astype(jnp.int32).reshape(b, 1), n_new.astype(jnp.int32).reshape(b, 1), state.astype(jnp.float32),
+        qp, kp, vp, conv_state.reshape(b, w - 1, 3, n, hd), *(x.reshape(w, n, hd) for x in conv_weights), fp,
+        a_log.reshape(n, 1), dt_bias.reshape(n, -1), bp, zp, norm_weight, valid.astype(jnp.int32).reshape(b, 1),
+        n_new.astype(jnp.int32).reshape(b, 1), state.astype(jnp.float32),
     )  # fmt: skip
     return y, conv.reshape(conv_state.shape), s

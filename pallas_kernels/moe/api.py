@@ -232,8 +232,16 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     pad2 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, p1 - a.shape[0]), (0, p2 - a.shape[1])])  # noqa: E731
     sh_gu = None if shared is None else (pad2(shared[0], d_in, f_pad), pad2(shared[1], d_in, f_pad))
     sh_d = None if shared is None else (pad2(shared[2], f_pad, d_out),)
-    h = gate_up_gemv(e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, pairs_per_row=k, shared=sh_gu, **kw)
-    y = down_gemv(e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, shared=sh_d, **kw)
+    # gate/up's partial sums go straight to the down kernel, which forms its slabs of h from them: at a decode
+    # step the XLA kernel that would add them and apply SiLU ⊙ in between costs about as much as either launch
+    gu = gate_up_gemv(
+        e_ids, rows, gate, up, block_n=bn_f, block_k=bk_d, split_k=s1, pairs_per_row=k, shared=sh_gu,
+        partials=True, **kw,
+    )  # fmt: skip
+    y = down_gemv(
+        e_ids, gu, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, shared=sh_d,
+        h_dtype=x.dtype, **kw,
+    )  # fmt: skip
     out = jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y[:p, :d].reshape(n, k, d))
     # the shared expert rounded to x's dtype, as a separate SwiGLU returns it
     return out if shared is None else out + y[p:, :d].astype(x.dtype).astype(jnp.float32)

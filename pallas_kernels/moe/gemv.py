@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas import first_row, triton_params
+from pallas_kernels._pallas import first_row, sum_rows, triton_params
 
 # Programs `auto_split_k` aims for (~8 per H200 SM) and its largest split.
 SPLIT_TARGET = 1024
@@ -70,13 +70,22 @@ def _gate_up_mma_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed):
     _routed_or_shared(e_ref, (wg_ref, wu_ref), shared, n_routed, run)
 
 
-def _down_mma_kernel(e_ref, h_ref, wd_ref, *refs, bk, nk, n_routed):
-    *shared, y_ref = refs
+def _h_slab(h_refs, cols, dtype):
+    """h's columns `cols` for this program's row: h itself, or from gate/up partial sums [S, F] (an
+    `gate_up_gemv(partials=True)`): SiLU(Σ gate) ⊙ Σ up rounded to `dtype`, as `gate_up_gemv` returns it."""
+    if len(h_refs) == 1:
+        return h_refs[0][cols]
+    g, u = sum_rows(h_refs[0], cols), sum_rows(h_refs[1], cols)
+    return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
+
+
+def _down_mma_kernel(e_ref, *refs, bk, nk, n_routed, n_h, dtype):
+    h_refs, (wd_ref, *shared, y_ref) = refs[:n_h], refs[n_h:]
 
     def run(w):
         def body(kk, acc):
             cols = pl.ds(kk * bk, bk)
-            return acc + _mma_step(h_ref[cols], w[0](cols))
+            return acc + _mma_step(_h_slab(h_refs, cols, dtype), w[0](cols))
 
         acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((MMA_ROWS, y_ref.shape[-1]), jnp.float32))
         y_ref[...] = first_row(acc)
@@ -105,13 +114,14 @@ def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed):
     _routed_or_shared(e_ref, (wg_ref, wu_ref), shared, n_routed, run)
 
 
-def _down_kernel(e_ref, h_ref, wd_ref, *refs, bk, nk, n_routed):
-    *shared, y_ref = refs
+def _down_kernel(e_ref, *refs, bk, nk, n_routed, n_h, dtype):
+    h_refs, (wd_ref, *shared, y_ref) = refs[:n_h], refs[n_h:]
 
     def run(w):
         def body(kk, acc):
             cols = pl.ds(kk * bk, bk)
-            return acc + h_ref[cols].astype(jnp.float32)[:, None] * w[0](cols).astype(jnp.float32)
+            h = _h_slab(h_refs, cols, dtype).astype(jnp.float32)
+            return acc + h[:, None] * w[0](cols).astype(jnp.float32)
 
         acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, y_ref.shape[-1]), jnp.float32))
         y_ref[...] = jnp.sum(acc, axis=0)
@@ -121,14 +131,19 @@ def _down_kernel(e_ref, h_ref, wd_ref, *refs, bk, nk, n_routed):
 
 def _pair_call(
     kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, interpret, num_warps, num_stages,
-    pairs_per_row=1, shared=(), shared_row_offset=0,
+    pairs_per_row=1, shared=(), shared_row_offset=0, kernel_kw=None,
 ):  # fmt: skip
     """Grid (pairs [+ shared rows], output tiles, contraction splits) -> n_out float32 partial sums, each
     [P (+ R), split_k, N]. Pair p reads row p // pairs_per_row (a token's k pairs share its row: no repeated
     copy of x). With `shared` weights (the shared expert's, [K, N] each) R = rows.shape[0] more programs
-    follow the P pairs: program P + r runs row r + P - shared_row_offset through the shared weights."""
+    follow the P pairs: program P + r runs row r + P - shared_row_offset through the shared weights.
+    rows: one array [rows, K], or a tuple of them, or of partial sums [rows, S, K] (each program reads its
+    row's S partials of its slab)."""
+    rows = rows if isinstance(rows, tuple) else (rows,)
     p = e_ids.shape[0]
-    n_rows, kdim = rows.shape
+    n_rows, kdim = rows[0].shape[0], rows[0].shape[-1]
+    if any(r.shape[0] != n_rows or r.shape[-1] != kdim for r in rows):
+        raise ValueError(f"{name}: row inputs {[r.shape for r in rows]} must agree on rows and contraction")
     if (shared_row_offset or not shared) and n_rows * pairs_per_row != p:
         raise ValueError(f"{name}: {n_rows} rows x {pairs_per_row} pairs per row != {p} expert ids")
     if shared and not shared_row_offset and n_rows <= p:  # the rows after the P pairs' are the shared ones
@@ -148,12 +163,17 @@ def _pair_call(
     def row(i):
         return jnp.where(i < p, i // pairs_per_row, i - shared_row_offset)
 
+    def row_spec(r):
+        if r.ndim == 2:
+            return pl.BlockSpec((None, ks), lambda i, j, s: (row(i), s))
+        return pl.BlockSpec((None, r.shape[1], ks), lambda i, j, s: (row(i), 0, s))
+
     return pl.pallas_call(
-        functools.partial(kernel, bk=block_k, nk=ks // block_k, n_routed=p),
+        functools.partial(kernel, bk=block_k, nk=ks // block_k, n_routed=p, **(kernel_kw or {})),
         grid=(p + n_shared, width // block_n, split_k),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j, s: (jnp.minimum(i, p - 1),)),
-            pl.BlockSpec((None, ks), lambda i, j, s: (row(i), s)),
+            *[row_spec(r) for r in rows],
             *[pl.BlockSpec((n_exp, ks, block_n), lambda i, j, s: (0, s, j)) for _ in weights],
             *[pl.BlockSpec((ks, block_n), lambda i, j, s: (s, j)) for _ in shared],
         ],
@@ -162,43 +182,52 @@ def _pair_call(
         interpret=interpret,
         name=name,
         **triton_params(interpret, num_warps, num_stages),
-    )(e_ids, rows, *weights, *shared)
+    )(e_ids, *rows, *weights, *shared)
 
 
 _STATIC = ("block_n", "block_k", "split_k", "mma", "interpret", "num_warps", "num_stages")
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "pairs_per_row"))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "pairs_per_row", "partials"))
 def gate_up_gemv(
     e_ids, x_rows, gate, up, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3,
-    pairs_per_row=1, shared=None,
+    pairs_per_row=1, shared=None, partials=False,
 ):  # fmt: skip
     """e_ids [P] int32, x_rows [P / pairs_per_row, D] (D a multiple of split_k * block_k; pair p reads row
     p // pairs_per_row), gate/up [E, D, F] (F a multiple of block_n) -> h [P, F] in x_rows.dtype:
     SiLU(x_p gate[e_p]) ⊙ (x_p up[e_p]). shared: the shared expert's (gate, up) [D, F], run for every row
     after the pairs in the same launch: h [P + rows, F]. mma: each step one tensor-core product (the row
-    broadcast to 16) with the weight tiles streamed through shared memory; else CUDA-core multiply-adds."""
+    broadcast to 16) with the weight tiles streamed through shared memory; else CUDA-core multiply-adds.
+    partials: (gate, up) partial sums [P (+ rows), split_k, F] float32 instead of h, for `down_gemv` to
+    combine itself (no XLA kernel between the two launches)."""
     g, u = _pair_call(
         _gate_up_mma_kernel if mma else _gate_up_kernel, "moe_gate_up_gemv", e_ids, x_rows, (gate, up), 2,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, pairs_per_row=pairs_per_row, shared=tuple(shared or ()),
         shared_row_offset=e_ids.shape[0],
     )  # fmt: skip
+    if partials:
+        return g, u
     return (jax.nn.silu(jnp.sum(g, axis=1)) * jnp.sum(u, axis=1)).astype(x_rows.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "h_dtype"))
 def down_gemv(
     e_ids, h, down, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3,
-    shared=None,
+    shared=None, h_dtype=None,
 ):  # fmt: skip
     """e_ids [P] int32, h [P, F] (F a multiple of split_k * block_k), down [E, F, D] (D a multiple of block_n)
     -> y [P, D] float32: h_p down[e_p] (mma as `gate_up_gemv`). shared: the shared expert's down [F, D] for
-    the rows of h after the P pairs (h [P + R, F] -> y [P + R, D])."""
+    the rows of h after the P pairs (h [P + R, F] -> y [P + R, D]). h may be `gate_up_gemv(partials=True)`'s
+    (gate, up) partial sums: each program forms its slab of h from them, rounded to h_dtype."""
+    parts = isinstance(h, tuple)
+    if parts and (len(h) != 2 or h_dtype is None):
+        raise ValueError("down_gemv: h as partial sums is a (gate, up) pair and needs h_dtype")
     (y,) = _pair_call(
-        _down_mma_kernel if mma else _down_kernel, "moe_down_gemv", e_ids, h, (down,), 1,
+        _down_mma_kernel if mma else _down_kernel, "moe_down_gemv", e_ids, h if parts else (h,), (down,), 1,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, shared=tuple(shared or ()),
+        kernel_kw=dict(n_h=2 if parts else 1, dtype=jnp.dtype(h_dtype or h.dtype)),
     )  # fmt: skip
     return jnp.sum(y, axis=1)
 

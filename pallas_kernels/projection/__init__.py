@@ -1,3 +1,3 @@
-from pallas_kernels.projection.api import auto_uses_kernel, project, project_group
+from pallas_kernels.projection.api import SplitK, auto_uses_kernel, materialize, project, project_group
 
-__all__ = ["auto_uses_kernel", "project", "project_group"]
+__all__ = ["SplitK", "auto_uses_kernel", "materialize", "project", "project_group"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType
 
 from pallas_kernels._pallas import auto_impl, forced_choice
@@ -25,6 +28,37 @@ AUTO_MAX_ROWS = 1
 # program waits on memory.
 TARGET_PROGRAMS = 264
 MAX_SPLIT_K = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitK:
+    """A one-row projection output left as the GEMV kernel's split-K partial sums: columns [start, start +
+    width) of `parts` [S, W] float32, whose sum over S rounded to `dtype` is the value (`value()`), shaped
+    `lead` + (width,). Pallas consumers (`project_group`, `linear_attention.kda_decode_layer`) add the S rows
+    themselves where XLA would otherwise run one reduction kernel per output between two Pallas calls — at a
+    batch-1 decode step each such kernel costs about as much as its consumer's work (BENCHMARKS.md)."""
+
+    parts: jax.Array
+    start: int
+    width: int
+    lead: tuple
+    dtype: Any
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.lead, self.width)
+
+    def value(self) -> jax.Array:
+        y = jnp.sum(self.parts[:, self.start : self.start + self.width], axis=0)
+        return y.reshape(self.shape).astype(self.dtype)
+
+
+jax.tree_util.register_dataclass(SplitK, data_fields=["parts"], meta_fields=["start", "width", "lead", "dtype"])
+
+
+def materialize(x):
+    """x's value: a `SplitK` summed (one XLA reduction), anything else as it is."""
+    return x.value() if isinstance(x, SplitK) else x
 
 
 def _largest_pow2_tile(n: int, cap: int) -> int | None:
@@ -143,7 +177,8 @@ def project_group(
     num_warps: int = 4,
     num_stages: int = 3,
     interpret: bool | None = None,
-) -> list[jax.Array]:
+    lazy: bool = False,
+) -> list:
     """[x_i W_i] for several weights of the same K: `project` for each, with impl="pallas" one launch for all.
 
     xs: one array [..., K] shared by every weight, or one per weight (same shape; an input given twice, the
@@ -153,13 +188,17 @@ def project_group(
     added in one XLA reduction), or "auto" (the kernel where `auto_uses_kernel` holds for every pair, else
     `project(impl="auto")` one by one). Tiles default to `group_tiles`, the split to `auto_split_k` over all
     the output tiles together.
+
+    An input may be a `SplitK` (another call's partial sums): the kernel adds its partials itself where they
+    line up with its slabs, anything else takes its `value()`. lazy: a one-row kernel call returns `SplitK`s
+    (the partials unreduced, for a Pallas consumer), every other path arrays.
     """
     if impl not in IMPLS:
         raise ValueError(f"project_group: impl must be one of {IMPLS}, got {impl!r}")
     ws = list(ws)
     if not ws:
         raise ValueError("project_group: no weights given")
-    xs = [xs] * len(ws) if hasattr(xs, "shape") else list(xs)  # one array (jax, numpy) or a sequence
+    xs = [xs] * len(ws) if hasattr(xs, "shape") else list(xs)  # one array / SplitK, or a sequence
     if len(xs) != len(ws):
         raise ValueError(f"project_group: {len(xs)} inputs for {len(ws)} weights; give one, or one per weight")
     lead, kdim = xs[0].shape[:-1], xs[0].shape[-1]
@@ -172,11 +211,12 @@ def project_group(
         raise ValueError(f"project_group: the weights' dtypes differ: {[str(w.dtype) for w in ws]}")
     out_dtype = xs[0].dtype if out_dtype is None else out_dtype
     if impl == "auto":
-        impl = "pallas" if all(auto_uses_kernel(x.astype(w.dtype), w) for x, w in zip(xs, ws, strict=True)) else None
+        shapes = [jax.ShapeDtypeStruct(x.shape, w.dtype) for x, w in zip(xs, ws, strict=True)]
+        impl = "pallas" if all(auto_uses_kernel(x, w) for x, w in zip(shapes, ws, strict=True)) else None
         if impl is None:
-            return [project(x, w, impl="auto", out_dtype=out_dtype) for x, w in zip(xs, ws, strict=True)]
+            return [project(materialize(x), w, impl="auto", out_dtype=out_dtype) for x, w in zip(xs, ws, strict=True)]
     if impl == "reference":
-        return [project(x, w, impl="reference", out_dtype=out_dtype) for x, w in zip(xs, ws, strict=True)]
+        return [project(materialize(x), w, impl="reference", out_dtype=out_dtype) for x, w in zip(xs, ws, strict=True)]
     rows = math.prod(lead)
     if rows > MAX_ROWS:
         raise ValueError(f"project_group: the kernel takes at most {MAX_ROWS} rows, got {rows} (x {xs[0].shape})")
@@ -198,14 +238,18 @@ def project_group(
         x_of.append(len(unique) if hit is None else hit)
         if hit is None:
             unique.append(x)
+    ks = kdim // split_k
+    # partial sums the kernel can add itself: one row, already in the weights' dtype, lined up with its slabs
+    direct = [isinstance(x, SplitK) and x.dtype == ws[0].dtype and x.start % ks == 0 for x in unique]
     parts = gemv_group_partials(
-        tuple(kernel_rows(x, ws[0].dtype) for x in unique), tuple(ws), x_of=tuple(x_of), block_n=block_n,
-        block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+        tuple(x.parts if d else kernel_rows(materialize(x), ws[0].dtype) for x, d in zip(unique, direct, strict=True)),
+        tuple(ws), x_of=tuple(x_of), block_n=block_n, block_k=block_k, split_k=split_k,
+        x_starts=tuple(x.start if d else None for x, d in zip(unique, direct, strict=True)) if any(direct) else None,
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    starts = [int(s) for s in np.cumsum([0, *widths[:-1]])]
+    if lazy and rows == 1:
+        return [SplitK(parts, st, n, tuple(lead), jnp.dtype(out_dtype)) for st, n in zip(starts, widths, strict=True)]
     y = jnp.sum(parts, axis=0)  # [Σ N] for one row, else [16, Σ N]
     y = y[None] if rows == 1 else y[:rows]
-    outs, start = [], 0
-    for n in widths:
-        outs.append(y[:, start : start + n].reshape(*lead, n).astype(out_dtype))
-        start += n
-    return outs
+    return [y[:, st : st + n].reshape(*lead, n).astype(out_dtype) for st, n in zip(starts, widths, strict=True)]

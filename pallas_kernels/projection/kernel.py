@@ -37,20 +37,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas import first_row, triton_params
+from pallas_kernels._pallas import first_row, sum_rows, triton_params
 
 ROWS = 16  # rows of one tensor-core tile: x is padded to it
 
 
-def _kernel(*refs, n_x, x_of, bounds, bk, nk, one_row):
-    # refs: x_refs [R, K / S] (R = 1 for one row, else 16), w_refs [K / S, BN] (this program's slab of each
-    # weight), o_ref [16, BN] ([BN] for one row): the program's output tile of the concatenated widths
+def _kernel(*refs, n_x, x_of, x_split, bounds, bk, nk, one_row):
+    # refs: x_refs [R, K / S] (R = 1 for one row, else 16; [S_x, K / S] float32 partial sums of one row for an
+    # input in x_split), w_refs [K / S, BN] (this program's slab of each weight), o_ref [16, BN] ([BN] for one
+    # row): the program's output tile of the concatenated widths
     x_refs, w_refs, o_ref = refs[:n_x], refs[n_x:-1], refs[-1]
 
-    def tile(x_ref, w_ref):
+    def tile(x_ref, w_ref, split):
         def body(kk, acc):
             cols = pl.ds(kk * bk, bk)
-            xs = x_ref[:, cols]
+            if split:  # the previous projection's partial sums, added here: no XLA reduction between the two
+                xs = sum_rows(x_ref, cols)[None, :].astype(w_ref.dtype)
+            else:
+                xs = x_ref[:, cols]
             if xs.shape[0] != ROWS:  # one row, padded here: an XLA pad would be one more launch per call
                 row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bk), 0)
                 xs = jnp.where(row == 0, jnp.broadcast_to(xs, (ROWS, bk)), jnp.zeros((), xs.dtype))
@@ -60,11 +64,12 @@ def _kernel(*refs, n_x, x_of, bounds, bk, nk, one_row):
         o_ref[...] = first_row(acc) if one_row else acc  # one row: row 0 out of the MMA tile
 
     if len(w_refs) == 1:
-        tile(x_refs[0], w_refs[0])
+        tile(x_refs[0], w_refs[0], x_split[0])
         return
     j = pl.program_id(0)
     for i, w_ref in enumerate(w_refs):  # the weight whose output tiles hold tile j (one branch runs)
-        pl.when((j >= bounds[i]) & (j < bounds[i + 1]))(functools.partial(tile, x_refs[x_of[i]], w_ref))
+        x = x_of[i]
+        pl.when((j >= bounds[i]) & (j < bounds[i + 1]))(functools.partial(tile, x_refs[x], w_ref, x_split[x]))
 
 
 def _check(name, x_rows, kdim, w, block_n, block_k, split_k):
@@ -76,29 +81,52 @@ def _check(name, x_rows, kdim, w, block_n, block_k, split_k):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("x_of", "block_n", "block_k", "split_k", "interpret", "num_warps", "num_stages")
+    jax.jit,
+    static_argnames=("x_of", "x_starts", "block_n", "block_k", "split_k", "interpret", "num_warps", "num_stages"),
 )
-def gemv_group_partials(xs, ws, *, x_of, block_n, block_k, split_k, interpret=False, num_warps=4, num_stages=3):
+def gemv_group_partials(
+    xs, ws, *, x_of, block_n, block_k, split_k, x_starts=None, interpret=False, num_warps=4, num_stages=3
+):  # fmt: skip
     """Several projections of the same K in one launch: xs a tuple of [R, K] inputs (R = 1: one row, padded in
     the kernel; else rows padded to 16, all in w's dtype), ws a tuple of [K, N_i] weights, x_of[i] the input of
     weight i -> partial sums [S, Σ N_i] float32 ([S, 16, Σ N_i] for 16 rows), weight i's columns after the
-    earlier weights'. The grid is (Σ N_i / BN output tiles, S splits): each program streams one weight's slab."""
-    rows = {x.shape[0] for x in xs}
-    if len(rows) != 1 or rows.pop() not in (1, ROWS):
+    earlier weights'. The grid is (Σ N_i / BN output tiles, S splits): each program streams one weight's slab.
+
+    x_starts (one row only): per input None, or the column where its K columns start in an [S_x, W] float32
+    array of another call's partial sums, added in the kernel and rounded to w's dtype (start a multiple of
+    K / S) — the previous projection's reduction needs no kernel of its own."""
+    x_starts = x_starts or (None,) * len(xs)
+    split = tuple(st is not None for st in x_starts)
+    if len(x_starts) != len(xs):
+        raise ValueError(f"gemv_group_partials: {len(x_starts)} x_starts for {len(xs)} inputs")
+    rows = {1 if sp else x.shape[0] for x, sp in zip(xs, split, strict=True)}
+    if len(rows) != 1 or rows.pop() not in (1, ROWS) or (any(split) and xs[split.index(True)].ndim != 2):
         raise ValueError(f"gemv_group_partials: inputs {[x.shape for x in xs]} need 1 row each or rows padded to 16")
     if len(x_of) != len(ws) or not set(x_of) <= set(range(len(xs))):
         raise ValueError(f"gemv_group_partials: x_of {x_of} must name one of the {len(xs)} inputs per weight")
-    one_row = xs[0].shape[0] == 1
-    kdim = xs[0].shape[1]
-    if any(x.shape[1] != kdim for x in xs):
-        raise ValueError(f"gemv_group_partials: every input needs K = {kdim}, got {[x.shape for x in xs]}")
+    one_row = split[0] or xs[0].shape[0] == 1
+    kdim = ws[0].shape[0]
+    for x, st in zip(xs, x_starts, strict=True):
+        if (x.shape[1] != kdim) if st is None else (st < 0 or st + kdim > x.shape[1]):
+            raise ValueError(
+                f"gemv_group_partials: every input needs K = {kdim} columns, got {[x.shape for x in xs]} "
+                f"(starts {x_starts})"
+            )
     for i, w in enumerate(ws):
-        _check("gemv_group_partials", xs[x_of[i]].shape[0], kdim, w, block_n, block_k, split_k)
+        _check("gemv_group_partials", 1 if split[x_of[i]] else xs[x_of[i]].shape[0], kdim, w, block_n, block_k,
+               split_k)  # fmt: skip
     ks = kdim // split_k
+    if any(st is not None and st % ks for st in x_starts):
+        raise ValueError(f"gemv_group_partials: partial-sum inputs must start at multiples of K / S = {ks}: {x_starts}")
     tiles = [w.shape[1] // block_n for w in ws]
     bounds = tuple(int(b) for b in np.cumsum([0, *tiles]))
     width = bounds[-1] * block_n
-    x_spec = pl.BlockSpec((xs[0].shape[0], ks), lambda j, s: (0, s))
+
+    def x_spec(x, st):
+        if st is None:
+            return pl.BlockSpec((x.shape[0], ks), lambda j, s: (0, s))
+        return pl.BlockSpec((x.shape[0], ks), lambda j, s, b=st // ks: (0, b + s))
+
     w_specs = [
         pl.BlockSpec((ks, block_n), lambda j, s, lo=lo, t=t: (s, jnp.clip(j - lo, 0, t - 1)))
         for lo, t in zip(bounds, tiles, strict=False)  # bounds has one more entry
@@ -107,12 +135,12 @@ def gemv_group_partials(xs, ws, *, x_of, block_n, block_k, split_k, interpret=Fa
         out_spec, out_shape = pl.BlockSpec((None, block_n), lambda j, s: (s, j)), (split_k, width)
     else:
         out_spec, out_shape = pl.BlockSpec((None, ROWS, block_n), lambda j, s: (s, 0, j)), (split_k, ROWS, width)
-    kernel = functools.partial(_kernel, n_x=len(xs), x_of=x_of, bounds=bounds, bk=block_k, nk=ks // block_k,
-                               one_row=one_row)  # fmt: skip
+    kernel = functools.partial(_kernel, n_x=len(xs), x_of=x_of, x_split=split, bounds=bounds, bk=block_k,
+                               nk=ks // block_k, one_row=one_row)  # fmt: skip
     return pl.pallas_call(
         kernel,
         grid=(bounds[-1], split_k),
-        in_specs=[x_spec] * len(xs) + w_specs,
+        in_specs=[x_spec(x, st) for x, st in zip(xs, x_starts, strict=True)] + w_specs,
         out_specs=out_spec,
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         interpret=interpret,
