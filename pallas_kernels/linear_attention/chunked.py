@@ -12,14 +12,15 @@ Phase 1, grid (B, N, chunks), two kernels per chunk:
   every pair a > b through tensor-core products: the pair is split by exactly one level of a binary
   hierarchy over the chunk, and with P the G row at that level's block middle, exp(G_a − G_b) =
   exp(G_a − P) · exp(P − G_b), both factors ≤ 1 — nothing overflows however strong the gates. Also
-  q_g = exp(G) ⊙ q, k_g = exp(G_C − G) ⊙ k, exp(G_C).
+  q_g = exp(G) ⊙ q, k_g = exp(G_C − G) ⊙ k, k_b = β exp(G) ⊙ k (so that the solve kernel reads neither G
+  nor k: 2 bytes an element instead of 6) and exp(G_C).
   `_solve_kernel`: the UT transform T = (I + A_kk)⁻¹ Diag(β): with D the diagonal 16-row sub-blocks,
   X = (I + D)⁻¹ by the Neumann product (I − D)(I + D²)(I + D⁴)(I + D⁸) and M = X (A_kk − D)
-  (block-strictly-lower, M⁴ = 0), (I + A_kk)⁻¹ = (I − M)(I + M²) X; W = T (exp(G) ⊙ k), U = T v.
+  (block-strictly-lower, M⁴ = 0), (I + A_kk)⁻¹ = (I − M)(I + M²) X; W = (I + A_kk)⁻¹ k_b, U = T v.
 Phase 2 (`_state_kernel`, grid (B, N, V/BV)), chunk after chunk with S [K, BV] on chip:
     V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
-Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, A_qk); all five in bfloat16 with
-precision="bf16" (W, q_g, k_g, A_qk only enter bf16 products; V' = U − W S is cast to bfloat16 for its
+Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, k_b, A_qk); all six in bfloat16 with
+precision="bf16" (W, q_g, k_g, k_b, A_qk only enter bf16 products; V' = U − W S is cast to bfloat16 for its
 products, so U's rounding is of the same order — fla stores U in bfloat16 too). A_kk stays float32.
 
 Forms measured and dropped (H200, 32K tokens x 32 heads, bf16; BENCHMARKS.md): phase 1 as one kernel with
@@ -217,9 +218,11 @@ def _a_levels(q, k, g_ref, *, precision, levels):
 
 
 def _a_kernel(
-    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, gl_ref, *, scale, l2norm, precision, parts
+    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref, *, scale, l2norm, precision,
+    parts,
 ):  # fmt: skip
-    """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g and exp(G_C) of one chunk (`_a_levels`)."""
+    """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g, β exp(G) ⊙ k (W's right factor, for the solve
+    kernel) and exp(G_C) of one chunk (`_a_levels`)."""
     q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
     a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels="levels" in parts)
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
@@ -231,21 +234,21 @@ def _a_kernel(
         rows = pl.ds(s, SUB)
         q, k = _normed_rows(q_ref, k_ref, s, SUB, scale=scale, l2norm=l2norm)
         gs = g_ref[rows, :]
-        qg_ref[rows, :] = (jnp.exp2(gs) * q).astype(qg_ref.dtype)
+        eg = jnp.exp2(gs)
+        qg_ref[rows, :] = (eg * q).astype(qg_ref.dtype)
         kg_ref[rows, :] = (jnp.exp2(g_last[None, :] - gs) * k).astype(kg_ref.dtype)
+        kb_ref[rows, :] = (beta_ref[rows].astype(jnp.float32)[:, None] * eg * k).astype(kb_ref.dtype)
 
 
-def _solve_kernel(k_ref, v_ref, g_ref, beta_ref, akk_ref, w_ref, u_ref, *, l2norm, precision, solve, parts):
+def _solve_kernel(kb_ref, v_ref, beta_ref, akk_ref, w_ref, u_ref, *, precision, solve, parts):
     dot = _products(precision)
     dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
     f32 = jnp.float32
     t_inv = jnp.eye(CHUNK, dtype=f32)
     if "solve" in parts:  # A_kk is this kernel's input: substitution reads its rows without a barrier
         t_inv = _unit_lower_inverse(akk_ref[...], dot_solve, solve, lambda i: akk_ref[i, :])
-    k = k_ref[...].astype(f32)
-    k = k * _inv_norm(k, l2norm)[:, None]
     beta = beta_ref[...].astype(f32)[:, None]
-    w_ref[...] = dot(t_inv, beta * jnp.exp2(g_ref[...]) * k).astype(w_ref.dtype)
+    w_ref[...] = dot(t_inv, kb_ref[...].astype(f32)).astype(w_ref.dtype)
     u_ref[...] = dot(t_inv, beta * v_ref[...].astype(f32)).astype(u_ref.dtype)
 
 
@@ -258,7 +261,7 @@ _BETA_SPEC = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
 
 def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts):
     """`_a_kernel` over every chunk; g is G·log2(e) (`_chunk_cumsum`) -> (A_qk, β-scaled A_kk float32, q_g,
-    k_g, exp(G_C))."""
+    k_g, β exp(G) ⊙ k, exp(G_C))."""
     b, t, n, dk = q.shape
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
@@ -267,13 +270,12 @@ def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, pa
         grid=(b, n, nc),
         in_specs=[_chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk), _BETA_SPEC],
         out_specs=[
-            _chunk_spec(CHUNK), _chunk_spec(CHUNK), _chunk_spec(dk), _chunk_spec(dk),
+            _chunk_spec(CHUNK), _chunk_spec(CHUNK), _chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk),
             pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, t, n, CHUNK), inter), jax.ShapeDtypeStruct((b, t, n, CHUNK), jnp.float32),
-            jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, t, n, dk), inter),
-            jax.ShapeDtypeStruct((b, nc, n, dk, 1), jnp.float32),
+            *[jax.ShapeDtypeStruct((b, t, n, dk), inter)] * 3, jax.ShapeDtypeStruct((b, nc, n, dk, 1), jnp.float32),
         ],
         interpret=interpret,
         name="kda_chunk_a",
@@ -281,21 +283,21 @@ def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, pa
     )(q, k, g, beta)  # fmt: skip
 
 
-def _solve_call(k, v, g, beta, akk, *, l2norm, precision, interpret, num_warps, parts, solve):
-    """`_solve_kernel` over every chunk -> (W, U)."""
-    b, t, n, dk = k.shape
+def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, solve):
+    """`_solve_kernel` over every chunk: kb = β exp(G) ⊙ k from the A kernel -> (W, U)."""
+    b, t, n, dk = kb.shape
     dv = v.shape[-1]
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     return pl.pallas_call(
-        functools.partial(_solve_kernel, l2norm=l2norm, precision=precision, solve=solve, parts=parts),
+        functools.partial(_solve_kernel, precision=precision, solve=solve, parts=parts),
         grid=(b, n, t // CHUNK),
-        in_specs=[_chunk_spec(dk), _chunk_spec(dv), _chunk_spec(dk), _BETA_SPEC, _chunk_spec(CHUNK)],
+        in_specs=[_chunk_spec(dk), _chunk_spec(dv), _BETA_SPEC, _chunk_spec(CHUNK)],
         out_specs=[_chunk_spec(dk), _chunk_spec(dv)],
         out_shape=[jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, t, n, dv), inter)],
         interpret=interpret,
         name="kda_chunk_solve",
         **triton_params(interpret, num_warps, 2),
-    )(k, v, g, beta, akk)  # fmt: skip
+    )(kb, v, beta, akk)  # fmt: skip
 
 
 def _intra(
@@ -305,13 +307,12 @@ def _intra(
     [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first)."""
     a_warps, solve_warps = num_warps
     g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
-    aqk, akk, qg, kg, gl = _a_call(
+    aqk, akk, qg, kg, kb, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
         parts=parts,
     )  # fmt: skip
     w, u = _solve_call(
-        k, v, g, beta, akk, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=solve_warps,
-        parts=parts, solve=solve,
+        kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve
     )  # fmt: skip
     return aqk, w, u, qg, kg, gl
 

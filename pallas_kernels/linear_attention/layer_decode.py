@@ -79,8 +79,8 @@ def _split(x, unit: int):
     """A projection input as the kernel reads it: (partials [S, B, W], block offset in `unit`-wide blocks) — an
     array [B, C] is one partial; a one-row `SplitK` is its partial sums, read in place."""
     if isinstance(x, SplitK):
-        return x.parts[:, None, :], x.start // unit
-    return x[None], 0
+        return x.parts.reshape(x.parts.shape[0], 1, -1), x.start // unit
+    return x.reshape(1, *x.shape), 0
 
 
 @functools.partial(
