@@ -54,6 +54,25 @@ def test_kda_prefill_kernels_lower(solve):
     assert _lowered_for_h200(run, q, g, beta, s0).count("xla.gpu.triton") == 4  # cumsum, A, solve, state pass
 
 
+def test_kda_packed_prefill_kernels_lower():
+    """Packed sequences: the state pass is one program per (sequence, head, V-block) whose loop bounds are
+    read from memory (a counted loop with a dynamic trip count)."""
+    import numpy as np
+
+    from pallas_kernels.linear_attention import kda
+
+    cu = np.array([0, 70, 70, 200])
+    q = jnp.ones((1, 200, 2, 128), jnp.bfloat16)
+    g = jnp.ones((1, 200, 2, 128), jnp.float32)
+    beta = jnp.ones((1, 200, 2), jnp.float32)
+    s0 = jnp.zeros((3, 2, 128, 128), jnp.float32)
+
+    def run(q, g, beta, s0):
+        return kda(q, q, q, g, beta, initial_state=s0, cu_seqlens=cu, impl="pallas", interpret=False)
+
+    assert _lowered_for_h200(run, q, g, beta, s0).count("xla.gpu.triton") == 4
+
+
 def test_kda_decode_step_kernel_lowers():
     from pallas_kernels.linear_attention import kda_decode_step
 

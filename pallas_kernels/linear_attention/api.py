@@ -152,7 +152,8 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     """The Pallas path of a packed batch: each sequence zero-padded to whole 64-token chunks and laid end to
     end ([1, Σ ceil(L_s / 64)·64, ...]: at most 63 pad tokens per sequence, where a batch padded to the
     longest sequence would compute S x T_max), the state pass resetting the state at each sequence's first
-    chunk and writing it out at its last (`kda_chunked_pallas(chunk_first=, chunk_last=)`)."""
+    chunk and writing it out at its last (`kda_chunked_pallas(seq_start=, seq_count=)`: one state-pass
+    program per sequence, head and V-block)."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
     n_seq, n, dk, dv = lengths.size, q.shape[2], q.shape[3], v.shape[3]
@@ -165,17 +166,12 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     seq = np.repeat(np.arange(n_seq), chunks * CHUNK)  # sequence of each packed slot
     offset = slot - start[seq] * CHUNK
     src = np.where(offset < lengths[seq], cu[seq] + offset, -1)
-    chunk_first = np.full(int(chunks.sum()), -1, np.int32)
-    chunk_last = np.full(int(chunks.sum()), -1, np.int32)
-    live = chunks > 0
-    chunk_first[start[live]] = np.arange(n_seq)[live]
-    chunk_last[(start + chunks - 1)[live]] = np.arange(n_seq)[live]
     s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
     if s0.shape != (n_seq, n, dk, dv):
         raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
     o, s = _kda_pallas(
         *(_gather_rows(x, src[None]) for x in (q, k, v, g, beta)), s0,
-        seq_chunks=(jnp.asarray(chunk_first), jnp.asarray(chunk_last)), **kw,
+        seq_chunks=(jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32)), **kw,
     )  # fmt: skip
     token_slot = np.nonzero(src >= 0)[0]  # packed slots in token order (src rises within and across sequences)
     return o[0, token_slot][None], s
@@ -187,7 +183,7 @@ def _kda_pallas(
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16), runs, unpads.
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged.
-    seq_chunks: (chunk_first, chunk_last) of chunk-aligned packed sequences; initial_state then [S,N,K,V]."""
+    seq_chunks: (first chunk, chunk count) per chunk-aligned packed sequence; initial_state then [S,N,K,V]."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     if block_v <= 0 or block_v & (block_v - 1):
@@ -208,7 +204,7 @@ def _kda_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
         interpret=jax.default_backend() == "cpu" if interpret is None else interpret, num_warps=num_warps,
-        solve=solve, **({} if seq_chunks is None else dict(chunk_first=seq_chunks[0], chunk_last=seq_chunks[1])),
+        solve=solve, **({} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])),
     )  # fmt: skip
     return o[:, :t, :, :dv], s[:, :, :dk, :dv]
 

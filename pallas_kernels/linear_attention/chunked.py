@@ -17,7 +17,7 @@ Phase 1, grid (B, N, chunks), two kernels per chunk:
   `_solve_kernel`: the UT transform T = (I + A_kk)⁻¹ Diag(β): with D the diagonal 16-row sub-blocks,
   X = (I + D)⁻¹ by the Neumann product (I − D)(I + D²)(I + D⁴)(I + D⁸) and M = X (A_kk − D)
   (block-strictly-lower, M⁴ = 0), (I + A_kk)⁻¹ = (I − M)(I + M²) X; W = (I + A_kk)⁻¹ k_b, U = T v.
-Phase 2 (`_state_kernel`, grid (B, N, V/BV)), chunk after chunk with S [K, BV] on chip:
+Phase 2 (`_state_kernel`, grid (B, N, V/BV); packed sequences (S, N, V/BV)), chunk after chunk with S [K, BV] on chip:
     V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
 Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, k_b, A_qk); all six in bfloat16 with
 precision="bf16" (W, q_g, k_g, k_b, A_qk only enter bf16 products; V' = U − W S is cast to bfloat16 for its
@@ -131,35 +131,26 @@ def _unit_lower_inverse(a_kk, dot_solve, solve, akk_rows):
 
 
 def _state_kernel(*refs, nc, precision, packed):
-    """The state pass over one (row, head, V-block). Packed sequences (`packed`): chunk_first / chunk_last
-    [nc] int32 name the sequence a chunk starts / ends (-1: none); the state is reset to that sequence's
-    initial state where one starts and written to its final state where one ends."""
+    """The state pass over one (row, head, V-block) — with packed sequences (`packed`) over one (sequence, head,
+    V-block): seq_start / seq_count [S] int32 name the sequence's chunks, the program walks only those from
+    the sequence's initial state and writes its final state (a sequence with no chunk keeps its own)."""
     if packed:
-        first_ref, last_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
+        start_ref, count_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
     else:
         w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
     dot = _products(precision)
 
     def body(c, s):
-        if packed:
-            start = first_ref[c]
-            s = jax.lax.cond(start >= 0, lambda: s0_ref[jnp.maximum(start, 0)].astype(jnp.float32), lambda: s)
         rows = pl.ds(c * CHUNK, CHUNK)
         v_new = u_ref[rows, :] - dot(w_ref[rows, :], s)  # [C, BV]
         o = dot(qg_ref[rows, :], s) + dot(aqk_ref[rows, :], v_new)
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        s = gl_ref[c] * s + dot(kg_ref[rows, :], v_new, CONTRACT_FIRST)
-        if packed:
-            end = last_ref[c]
+        return gl_ref[c] * s + dot(kg_ref[rows, :], v_new, CONTRACT_FIRST)
 
-            @pl.when(end >= 0)
-            def _():
-                s_ref[jnp.maximum(end, 0)] = s
-
-        return s
-
-    if packed:  # every sequence's first chunk loads its own start state
-        jax.lax.fori_loop(0, nc, body, jnp.zeros(s_ref.shape[1:], jnp.float32))
+    if packed:  # bounds read from memory: still one counted loop (Triton pipelines it like the fixed one)
+        seq = pl.program_id(0)
+        first = start_ref[seq]
+        s_ref[...] = jax.lax.fori_loop(first, first + count_ref[seq], body, s0_ref[...].astype(jnp.float32))
     else:
         s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
@@ -343,44 +334,49 @@ def _gate_spec(nc, dk):
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
-    num_stages=STATE_STAGES, solve="neumann", chunk_first=None, chunk_last=None, parts=PARTS,
+    num_stages=STATE_STAGES, solve="neumann", seq_start=None, seq_count=None, parts=PARTS,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
 
-    Packed sequences: with chunk_first / chunk_last [T / 64] int32 (the sequence whose first / last chunk
-    each chunk is, -1 for none), B = 1 holds S sequences each starting at a chunk boundary (zero-padded to
-    whole chunks: g = 0, beta = 0 leave the state as it is); s0 is then [S, N, K, V] and the final states
-    come back per sequence — a sequence with no chunk keeps its s0 (the final states alias s0's buffer)."""
+    Packed sequences: with seq_start / seq_count [S] int32 (each sequence's first chunk and number of chunks),
+    B = 1 holds S sequences each starting at a chunk boundary (zero-padded to whole chunks: g = 0, beta = 0
+    leave the state as it is); s0 is then [S, N, K, V] and the final states come back per sequence — a
+    sequence with no chunk keeps its s0 (the final states alias s0's buffer). The intra-chunk phase runs
+    over all chunks at once; the state pass is one program per (sequence, head, V-block), each walking only
+    its own sequence's chunks (the sequences' recurrences side by side, not one after another)."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
-    packed = chunk_first is not None
+    packed = seq_start is not None
     params = triton_params(interpret, num_warps, num_stages)
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
         parts=parts,
     )  # fmt: skip
+    state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     if packed:
-        if b != 1 or chunk_first.shape != (nc,) or chunk_last.shape != (nc,):
+        n_seq = s0.shape[0]
+        counts = None if seq_count is None else seq_count.shape
+        if b != 1 or seq_start.shape != (n_seq,) or counts != (n_seq,):
             raise ValueError(
-                f"kda_chunked_pallas: packed sequences need a batch of one and [{nc}] chunk maps, got batch {b}, "
-                f"chunk_first {chunk_first.shape}, chunk_last {chunk_last.shape}"
+                f"kda_chunked_pallas: packed sequences need a batch of one and seq_start / seq_count of the "
+                f"{n_seq} initial states' length, got batch {b}, seq_start {seq_start.shape}, seq_count {counts}"
             )
-        state = pl.BlockSpec((s0.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
-        chunk_map = [pl.BlockSpec((nc,), lambda i, h, j: (0,))] * 2
-        extra = (chunk_first.astype(jnp.int32), chunk_last.astype(jnp.int32))
+        maps = [pl.BlockSpec((n_seq,), lambda i, h, j: (0,))] * 2
+        extra = (seq_start.astype(jnp.int32), seq_count.astype(jnp.int32))
+        seq = lambda width, tile=False: pl.BlockSpec(  # noqa: E731 — every sequence's program sees row 0's slab
+            (None, t, None, width), (lambda i, h, j: (0, 0, h, j)) if tile else (lambda i, h, j: (0, 0, h, 0))
+        )
+        gate = pl.BlockSpec((None, nc, None, dk, 1), lambda i, h, j: (0, 0, h, 0, 0))
     else:
-        state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
-        chunk_map, extra = [], ()
+        maps, extra = [], ()
+        seq, gate = functools.partial(_seq_spec, t), _gate_spec(nc, dk)
     return pl.pallas_call(
         functools.partial(_state_kernel, nc=nc, precision=precision, packed=packed),
-        grid=(b, n, dv // block_v),
-        in_specs=[
-            *chunk_map, _seq_spec(t, dk), _seq_spec(t, block_v, tile=True), _seq_spec(t, dk), _seq_spec(t, dk),
-            _seq_spec(t, CHUNK), _gate_spec(nc, dk), state,
-        ],
-        out_specs=[_seq_spec(t, block_v, tile=True), state],
+        grid=(s0.shape[0], n, dv // block_v),
+        in_specs=[*maps, seq(dk), seq(block_v, tile=True), seq(dk), seq(dk), seq(CHUNK), gate, state],
+        out_specs=[seq(block_v, tile=True), state],
         out_shape=[jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)],
         input_output_aliases={len(extra) + 6: 1} if packed else {},
         interpret=interpret,
