@@ -60,8 +60,31 @@ def test_group_matches_one_by_one(seed, lead, kdim, widths, inputs):
     for g, x, w in zip(got, per, ws, strict=True):
         assert g.shape == (*lead, w.shape[1])
         assert rel_err(g, project(x, w, impl="reference", out_dtype=jnp.float32)) < 1e-5
-    # the group's tile is the largest power of two <= 128 dividing every width
-    assert api.group_tiles(kdim, widths)[0] == max(t for t in (16, 32, 64, 128) if all(n % t == 0 for n in widths))
+    # the group's tile: the largest power of two <= 128 dividing the widths of 64 or more, where the narrower
+    # ones are powers of two below it (one padded tile each); else the largest dividing every width
+    wide = [n for n in widths if n >= 64]
+    tile = max((t for t in (16, 32, 64, 128) if wide and all(n % t == 0 for n in wide)), default=None)
+    if tile is None or not all(n % tile == 0 or (n < tile and tile % n == 0 and n in (16, 32)) for n in widths):
+        tile = max(t for t in (16, 32, 64, 128) if all(n % t == 0 for n in widths))
+    assert api.group_tiles(kdim, widths)[0] == tile
+
+
+def test_narrow_weight_rides_in_a_padded_tile():
+    """A per-head weight (32 columns) grouped with wide ones keeps their 128-column tile: it fills the start
+    of one tile of its own; values, lazy partial-sum positions and the launch count are those expected."""
+    ks = jax.random.split(jax.random.key(9), 4)
+    x = jax.random.normal(ks[0], (1, 1, 256), jnp.float32).astype(jnp.bfloat16)
+    widths = (256, 32, 128)
+    ws = [(jax.random.normal(k, (256, n)) * 0.06).astype(jnp.bfloat16) for k, n in zip(ks[1:], widths, strict=True)]
+    assert api.group_tiles(256, [256, 32, 128]) == (128, 64)
+    got = project_group(x, ws, impl="pallas", out_dtype=jnp.float32)
+    for g, w in zip(got, ws, strict=True):
+        assert g.shape == (1, 1, w.shape[1])
+        assert rel_err(g, project(x, w, impl="reference", out_dtype=jnp.float32)) < 1e-5
+    lazy = project_group(x, ws, impl="pallas", lazy=True)
+    assert [s.start for s in lazy] == [0, 256, 384] and lazy[0].parts.shape[-1] == 512  # 32 padded to a tile
+    jaxpr = str(jax.make_jaxpr(lambda x: project_group(x, ws, impl="pallas"))(x))
+    assert jaxpr.count("name=projection_gemv") == 1
 
 
 @settings(max_examples=6, deadline=None)

@@ -145,10 +145,11 @@ def project_many(
     """[layer(x) for layer, x in calls], the same values; projections that `Projection` would each send to the
     GEMV kernel (a batch-1 decode step on a GPU) and that share K, dtype and output tile run as one launch
     (`projection.project_group`; weights with an output tile of 64 or more group together at the tile they
-    all divide into, narrower ones apart, so a narrow head-count weight does not shrink the wide weights'
-    tiles). A batch-1 decode step is hundreds of microsecond-sized kernels, so a KDA
-    layer's five projections of x in one launch instead of five (each with its own pad and partial-sum
-    kernels) is time saved at every step; prefill and larger batches take XLA's path as before.
+    all divide into, with narrow power-of-two ones — a KDA layer's β projection, one column per head — in one
+    padded tile each; other narrow ones apart, so they do not shrink the wide weights' tiles). A batch-1
+    decode step is hundreds of microsecond-sized kernels, so a KDA layer's six projections of x in one
+    launch instead of six (each with its own pad and partial-sum kernels) is time saved at every step;
+    prefill and larger batches take XLA's path as before.
     own_xla: the outputs XLA computes end their own fusions (`own_kernels`); the kernel's outputs do not need
     it (their partial sums are a few adds per element, cheap to fuse into any consumer).
     lazy: the kernel's outputs come back as `projection.SplitK` partial sums (for Pallas consumers that add
@@ -167,7 +168,9 @@ def project_many(
                 cast[key] = x if same else materialize(x).astype(w.dtype)
             xw = cast[key]
             if auto_uses_kernel(jax.ShapeDtypeStruct(xw.shape, w.dtype), w):
-                group = (w.shape[0], str(w.dtype), xw.shape, auto_tiles(*w.shape)[0] >= 64)
+                n = w.shape[1]  # narrow power-of-two widths ride in one padded tile of the wide weights' launch
+                fits = auto_tiles(*w.shape)[0] >= 64 or (16 <= n < 64 and n & (n - 1) == 0)
+                group = (w.shape[0], str(w.dtype), xw.shape, fits)
                 groups.setdefault(group, []).append((i, xw, w))
                 continue
         y = layer(materialize(x))

@@ -8,11 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType
 
 from pallas_kernels._pallas import auto_impl, forced_choice
-from pallas_kernels.projection.kernel import ROWS, gemv_group_partials
+from pallas_kernels.projection.kernel import ROWS, gemv_group_partials, narrow, tile_starts
 from pallas_kernels.projection.reference import project_reference
 
 IMPLS = ("auto", "reference", "pallas")
@@ -159,8 +158,12 @@ def kernel_rows(x: jax.Array, dtype) -> jax.Array:
 
 def group_tiles(kdim: int, widths) -> tuple[int, int] | None:
     """(block_n, block_k) shared by weights [kdim, N_i]: the largest power-of-two tile <= 128 dividing every
-    N_i, at least 16; None if there is none."""
-    bn = _largest_pow2_tile(math.gcd(*widths), 128)
+    N_i of 64 or more, at least 16, the narrower ones fitting one tile each (`kernel.narrow`; else every N_i
+    divides it); None if there is none."""
+    wide = [n for n in widths if n >= 64]
+    bn = _largest_pow2_tile(math.gcd(*wide), 128) if wide else None
+    if bn is None or not all(n % bn == 0 or narrow(n, bn) for n in widths):
+        bn = _largest_pow2_tile(math.gcd(*widths), 128)
     bk = _largest_pow2_tile(kdim, 64)
     return None if bn is None or bk is None else (bn, bk)
 
@@ -229,7 +232,7 @@ def project_group(
             f"project_group: weights {[w.shape for w in ws]} share no power-of-two tiles of at least 16; "
             "pass impl='reference' or group them differently"
         )
-    split_k = split_k or auto_split_k(kdim, sum(widths), block_n, block_k)
+    split_k = split_k or auto_split_k(kdim, sum(-(-n // block_n) * block_n for n in widths), block_n, block_k)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     unique, x_of = [], []
@@ -247,7 +250,7 @@ def project_group(
         x_starts=tuple(x.start if d else None for x, d in zip(unique, direct, strict=True)) if any(direct) else None,
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    starts = [int(s) for s in np.cumsum([0, *widths[:-1]])]
+    starts = tile_starts(widths, block_n)
     if lazy and rows == 1:
         return [SplitK(parts, st, n, tuple(lead), jnp.dtype(out_dtype)) for st, n in zip(starts, widths, strict=True)]
     y = jnp.sum(parts, axis=0)  # [Σ N] for one row, else [16, Σ N]

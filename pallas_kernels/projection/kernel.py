@@ -60,8 +60,12 @@ def _kernel(*refs, n_x, x_of, x_split, bounds, bk, nk, one_row):
                 xs = jnp.where(row == 0, jnp.broadcast_to(xs, (ROWS, bk)), jnp.zeros((), xs.dtype))
             return acc + jnp.dot(xs, w_ref[cols, :], preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((ROWS, w_ref.shape[-1]), jnp.float32))
-        o_ref[...] = first_row(acc) if one_row else acc  # one row: row 0 out of the MMA tile
+        n = w_ref.shape[-1]  # a narrow weight (fewer columns than the tile) fills the start of its tile
+        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((ROWS, n), jnp.float32))
+        if one_row:  # row 0 out of the MMA tile
+            o_ref[pl.ds(0, n)] = first_row(acc)
+        else:
+            o_ref[:, pl.ds(0, n)] = acc
 
     if len(w_refs) == 1:
         tile(x_refs[0], w_refs[0], x_split[0])
@@ -72,11 +76,23 @@ def _kernel(*refs, n_x, x_of, x_split, bounds, bk, nk, one_row):
         pl.when((j >= bounds[i]) & (j < bounds[i + 1]))(functools.partial(tile, x_refs[x], w_ref, x_split[x]))
 
 
+def narrow(width: int, block_n: int) -> bool:
+    """A weight narrower than the tile that takes one tile of its own (a power of two >= 16 dividing it)."""
+    return 16 <= width < block_n and block_n % width == 0 and width & (width - 1) == 0
+
+
+def tile_starts(widths, block_n: int) -> list[int]:
+    """Where each weight's columns start in `gemv_group_partials`'s output: after the earlier weights' whole
+    tiles (a narrow weight's tile is padded)."""
+    return [int(x) for x in np.cumsum([0, *(-(-n // block_n) * block_n for n in widths[:-1])])]
+
+
 def _check(name, x_rows, kdim, w, block_n, block_k, split_k):
-    if w.shape[0] != kdim or kdim % (split_k * block_k) or w.shape[1] % block_n:
+    if w.shape[0] != kdim or kdim % (split_k * block_k) or (w.shape[1] % block_n and not narrow(w.shape[1], block_n)):
         raise ValueError(
             f"{name}: x has {x_rows} row(s) of K = {kdim}, w {w.shape} must be [K, N] with K a multiple of "
-            f"split_k * block_k = {split_k} * {block_k} and N a multiple of block_n = {block_n}"
+            f"split_k * block_k = {split_k} * {block_k} and N a multiple of block_n = {block_n} (or a power of "
+            "two from 16 below it)"
         )
 
 
@@ -89,8 +105,10 @@ def gemv_group_partials(
 ):  # fmt: skip
     """Several projections of the same K in one launch: xs a tuple of [R, K] inputs (R = 1: one row, padded in
     the kernel; else rows padded to 16, all in w's dtype), ws a tuple of [K, N_i] weights, x_of[i] the input of
-    weight i -> partial sums [S, Σ N_i] float32 ([S, 16, Σ N_i] for 16 rows), weight i's columns after the
-    earlier weights'. The grid is (Σ N_i / BN output tiles, S splits): each program streams one weight's slab.
+    weight i -> partial sums [S, W] float32 ([S, 16, W] for 16 rows), weight i's columns from
+    `tile_starts(N, BN)[i]`. The grid is (W / BN output tiles, S splits): each program streams one weight's
+    slab. A weight narrower than BN (a power of two from 16: a layer's per-head gate) takes one tile whose
+    first N_i columns it fills — it joins the wide weights' launch without shrinking their tiles.
 
     x_starts (one row only): per input None, or the column where its K columns start in an [S_x, W] float32
     array of another call's partial sums, added in the kernel and rounded to w's dtype (start a multiple of
@@ -118,7 +136,7 @@ def gemv_group_partials(
     ks = kdim // split_k
     if any(st is not None and st % ks for st in x_starts):
         raise ValueError(f"gemv_group_partials: partial-sum inputs must start at multiples of K / S = {ks}: {x_starts}")
-    tiles = [w.shape[1] // block_n for w in ws]
+    tiles = [-(-w.shape[1] // block_n) for w in ws]
     bounds = tuple(int(b) for b in np.cumsum([0, *tiles]))
     width = bounds[-1] * block_n
 
@@ -128,8 +146,8 @@ def gemv_group_partials(
         return pl.BlockSpec((x.shape[0], ks), lambda j, s, b=st // ks: (0, b + s))
 
     w_specs = [
-        pl.BlockSpec((ks, block_n), lambda j, s, lo=lo, t=t: (s, jnp.clip(j - lo, 0, t - 1)))
-        for lo, t in zip(bounds, tiles, strict=False)  # bounds has one more entry
+        pl.BlockSpec((ks, min(block_n, w.shape[1])), lambda j, s, lo=lo, t=t: (s, jnp.clip(j - lo, 0, t - 1)))
+        for w, lo, t in zip(ws, bounds, tiles, strict=False)  # bounds has one more entry
     ]  # fmt: skip
     if one_row:
         out_spec, out_shape = pl.BlockSpec((None, block_n), lambda j, s: (s, j)), (split_k, width)
