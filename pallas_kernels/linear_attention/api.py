@@ -341,6 +341,9 @@ def kda_decode_layer(
     conv_weights the (q, k, v) conv kernels [W, N*K]; f [B, N*K] decay projection ([B, N] with scalar_decay);
     a_log [N]; dt_bias [N*K] ([N]); b_logits [B, N]; norm_weight [K]; state [B, N, K, K] float32; valid [B]
     bool; n_new [B] tokens this step (0 or 1) -> (y [B, N, K] in q_raw.dtype, new conv state, new state).
+    At B = 1 the projected inputs (q_raw, k_raw, v_raw, f, b_logits, z) may be one-row `projection.SplitK`
+    partial sums: the kernel adds them per head where they start on a head boundary (any column for the
+    one-per-head b_logits / scalar f); the reference, and the kernel elsewhere, take their `value()`.
     impl: "reference" (`reference.kda_decode_layer_reference`), "pallas" (`layer_decode.decode_layer_pallas`:
     one program per (sequence, head), conv state and state updated in place) or "auto"
     (`decode_layer_uses_kernel`)."""
