@@ -16,6 +16,7 @@ from flax import nnx
 from pallas_kernels.norm import norm_uses_kernel, rms_norm
 from pallas_kernels.projection import SplitK, auto_uses_kernel, materialize, project, project_group
 from pallas_kernels.projection.api import auto_tiles
+from pallas_kernels.projection.kernel import narrow
 
 # Initialisers used for random models (tests, benchmarks). Real weights come from checkpoints.
 _normal = nnx.initializers.normal(stddev=0.02)
@@ -168,8 +169,8 @@ def project_many(
                 cast[key] = x if same else materialize(x).astype(w.dtype)
             xw = cast[key]
             if auto_uses_kernel(jax.ShapeDtypeStruct(xw.shape, w.dtype), w):
-                n = w.shape[1]  # narrow power-of-two widths ride in one padded tile of the wide weights' launch
-                fits = auto_tiles(*w.shape)[0] >= 64 or (16 <= n < 64 and n & (n - 1) == 0)
+                # narrow power-of-two widths ride in one padded tile of the wide weights' launch
+                fits = auto_tiles(*w.shape)[0] >= 64 or narrow(w.shape[1], 64)
                 group = (w.shape[0], str(w.dtype), xw.shape, fits)
                 groups.setdefault(group, []).append((i, xw, w))
                 continue

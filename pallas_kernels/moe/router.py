@@ -23,16 +23,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas import pow2, triton_params
+from pallas_kernels._pallas import pow2, sum_rows, triton_params
 from pallas_kernels.projection.api import auto_split_k, auto_tiles, kernel_rows
 from pallas_kernels.projection.kernel import gemv_group_partials
 
 
 def _select_kernel(parts_ref, b_ref, wt_ref, id_ref, *, k, scoring, norm, scaling):
-    splits, e = parts_ref.shape
-    logits = parts_ref[0, :]
-    for s in range(1, splits):
-        logits += parts_ref[s, :]
+    e = parts_ref.shape[1]
+    logits = sum_rows(parts_ref)  # the GEMV's split partials
     if scoring == "sigmoid":
         s = 1.0 / (1.0 + jnp.exp(-logits))
     else:
