@@ -5,9 +5,11 @@ explains a number, it is not one) and writes the optimized HLO beside the trace 
 Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step; `--model kimi` is the
 Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing). `--stage kda_prefill`
 is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with
-its defaults), what `benchmarks.linear_attention` times, split into its kernels.
+its defaults), what `benchmarks.linear_attention` times, split into its kernels. `--stage prefill` is the
+whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row times), split into its kernels.
 
-    python -m benchmarks.profile_stage [--model hybrid_small|kimi] [--stage kda|sparse|moe|step|kda_prefill]
+    python -m benchmarks.profile_stage [--model hybrid_small|kimi]
+        [--stage kda|sparse|moe|step|kda_prefill|prefill]
         [--batch 1 16] [--context 2048] [--tokens 32768] [--out DIR]
 """
 
@@ -117,11 +119,35 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
     print_table(title, kernel_times(trace), args.calls, args.top)
 
 
+def profile_prefill(model, tokens: int, args, out_dir: Path) -> None:
+    """The whole model's batch-1 prefill (cache allocation + prefill, last position's logits), as the e2e
+    TTFT row times it; `args.calls` calls traced."""
+    cfg = model.config
+    leaves, rebuild = flat_module(model)
+
+    def run(leaves, ids):
+        m = rebuild(leaves)
+        cache = m.init_cache(1, -(-(tokens + 1) // cfg.page_size) * cfg.page_size)
+        return jnp.argmax(m.prefill(ids, cache, last_only=True)[0], axis=-1)
+
+    fn = jax.jit(run)
+    ids = jax.random.randint(jax.random.key(tokens), (1, tokens), 0, cfg.vocab_size - 8, jnp.int32)
+    compiled = fn.lower(leaves, ids).compile()
+    (out_dir / f"prefill_{tokens}.hlo.txt").write_text(compiled.as_text())
+    jax.block_until_ready(fn(leaves, ids))
+    trace = out_dir / f"trace_prefill_{tokens}"
+    with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+        for _ in range(args.calls):
+            out = fn(leaves, ids)
+        jax.block_until_ready(out)
+    print_table(f"prefill T={tokens}, B=1", kernel_times(trace), args.calls, args.top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="hybrid_small", help="a preset, or kimi (the Kimi-shaped folder)")
-    p.add_argument("--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill"])
-    p.add_argument("--tokens", type=int, default=32768, help="kda_prefill only")
+    p.add_argument("--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill", "prefill"])
+    p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
     add_kimi_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
@@ -137,6 +163,10 @@ def main() -> None:
         profile_kda_prefill(args.tokens, args, out_dir)
         return
     model = kimi_model(args) if args.model == "kimi" else build_model(args.model)  # bf16 weights
+    if args.stage == "prefill":
+        profile_prefill(model, args.tokens, args, out_dir)
+        print(f"\ntraces and HLO in {out_dir}")
+        return
     cfg = model.config
     kind = {"kda": "linear", "sparse": "sparse"}.get(args.stage)
     layer = next((i for i, t in enumerate(cfg.layer_types) if kind is None or t == kind), 0)
