@@ -30,6 +30,7 @@ from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.indexer.api import default_selection
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.sparse_attention import sparse_mla
+from pallas_kernels.sparse_attention.api import default_tiles
 
 PAGE = 64
 
@@ -217,11 +218,17 @@ def _mla_variant(text: str) -> tuple:
     return int(bh), int(bk), prec, None if sp == "-" else int(sp), int(nw), int(ns)
 
 
-def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_len, decode_variants=None) -> list[dict]:
+def sparse_mla_rows(
+    bw, rate, batch, heads, lat, rope, topk, context, prefill_len, decode_variants=None, prefill_heads=()
+) -> list[dict]:
+    """Decode at `batch` x `heads`, prefill of `prefill_len` at `heads` and at each of `prefill_heads` (the
+    latter: the default tiles and the old default only)."""
     rows = []
-    for case, b, t, s in (
-        ("sparse MLA decode", batch, 1, context),
-        ("sparse MLA prefill", 1, prefill_len, prefill_len),
+    main_heads = heads
+    for case, b, t, s, heads, extra in (
+        ("sparse MLA decode", batch, 1, context, main_heads, True),
+        ("sparse MLA prefill", 1, prefill_len, prefill_len, main_heads, True),
+        *(("sparse MLA prefill", 1, prefill_len, prefill_len, h, False) for h in prefill_heads if h != main_heads),
     ):
         if not t:
             continue
@@ -241,22 +248,32 @@ def sparse_mla_rows(bw, rate, batch, heads, lat, rope, topk, context, prefill_le
         timer = chained_ms if t == 1 else functools.partial(_single_ms, iters=5)
         ref = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="reference"))
         ref_o, _ = ref(ql, qr, pool, table, idx)
-        ms = timer(ref, ql, qr, pool, table, idx)
-        rows.append(row(case, shape, "jnp reference", ms, flops, nbytes, bw, rate))
+        if extra:
+            ms = timer(ref, ql, qr, pool, table, idx)
+            rows.append(row(case, shape, "jnp reference", ms, flops, nbytes, bw, rate))
         variants = [v + (4, 2) for v in MLA_VARIANTS + (MLA_DECODE_VARIANTS if t == 1 else ())]
         if t == 1 and decode_variants:
             variants = [_mla_variant(v) for v in decode_variants]
-        for bh, bk, prec, sp, nw, ns in variants:
+        if not extra:
+            variants = [(16, 32, "bf16", None, 4, 2)]  # the default before `default_tiles`
+        for bh, bk, prec, sp, nw, ns in [(None,) * 6, *variants]:
             kw = dict(
                 scale=0.1, impl="pallas", block_h=bh, block_k=bk, precision=prec, splits=sp, num_warps=nw, num_stages=ns
             )
             fn = jax.jit(lambda a, c, p, tb, i, kw=kw: sparse_mla(a, c, p, tb, i, **kw))
             err = rel_err(fn(ql, qr, pool, table, idx)[0], ref_o)
             ms = timer(fn, ql, qr, pool, table, idx)
+            if bh is None:
+                dh, dk, dw, ds = default_tiles(heads, b * t, False)
+                rows.append(row(case, shape, f"pallas, defaults ({dh} heads, {dk} rows, {dw} warps, {ds} stages, bf16)",
+                                ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))  # fmt: skip
+                continue
             label = f"pallas, block_h={bh}, block_k={bk}" + (f", {prec}" if prec != "tf32" else "")
             label += f", splits={sp}" if sp else ""
             label += f", {nw} warps, {ns} stages" if (nw, ns) != (4, 2) else ""
             rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
+        if not extra:
+            continue
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
         fp8 = jax.jit(
             lambda a, c, v8, sc, rp, tb, i: sparse_mla(
@@ -285,6 +302,9 @@ def main() -> None:
     p.add_argument("--mla-context", type=int, default=8192)
     p.add_argument("--mla-prefill", type=int, default=4096, help="0 skips the sparse MLA prefill row")
     p.add_argument(
+        "--mla-prefill-heads", type=int, nargs="*", default=[16], help="more prefill rows (hybrid_small: 16)"
+    )
+    p.add_argument(
         "--indexer-variants", nargs="+", default=list(INDEXER_VARIANTS), help="BLOCK_S:KEYS_PER_PROGRAM:PRECISION"
     )
     p.add_argument(
@@ -311,7 +331,7 @@ def main() -> None:
     if args.only != "indexer":
         rows += sparse_mla_rows(
             bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill,
-            args.mla_decode_variants,
+            args.mla_decode_variants, tuple(args.mla_prefill_heads),
         )  # fmt: skip
     title = (
         f"Sparse-attention kernels; ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "

@@ -79,6 +79,27 @@ def test_sparse_mla_default_head_block():
     assert "grid=(1, 1)" in grid() and "grid=(1, 2)" in grid(block_h=16)  # 32 heads: one 32-head block
 
 
+def test_sparse_mla_default_tiles_follow_the_measured_rule():
+    """The tiles each default picks (measured on the H200): a given block_h picks the rest for its size, and
+    the FP8-row kernel keeps its own; explicit knobs win over the defaults."""
+    from pallas_kernels.sparse_attention.api import MANY_ROWS, default_tiles
+
+    assert default_tiles(128, 64, False) == (32, 64, 4, 3)  # decode, 128 heads
+    assert default_tiles(16, 16, False) == (16, 32, 4, 2)  # decode, 16 heads: few programs
+    assert default_tiles(16, MANY_ROWS, False) == (16, 32, 2, 3)  # prefill, 16 heads
+    assert default_tiles(128, 4096, False, block_h=16) == (16, 32, 2, 3)
+    assert default_tiles(128, 64, False, block_h=64) == (64, 64, 8, 2)
+    assert default_tiles(128, 64, True) == (16, 32, 4, 2)
+    ql, qr, pool, table, idx = _case(8, 3, 1, 32, 32, 16, 8, 40, [35, 12, 40], jnp.float32)
+    kw = dict(scale=0.1, impl="pallas", precision="ieee", interpret=True)
+    jaxpr = lambda **k: str(jax.make_jaxpr(lambda *a: sparse_mla(*a, **kw, **k))(ql, qr, pool, table, idx))  # noqa: E731
+    # 32 heads, top-40: the index list padded to one 64-row step by default, to three 16-row steps when asked
+    assert "i32[3,64]" in jaxpr() and "i32[3,48]" not in jaxpr()
+    assert "i32[3,48]" in jaxpr(block_k=16) and "i32[3,64]" not in jaxpr(block_k=16)
+    ref, _ = sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="reference")
+    assert rel_err(sparse_mla(ql, qr, pool, table, idx, **kw)[0], ref) < 1e-5
+
+
 def test_sparse_mla_kernel_bf16_products():
     ql, qr, pool, table, idx = _case(6, 2, 2, 16, 64, 16, 8, 40, [29, 17], jnp.bfloat16)
     ref_o, ref_lse = sparse_mla(ql, qr, pool.astype(jnp.float32), table, idx, scale=0.1, impl="reference")

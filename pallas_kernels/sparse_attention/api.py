@@ -20,6 +20,35 @@ TARGET_PROGRAMS = 128
 MIN_ROWS_PER_SPLIT = 128
 
 
+# Query rows from which a launch has programs to spare (several per SM): 16-head blocks then run 2 warps.
+MANY_ROWS = 1024
+
+
+def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) -> tuple[int, int, int, int]:
+    """(block_h, block_k, num_warps, num_stages) measured fastest on the H200 (bf16 products; ad-hoc sweeps
+    at aab90a2, BENCHMARKS.md notes of 2026-11-30), for `rows` query rows of `heads` heads; a given
+    `block_h` picks the rest for that head block.
+
+    - 32-head blocks (from 32 heads): 64 rows a step, 4 warps, 3 stages — decode B=64 x 128 heads,
+      top-2048: 0.203-0.213 ms against 0.267-0.287 for (32 rows, 2 stages).
+    - 16-head blocks: 32 rows a step; with MANY_ROWS query rows or more (prefill), 2 warps and 3 stages —
+      T=4096 x 16 heads 2.67-2.72 ms against 3.75-3.85 for 4 warps, T=16384 7.0 against 10.3 ms — else 4
+      warps and 2 stages (decode B=16 x 16 heads: 0.047 ms against 0.056 for 2 warps).
+    - 64-head blocks: 64 rows, 8 warps, 2 stages (0.244 ms at the decode shape above).
+    - FP8 latent rows (float32 rows in the kernel): 16 heads, 32 rows, 4 warps, 2 stages (other tiles untimed).
+    """
+    if fp8:
+        return block_h or 16, 32, 4, 2
+    if block_h is None:
+        block_h = 32 if heads >= 32 else 16
+    if block_h >= 64:
+        return block_h, 64, 8, 2
+    if block_h >= 32:
+        return block_h, 64, 4, 3
+    many = rows >= MANY_ROWS
+    return block_h, 32, 2 if many else 4, 3 if many else 2
+
+
 def num_splits(programs: int, rows: int, block_k: int) -> int:
     """Parts the `rows` selected rows go in: a power of two that brings `programs` near TARGET_PROGRAMS,
     each part a whole number of `block_k` blocks and at least MIN_ROWS_PER_SPLIT rows."""
@@ -51,11 +80,11 @@ def sparse_mla(
     scale: float,
     impl: str = "auto",
     block_h: int | None = None,
-    block_k: int = 32,
+    block_k: int | None = None,
     splits: int | None = None,
     precision: str | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool | None = None,
     latent_scales=None,
     rope_pages=None,
@@ -66,9 +95,9 @@ def sparse_mla(
     page_table [B,n], indices [B,T,K] int32 positions (-1 = unused).
     Returns (out [B,T,N,L] in q_latent.dtype, natural-log LSE [B,T,N] float32, -inf where nothing is selected).
     impl: "reference" (jnp), "pallas" (`kernel.sparse_mla_pallas`: rows gathered from the pool inside the
-    kernel, online softmax; L and R powers of two; `block_h` heads (default 32 from 32 heads on BF16 pools —
-    H200, 128 heads, TF32: decode B=64 0.495 vs 0.592 ms, prefill 4K 28.5 vs 36.9 ms against 16 — else 16)
-    and `block_k` rows per step, `precision`
+    kernel, online softmax; L and R powers of two; `block_h` heads, `block_k` rows per step, `num_warps`
+    and `num_stages` — each left None is taken from `default_tiles` (measured on the H200: 32-head blocks
+    from 32 heads on BF16 pools, else 16), `precision`
     "tf32", "ieee" or "bf16" (bfloat16 operands and probabilities, float32 accumulation, flash-attention
     style; the FP8-pool kernel keeps float32 rows) for its products — default as precise as the inputs:
     "bf16" for bf16 queries (H200, B=64 x 128 heads, top-2048, 10 chained calls: 0.278 ms vs 0.495 ms
@@ -111,8 +140,10 @@ def sparse_mla(
         return sparse_mla_reference(q_latent, q_rope, kv_pages, page_table, indices, scale=scale)
     if not supported:
         raise ValueError(f"sparse_mla(impl='pallas'): latent {lat} and rope {rope} must be powers of two (rope >= 16)")
-    if block_h is None:  # the FP8-row kernel keeps float32 rows: its 32-head blocks are untimed
-        block_h = 32 if n >= 32 and latent_scales is None else 16
+    tiles = default_tiles(n, b * t, latent_scales is not None, block_h)
+    block_h, block_k, num_warps, num_stages = (
+        tiles[i] if given is None else given for i, given in enumerate((block_h, block_k, num_warps, num_stages))
+    )
     k = indices.shape[-1]
     kp = -(-k // block_k) * block_k
     np_ = -(-n // block_h) * block_h
