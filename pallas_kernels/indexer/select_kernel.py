@@ -8,7 +8,9 @@ are as long as the context. Here one program owns a row and never sorts it:
      key is >= c, and keeps the largest digit that still leaves K scores;
   3. the passes also track how many scores lie above the range still open, so after the last one the
      count strictly above τ is known and need = K − that many ties at τ are taken (the lowest positions,
-     as `lax.top_k` breaks ties);
+     as `lax.top_k` breaks ties); a pass that finds a candidate bound c with exactly K scores >= c ends
+     the search (those K are the answer, no ties): later passes scan nothing, and random scores stop
+     after about log4(limit / K) + 1 of the 16 two-bit passes;
   4. one compaction pass writes the chosen (position, score) pairs in ascending position order: a prefix
      sum of the chosen mask within each chunk gives each one its output slot.
 Each pass reads only the row's first `limit` scores (a causal query sees at most pos + 1 keys; the rest
@@ -66,8 +68,9 @@ def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
 
     def digit_pass(shift, carry):
         # tau: the unsigned image's high digits found so far (int32 bits); above: how many keys lie above
-        # the range those digits leave open (so the count strictly above τ needs no pass of its own)
-        tau, above = carry
+        # the range those digits leave open (so the count strictly above τ needs no pass of its own);
+        # done: an earlier pass found a bound c with exactly k keys >= c (tau then holds c): nothing to scan
+        tau, above, done = carry
         # digit 0 keeps >= k scores by the invariant: only digits 1 .. radix-1 are counted (the kernel is
         # bound by these comparisons)
         cands = [(tau | _wrap(d << shift)) ^ _SIGN for d in range(1, radix)]  # back to signed keys
@@ -76,22 +79,32 @@ def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
             key, _ = keys(c)
             return tuple(n + jnp.sum((key >= cand).astype(jnp.int32)) for n, cand in zip(counts, cands, strict=True))
 
-        counts = jax.lax.fori_loop(0, n_chunks, body, (jnp.int32(0),) * (radix - 1))
+        scan = jnp.where(done, 0, n_chunks)
+        counts = jax.lax.fori_loop(0, scan, body, (jnp.int32(0),) * (radix - 1))
         best = sum((n >= k).astype(jnp.int32) for n in counts)  # counts fall with the digit
         # keys at or above digit best + 1 now lie above the open range (unchanged when best is the top digit)
-        above = sum(jnp.where(best == d - 1, n, 0) for d, n in enumerate(counts, start=1)) + jnp.where(
+        new_above = sum(jnp.where(best == d - 1, n, 0) for d, n in enumerate(counts, start=1)) + jnp.where(
             best == radix - 1, above, 0
         )
-        return tau | (best << shift), above  # int32 shift: wraps into the sign bit like the unsigned digit
+        new_tau = tau | (best << shift)  # int32 shift: wraps into the sign bit like the unsigned digit
+        # Exactly k keys at or above the chosen candidate (above -inf): those are the answer, whatever the
+        # lower digits. Random scores get there after about log4(limit / k) + 1 passes instead of 32 / digit_bits.
+        chosen = sum(jnp.where(best == d, n, 0) for d, n in enumerate(counts, start=1))
+        chosen_key = sum(jnp.where(best == d, cand, 0) for d, cand in enumerate(cands, start=1))
+        exact = (best > 0) & (chosen == k) & (chosen_key > _NEG_INF_KEY)
+        keep = lambda old, new: jnp.where(done, old, new)  # noqa: E731
+        return keep(tau, new_tau), keep(above, new_above), done | exact
 
     def threshold(_):
-        carry = (jnp.int32(0), jnp.int32(0))
+        carry = (jnp.int32(0), jnp.int32(0), jnp.bool_(False))
         for shift in range(32 - digit_bits, -1, -digit_bits):
             carry = digit_pass(shift, carry)
-        tau, above = carry
-        thr = tau ^ _SIGN
+        tau, above, done = carry
+        # done: take the keys >= c, i.e. strictly above c - 1 (the XOR with the sign bit commutes with -1
+        # modulo 2^32, and c > 0 as an unsigned image since its digit is >= 1), no ties
+        thr = jnp.where(done, (tau ^ _SIGN) - 1, tau ^ _SIGN)
         # fewer than k finite scores in a long prefix: τ is -inf, and -inf is never taken
-        return thr, jnp.where(thr == _NEG_INF_KEY, 0, k - above)
+        return thr, jnp.where(done | (thr == _NEG_INF_KEY), 0, k - above)
 
     # A prefix of at most k scores is taken whole: threshold -inf (strictly above it), no ties. (The second
     # branch computes from its operand: a bare constant yields no value in the Triton lowering of cond.)
