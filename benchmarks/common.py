@@ -94,7 +94,12 @@ def jit_module(fn, module, **jit_kwargs):
         donate = jit_kwargs["donate_argnums"]
         jit_kwargs["donate_argnums"] = tuple(i + 1 for i in ((donate,) if isinstance(donate, int) else donate))
     jitted = jax.jit(lambda leaves, *a: fn(rebuild(leaves), *a), **jit_kwargs)
-    return lambda *a: jitted(leaves, *a)
+
+    def call(*a):
+        return jitted(leaves, *a)
+
+    call.lower = lambda *a: jitted.lower(leaves, *a)  # for the compiled executable's memory analysis
+    return call
 
 
 def loop_ms(fn, module, x, *args, n: int = 20, reps: int = 5, carry=None) -> float:

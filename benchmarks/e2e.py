@@ -18,7 +18,10 @@ engines on the same 64-token prompt are compared (the row "parity").
   batch touches — plus recurrent states read and written and cache rows read) over the measured copy
   bandwidth; prefill = counted FLOPs (2 x active matmul parameters per token plus attention) over the
   measured bf16 matmul rate (or the weight bytes over bandwidth, if larger).
-- Peak memory: the device's peak bytes in use after the row (process-wide, so it only grows).
+- Peak memory of each row's call, from XLA's accounting: the device bytes live before the call (weights,
+  cache, inputs) plus the compiled executable's temporaries and its outputs that do not alias a donated
+  input (`_row_peak_gib`). The device's process-wide peak only grows over a run (the ceiling measurement
+  alone takes 8 GiB), so it says nothing about rows after the largest one.
 - Start-up: `python -m hybrid_jax generate` in a fresh process, to the first generated token, with an empty
   persistent compilation cache and again with the cache it filled.
 
@@ -83,11 +86,20 @@ def kimi_model(args):
     return build_model("kimi", kimi_dir=args.kimi_dir)
 
 
-def _peak_gib() -> float | None:
+def _row_peak_gib(fn, *args) -> float | None:
+    """Peak device memory of one call of `fn` (a `common.jit_module` function, already compiled for these
+    arguments): the bytes live now plus the executable's temporaries and its outputs that do not alias a
+    donated input. None where the device keeps no memory statistics (CPU)."""
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
-    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+    if "bytes_in_use" not in stats:
+        return None
+    mem = fn.lower(*args).compile().memory_analysis()
+    if mem is None:
+        return None
+    extra = mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    return (stats["bytes_in_use"] + extra) / 2**30
 
 
 # ---------------------------------------------------------------- floors counted from the model
@@ -232,7 +244,8 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
             emit(dict(base, case="TTFT", batch=1, tokens=t, note=f"failed: {type(e).__name__}: {str(e)[:150]}"))
             continue
         floor = max(prefill_flops(model, t) / rate, _param_bytes(model)[0] / bw) * 1e3
-        emit(dict(base, case="TTFT", batch=1, tokens=t, ms=ms, tok_s=t / ms * 1e3, floor_ms=floor, peak=_peak_gib()))
+        peak = _row_peak_gib(ttft_fn, ids)
+        emit(dict(base, case="TTFT", batch=1, tokens=t, ms=ms, tok_s=t / ms * 1e3, floor_ms=floor, peak=peak))
 
     prefill = jit_module(lambda m, ids, c: m.prefill(ids, c, last_only=True), model, donate_argnums=1)
     decode = jit_module(lambda m, ids, c: m.decode_step(ids, c), model, donate_argnums=1)
@@ -271,6 +284,7 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
                     times.append((time.perf_counter() - t0) * 1e3)
                 ms_loop = median_ms(looped, warmup=0, iters=reps) / loop_n
             ms = statistics.median(times)
+            peak = _row_peak_gib(loop, box["tok"], box["cache"])  # after the counted calls: it compiles
         except Exception as e:  # noqa: BLE001
             emit(
                 dict(base, case="decode step", batch=b, tokens=ctx, note=f"failed: {type(e).__name__}: {str(e)[:150]}")
@@ -279,7 +293,7 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
         emit(
             dict(
                 base, case="decode step (in-jit loop, as generate)", batch=b, tokens=ctx, ms=ms_loop,
-                tok_s=b / ms_loop * 1e3, floor_ms=nbytes / bw * 1e3, peak=_peak_gib(),
+                tok_s=b / ms_loop * 1e3, floor_ms=nbytes / bw * 1e3, peak=peak,
                 note=f"{loop_n} steps per executable; {cc.compiled} compilations in all timed calls",
             )
         )  # fmt: skip

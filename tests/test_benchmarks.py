@@ -25,6 +25,31 @@ def test_e2e_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     assert "16 steps per executable; 0 compilations in all timed calls" in out  # no recompilation
 
 
+def test_e2e_row_peak_counts_live_bytes_temporaries_and_new_outputs(monkeypatch):
+    """A row's peak: the device's live bytes plus the executable's temporaries and outputs, a donated
+    input's aliased output not counted twice (a fake device's statistics stand in for the GPU's)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.common import jit_module
+    from benchmarks.e2e import _row_peak_gib
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_in_use": 1 << 30}
+
+    x = jnp.ones((256, 256), jnp.float32)  # 256 KiB
+    fresh = jit_module(lambda m, x: (x @ m.w[...], x + 1), nnx.Dict(w=nnx.Param(jnp.ones((256, 256)))))
+    donated = jit_module(lambda m, x: x * m.w[...], nnx.Dict(w=nnx.Param(jnp.ones((256, 256)))), donate_argnums=0)
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    kib = 2**30 / 2**10
+    assert (_row_peak_gib(fresh, x) - 1) * kib >= 512  # two new 256 KiB outputs
+    assert (_row_peak_gib(donated, x) - 1) * kib < 256  # the output lives in the donated input's buffer
+    monkeypatch.setattr(jax, "devices", lambda *a: [type("Cpu", (), {"memory_stats": lambda self: None})()])
+    assert _row_peak_gib(fresh, x) is None
+
+
 def test_e2e_floors_count_what_a_step_moves(tiny_model):
     from benchmarks.e2e import decode_floor_bytes, prefill_flops
 
