@@ -275,17 +275,18 @@ def sparse_mla_rows(
         if not extra:
             continue
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
-        fp8 = jax.jit(
-            lambda a, c, v8, sc, rp, tb, i: sparse_mla(
-                a, c, v8, tb, i, scale=0.1, impl="pallas", latent_scales=sc, rope_pages=rp
-            )
-        )
         args = (ql, qr, values, scales, pool[..., lat:], table, idx)
-        err = rel_err(fp8(*args)[0], ref_o)
-        ms = timer(fp8, *args)
         fp8_bytes = b * t * topk * (lat + 4 * lat // 128 + 2 * rope)  # E4M3 latent + f32 scales + bf16 rope
-        check = f"rel err {err:.1e} (FP8 rounding)"
-        rows.append(row(case, shape, "pallas, FP8 latent rows", ms, flops, fp8_bytes, bw, rate, check))
+        for prec, label in ((None, "pallas, FP8 latent rows"), ("bf16", "pallas, FP8 latent rows, bf16 products")):
+            fp8 = jax.jit(
+                lambda a, c, v8, sc, rp, tb, i, prec=prec: sparse_mla(
+                    a, c, v8, tb, i, scale=0.1, impl="pallas", latent_scales=sc, rope_pages=rp, precision=prec
+                )
+            )
+            err = rel_err(fp8(*args)[0], ref_o)
+            ms = timer(fp8, *args)
+            check = f"rel err {err:.1e} (FP8 rounding)"
+            rows.append(row(case, shape, label, ms, flops, fp8_bytes, bw, rate, check))
     return rows
 
 

@@ -159,6 +159,26 @@ def test_sparse_mla_kernel_lowers():
     assert _lowered_for_h200(run, ql, qr, pool, table, idx).count("xla.gpu.triton") >= 1
 
 
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_sparse_mla_fp8_kernel_lowers(precision):
+    from hybrid_jax.quant.formats import quantize_kv_fp8
+    from pallas_kernels.sparse_attention import sparse_mla
+
+    b, t, n, lat, rope, page, pages, k = 2, 1, 16, 512, 64, 64, 4, 128
+    ql = jnp.ones((b, t, n, lat), jnp.bfloat16)
+    qr = jnp.ones((b, t, n, rope), jnp.bfloat16)
+    values, scales = quantize_kv_fp8(jnp.ones((b * pages, page, lat)), 128)
+    rope_pages = jnp.ones((b * pages, page, rope), jnp.bfloat16)
+    table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, t, k))
+
+    def run(ql, qr, values, scales, rope_pages, table, idx):
+        return sparse_mla(ql, qr, values, table, idx, scale=0.1, impl="pallas", interpret=False, precision=precision,
+                          latent_scales=scales, rope_pages=rope_pages)  # fmt: skip
+
+    assert _lowered_for_h200(run, ql, qr, values, scales, rope_pages, table, idx).count("xla.gpu.triton") >= 1
+
+
 def test_moe_router_kernel_lowers():
     from pallas_kernels.moe import moe_route
 

@@ -347,6 +347,11 @@ def test_sparse_mla_kernel_fp8_latent_pool():
     assert rel_err(o3, ref_o) < 1e-5
     fin = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-5, atol=1e-5)
+    # bf16 products on the FP8 rows (E4M3 -> bf16 is exact): bf16 queries and probabilities only
+    ob, lseb = sparse_mla(ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16), values, table, idx, impl="pallas",
+                          precision="bf16", interpret=True, **kw)  # fmt: skip
+    assert rel_err(ob, ref_o) < 2e-2 and rel_err(ob, o) > 0  # the bf16 path ran, not the float32 one
+    np.testing.assert_allclose(np.asarray(lseb)[fin], np.asarray(ref_lse)[fin], rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="needs its rope pool"):
         sparse_mla(ql, qr, values, table, idx, scale=0.1, latent_scales=scales)
 

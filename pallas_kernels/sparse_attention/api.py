@@ -99,9 +99,10 @@ def sparse_mla(
     and `num_stages` — each left None is taken from `default_tiles` (measured on the H200: 32-head blocks
     from 32 heads on BF16 pools, else 16), `precision`
     "tf32", "ieee" or "bf16" (bfloat16 operands and probabilities, float32 accumulation, flash-attention
-    style; the FP8-pool kernel keeps float32 rows) for its products — default as precise as the inputs:
-    "bf16" for bf16 queries (H200, B=64 x 128 heads, top-2048, 10 chained calls: 0.278 ms vs 0.495 ms
-    TF32, BENCHMARKS.md at 32f2129), else "tf32" — `interpret`
+    style; on an FP8 pool the E4M3 values enter the products as bfloat16, exactly) for its products —
+    default as precise as the inputs: "bf16" for bf16 queries on a BF16 pool (H200, B=64 x 128 heads,
+    top-2048, 10 chained calls: 0.278 ms vs 0.495 ms TF32, BENCHMARKS.md at 32f2129), else "tf32" (FP8
+    pools: "bf16" is opt-in until timed) — `interpret`
     default on CPU; `splits` parts of the selected rows run as separate programs and are merged by LSE —
     default `num_splits`: more than one only when the grid would be small, i.e. decode at a small batch), or
     "auto" (Pallas on GPU when L and R are powers of two with R >= 16 — 4-12x the reference on the H200,
@@ -113,8 +114,9 @@ def sparse_mla(
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
-    if precision is None:
-        precision = "bf16" if jnp.dtype(q_latent.dtype) == jnp.bfloat16 else "tf32"
+    if precision is None:  # FP8 latent rows: float32 rows (TF32) stay the default until bf16 ones are timed
+        bf16_q = jnp.dtype(q_latent.dtype) == jnp.bfloat16
+        precision = "bf16" if bf16_q and latent_scales is None else "tf32"
     if precision not in ("tf32", "ieee", "bf16"):
         raise ValueError(f"sparse_mla: precision={precision!r} must be 'tf32', 'ieee' or 'bf16'")
     if latent_scales is not None and rope_pages is None:

@@ -70,11 +70,14 @@ def _kernel_fp8(
     precision,
 ):  # fmt: skip
     """FP8 latent rows (E4M3 values, one float32 scale per `tile` values) dequantized in the kernel: each
-    tile's scores and output contributions are scaled by the row's tile scale."""
+    tile's scores and output contributions are scaled by the row's tile scale. precision "bf16": the E4M3
+    values go to bfloat16 (exactly: every E4M3 value is a bfloat16 one) and into the tensor cores as such,
+    the probabilities times the tile scale rounded to bfloat16 for the output product; else float32 rows."""
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    op = jnp.bfloat16 if precision == "bf16" else jnp.float32
     nt = lat // tile
-    ql = [ql_ref[:, pl.ds(c * tile, tile)].astype(jnp.float32) for c in range(nt)]  # [BH, tile] each
-    qr = qr_ref[...].astype(jnp.float32)
+    ql = [ql_ref[:, pl.ds(c * tile, tile)].astype(op) for c in range(nt)]  # [BH, tile] each
+    qr = qr_ref[...].astype(op)
     bh = qr.shape[0]
     contract = (((1,), (1,)), ((), ()))
 
@@ -84,11 +87,11 @@ def _kernel_fp8(
         valid = slots >= 0
         rows = jnp.maximum(slots, 0)
         s = jax.lax.dot_general(
-            qr, rope_ref[rows, :].astype(jnp.float32), contract, precision=prec, preferred_element_type=jnp.float32
+            qr, rope_ref[rows, :].astype(op), contract, precision=prec, preferred_element_type=jnp.float32
         )
         vals, scales = [], []
         for c in range(nt):
-            vals.append(lat_ref[rows, pl.ds(c * tile, tile)].astype(jnp.float32))  # [BK, tile]
+            vals.append(lat_ref[rows, pl.ds(c * tile, tile)].astype(op))  # [BK, tile]
             scales.append(sc_ref[rows, c].astype(jnp.float32))  # [BK]
             part = jax.lax.dot_general(ql[c], vals[c], contract, precision=prec, preferred_element_type=jnp.float32)
             s = s + part * scales[c][None, :]
@@ -100,7 +103,7 @@ def _kernel_fp8(
         l_sum = l_sum * alpha + jnp.sum(p, axis=1)
         accs = tuple(
             acc * alpha[:, None]
-            + jnp.dot(p * scales[c][None, :], vals[c], precision=prec, preferred_element_type=jnp.float32)
+            + jnp.dot((p * scales[c][None, :]).astype(op), vals[c], precision=prec, preferred_element_type=jnp.float32)
             for c, acc in enumerate(accs)
         )
         return m_new, l_sum, accs
