@@ -277,7 +277,9 @@ def sparse_mla_rows(
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
         args = (ql, qr, values, scales, pool[..., lat:], table, idx)
         fp8_bytes = b * t * topk * (lat + 4 * lat // 128 + 2 * rope)  # E4M3 latent + f32 scales + bf16 rope
-        for prec, label in ((None, "pallas, FP8 latent rows"), ("bf16", "pallas, FP8 latent rows, bf16 products")):
+        fp8_tiles = "{} heads, {} rows, {} warps, {} stages".format(*default_tiles(heads, b * t, True))
+        for prec, label in ((None, f"pallas, FP8 latent rows, defaults ({fp8_tiles}, bf16)"),
+                            ("tf32", "pallas, FP8 latent rows, TF32 products")):  # fmt: skip
             fp8 = jax.jit(
                 lambda a, c, v8, sc, rp, tb, i, prec=prec: sparse_mla(
                     a, c, v8, tb, i, scale=0.1, impl="pallas", latent_scales=sc, rope_pages=rp, precision=prec

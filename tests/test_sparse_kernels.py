@@ -89,7 +89,9 @@ def test_sparse_mla_default_tiles_follow_the_measured_rule():
     assert default_tiles(16, MANY_ROWS, False) == (16, 32, 2, 3)  # prefill, 16 heads
     assert default_tiles(128, 4096, False, block_h=16) == (16, 32, 2, 3)
     assert default_tiles(128, 64, False, block_h=64) == (64, 64, 8, 2)
-    assert default_tiles(128, 64, True) == (16, 32, 4, 2)
+    assert default_tiles(128, 64, True) == (64, 64, 8, 2)  # FP8 rows
+    assert default_tiles(32, 64, True) == (32, 64, 4, 2)
+    assert default_tiles(16, 4096, True) == (16, 32, 4, 2)
     ql, qr, pool, table, idx = _case(8, 3, 1, 32, 32, 16, 8, 40, [35, 12, 40], jnp.float32)
     kw = dict(scale=0.1, impl="pallas", precision="ieee", interpret=True)
     jaxpr = lambda **k: str(jax.make_jaxpr(lambda *a: sparse_mla(*a, **kw, **k))(ql, qr, pool, table, idx))  # noqa: E731
@@ -352,6 +354,10 @@ def test_sparse_mla_kernel_fp8_latent_pool():
                           precision="bf16", interpret=True, **kw)  # fmt: skip
     assert rel_err(ob, ref_o) < 2e-2 and rel_err(ob, o) > 0  # the bf16 path ran, not the float32 one
     np.testing.assert_allclose(np.asarray(lseb)[fin], np.asarray(ref_lse)[fin], rtol=2e-2, atol=2e-2)
+    # bf16 queries take bf16 products by default on FP8 rows too
+    od, _ = sparse_mla(ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16), values, table, idx, impl="pallas",
+                       interpret=True, **kw)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(od, np.float32), np.asarray(ob, np.float32))
     with pytest.raises(ValueError, match="needs its rope pool"):
         sparse_mla(ql, qr, values, table, idx, scale=0.1, latent_scales=scales)
 

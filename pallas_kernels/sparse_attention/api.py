@@ -35,10 +35,16 @@ def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) 
       T=4096 x 16 heads 2.67-2.72 ms against 3.75-3.85 for 4 warps, T=16384 7.0 against 10.3 ms — else 4
       warps and 2 stages (decode B=16 x 16 heads: 0.047 ms against 0.056 for 2 warps).
     - 64-head blocks: 64 rows, 8 warps, 2 stages (0.244 ms at the decode shape above).
-    - FP8 latent rows (float32 rows in the kernel): 16 heads, 32 rows, 4 warps, 2 stages (other tiles untimed).
+    - FP8 latent rows (bf16 products; ad-hoc sweep at e10f145, BENCHMARKS.md notes of 2026-11-30): 64-head
+      blocks from 64 heads, 64 rows, 8 warps, 2 stages — decode B=64 x 128 heads: 0.468 ms against 0.508
+      for (32, 64, 4, 2) and 0.683 for (16, 32, 4, 2); 32-head blocks (32, 64, 4, 2); 16-head blocks 32 rows,
+      4 warps, 2 stages (prefill T=4096 x 16 heads: 4.59 ms, the fastest of five tiles).
     """
     if fp8:
-        return block_h or 16, 32, 4, 2
+        block_h = block_h or (64 if heads >= 64 else 32 if heads >= 32 else 16)
+        if block_h >= 64:
+            return block_h, 64, 8, 2
+        return (block_h, 64, 4, 2) if block_h >= 32 else (block_h, 32, 4, 2)
     if block_h is None:
         block_h = 32 if heads >= 32 else 16
     if block_h >= 64:
@@ -100,9 +106,9 @@ def sparse_mla(
     from 32 heads on BF16 pools, else 16), `precision`
     "tf32", "ieee" or "bf16" (bfloat16 operands and probabilities, float32 accumulation, flash-attention
     style; on an FP8 pool the E4M3 values enter the products as bfloat16, exactly) for its products —
-    default as precise as the inputs: "bf16" for bf16 queries on a BF16 pool (H200, B=64 x 128 heads,
-    top-2048, 10 chained calls: 0.278 ms vs 0.495 ms TF32, BENCHMARKS.md at 32f2129), else "tf32" (FP8
-    pools: "bf16" is opt-in until timed) — `interpret`
+    default "bf16" for bf16 queries, on BF16 and FP8 pools alike (H200, B=64 x 128 heads, top-2048, 10
+    chained calls: 0.278 ms vs 0.495 ms TF32 at 32f2129; FP8 pool 0.759 vs 0.900 ms, prefill T=4096 33.9
+    vs 42.3 ms at e10f145; BENCHMARKS.md), else "tf32" — `interpret`
     default on CPU; `splits` parts of the selected rows run as separate programs and are merged by LSE —
     default `num_splits`: more than one only when the grid would be small, i.e. decode at a small batch), or
     "auto" (Pallas on GPU when L and R are powers of two with R >= 16 — 4-12x the reference on the H200,
@@ -114,9 +120,8 @@ def sparse_mla(
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
-    if precision is None:  # FP8 latent rows: float32 rows (TF32) stay the default until bf16 ones are timed
-        bf16_q = jnp.dtype(q_latent.dtype) == jnp.bfloat16
-        precision = "bf16" if bf16_q and latent_scales is None else "tf32"
+    if precision is None:  # as precise as the queries (E4M3 -> bfloat16 is exact: FP8 rows lose nothing)
+        precision = "bf16" if jnp.dtype(q_latent.dtype) == jnp.bfloat16 else "tf32"
     if precision not in ("tf32", "ieee", "bf16"):
         raise ValueError(f"sparse_mla: precision={precision!r} must be 'tf32', 'ieee' or 'bf16'")
     if latent_scales is not None and rope_pages is None:
