@@ -46,3 +46,25 @@ def test_block_attnres_matches_the_sub_layer_formulation(tiny_model, jitted):
     expect = model.lm_head(model.norm(final))
     assert rel_err(jitted["forward"](model, ids), expect) < 1e-4
     assert len(completed) == 1 + cfg.num_layers // cfg.attn_res_block_size - 1
+
+
+def test_mix_matches_float64_on_random_sources():
+    """The mix reads each source once (no stacked copy): same value as the stacked float64 formula, with
+    float32 blocks and a bfloat16 partial sum of a different scale."""
+    import jax
+    from flax import nnx
+
+    from hybrid_jax.layers.attn_res import AttnResMix
+
+    d = 48
+    mix = AttnResMix(d, eps=1e-5, rngs=nnx.Rngs(7))
+    mix.attn_residual_norm.weight[...] = jax.random.uniform(jax.random.key(1), (d,), minval=0.5, maxval=1.5)
+    ks = jax.random.split(jax.random.key(2), 4)
+    blocks = [jax.random.normal(k, (2, 5, d), jnp.float32) * (i + 1) for i, k in enumerate(ks[:3])]
+    partial = (jax.random.normal(ks[3], (2, 5, d), jnp.float32) * 3).astype(jnp.bfloat16)
+    got = mix(blocks, partial)
+    assert got.dtype == jnp.bfloat16
+    expect = _mix(mix, [*blocks, partial.astype(jnp.float32)])
+    assert rel_err(got.astype(jnp.float32), expect) < 4e-3  # the bf16 output rounding only
+    got32 = mix(blocks, partial.astype(jnp.float32))
+    assert rel_err(got32, expect) < 1e-6

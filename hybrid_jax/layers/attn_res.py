@@ -32,7 +32,20 @@ class AttnResMix(nnx.Module):
         self.attn_residual_norm = RMSNorm(dim, eps=eps, dt=f32)
 
     def __call__(self, blocks: list[jax.Array], partial: jax.Array) -> jax.Array:
-        src = jnp.stack([*blocks, partial.astype(jnp.float32)], axis=-2)  # [B,T,n+1,D]
-        logits = self.pseudo_queries(self.attn_residual_norm(src))[..., 0]  # [B,T,n+1]
-        p = jax.nn.softmax(logits, axis=-1)
-        return jnp.einsum("btn,btnd->btd", p, src, precision=jax.lax.Precision.HIGHEST).astype(partial.dtype)
+        # w · RMSNorm(v) = rsqrt(mean(v²) + eps) · (v · (g ⊙ w)): both reductions read each source once, and
+        # no [B,T,n+1,D] stack is written (a 32K-token prefill spent ~18 ms of 242 on the stacked form:
+        # concatenate, norm, dot and weighted sum over a float32 copy of every source)
+        f32 = jnp.float32
+        u = self.pseudo_queries.kernel[...][:, 0].astype(f32) * self.attn_residual_norm.weight[...].astype(f32)
+        eps = self.attn_residual_norm.eps
+        src = [*blocks, partial]
+        logits = []
+        for v in src:
+            v = v.astype(f32)
+            inv = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+            logits.append(jnp.sum(v * u, axis=-1) * inv)
+        p = jax.nn.softmax(jnp.stack(logits, axis=-1), axis=-1)  # [B,T,n+1]
+        out = p[..., 0, None] * src[0].astype(f32)
+        for i, v in enumerate(src[1:], start=1):
+            out = out + p[..., i, None] * v.astype(f32)
+        return out.astype(partial.dtype)
