@@ -49,8 +49,8 @@ def test_block_attnres_matches_the_sub_layer_formulation(tiny_model, jitted):
 
 
 def test_mix_matches_float64_on_random_sources():
-    """The mix reads each source once (no stacked copy): same value as the stacked float64 formula, with
-    float32 blocks and a bfloat16 partial sum of a different scale."""
+    """Both forms of the mix (stacked; streamed, each source read once for prefill) give the stacked float64
+    formula's value, with float32 blocks and a bfloat16 partial sum of a different scale."""
     import jax
     from flax import nnx
 
@@ -62,9 +62,27 @@ def test_mix_matches_float64_on_random_sources():
     ks = jax.random.split(jax.random.key(2), 4)
     blocks = [jax.random.normal(k, (2, 5, d), jnp.float32) * (i + 1) for i, k in enumerate(ks[:3])]
     partial = (jax.random.normal(ks[3], (2, 5, d), jnp.float32) * 3).astype(jnp.bfloat16)
-    got = mix(blocks, partial)
-    assert got.dtype == jnp.bfloat16
     expect = _mix(mix, [*blocks, partial.astype(jnp.float32)])
-    assert rel_err(got.astype(jnp.float32), expect) < 4e-3  # the bf16 output rounding only
-    got32 = mix(blocks, partial.astype(jnp.float32))
-    assert rel_err(got32, expect) < 1e-6
+    for form in (mix.__call__, mix._streamed):  # few rows: the stacked form; prefill-sized: the streamed one
+        got = form(blocks, partial)
+        assert got.dtype == jnp.bfloat16
+        assert rel_err(got.astype(jnp.float32), expect) < 4e-3  # the bf16 output rounding only
+        assert rel_err(form(blocks, partial.astype(jnp.float32)), expect) < 1e-6
+
+
+def test_mix_streams_its_sources_from_stream_min_rows(monkeypatch):
+    """Prefill-sized calls take the streamed form (no [.., n+1, D] stack in the program), decode-sized ones
+    the stacked form."""
+    import jax
+    from flax import nnx
+
+    from hybrid_jax.layers import attn_res
+
+    mix = attn_res.AttnResMix(16, eps=1e-5, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(attn_res, "STREAM_MIN_ROWS", 8)
+
+    def has_stack(rows):
+        x = jnp.ones((1, rows, 16), jnp.float32)
+        return f"f32[1,{rows},3,16]" in str(jax.make_jaxpr(lambda a: mix([a, a], a))(x))
+
+    assert has_stack(7) and not has_stack(8)
