@@ -80,10 +80,10 @@ def ensure_kimi_dir(args) -> None:
     print(log.strip().splitlines()[-1] if log.strip() else "", flush=True)
 
 
-def kimi_model(args):
+def kimi_model(args, quant_name: str = "none"):
     """The Kimi-shaped folder `args.kimi_dir` (made by the transformers side when missing), loaded in bf16."""
     ensure_kimi_dir(args)
-    return build_model("kimi", kimi_dir=args.kimi_dir)
+    return build_model("kimi", quant_name, kimi_dir=args.kimi_dir)
 
 
 def _row_peak_gib(fn, *args) -> float | None:

@@ -10,7 +10,7 @@ whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row times), split
 
     python -m benchmarks.profile_stage [--model hybrid_small|kimi]
         [--stage kda|sparse|moe|step|kda_prefill|prefill]
-        [--batch 1 16] [--context 2048] [--tokens 32768] [--out DIR]
+        [--batch 1 16] [--context 2048] [--tokens 32768] [--quant none|hierarchical] [--out DIR]
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ def main() -> None:
     p.add_argument("--model", default="hybrid_small", help="a preset, or kimi (the Kimi-shaped folder)")
     p.add_argument("--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill", "prefill"])
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
+    p.add_argument("--quant", default="none", choices=["none", "hierarchical"], help="the model's quant config")
     add_kimi_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
@@ -162,7 +163,8 @@ def main() -> None:
     if args.stage == "kda_prefill":
         profile_kda_prefill(args.tokens, args, out_dir)
         return
-    model = kimi_model(args) if args.model == "kimi" else build_model(args.model)  # bf16 weights
+    # bf16 weights; --quant hierarchical: MXFP8 indexer keys and an FP8 latent cache as well
+    model = kimi_model(args, args.quant) if args.model == "kimi" else build_model(args.model, args.quant)
     if args.stage == "prefill":
         profile_prefill(model, args.tokens, args, out_dir)
         print(f"\ntraces and HLO in {out_dir}")

@@ -110,8 +110,14 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     assert dict(times) == {"fusion_1": [3.0, 5.0], "kda_decode_step": [2.5]}
     # the CPU has no device events to list, but the stage compiles, runs under the profiler and leaves its HLO
     argv = ["profile_stage", "--model", "tiny", "--stage", "kda", "--batch", "1", "--context", "16", "--calls", "2",
-            "--out", str(tmp_path / "out")]  # fmt: skip
+            "--out", str(tmp_path / "out"), "--quant", "hierarchical"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
+    from benchmarks import e2e
+
+    asked, build = [], e2e.build_model
+    # --quant reaches the model builder (the tiny preset itself is too narrow for the FP8 cache's tiles)
+    monkeypatch.setattr(e2e, "build_model", lambda name, quant="none", **kw: asked.append(quant) or build(name, **kw))
     profile_stage.main()
+    assert asked == ["hierarchical"]
     assert "while" in (tmp_path / "out" / "kda_b1.hlo.txt").read_text()
     assert "kda stage (layer 0), B=1" in capsys.readouterr().out
