@@ -388,3 +388,35 @@ def test_sparse_mla_default_splits_only_for_small_grids():
     assert num_splits(programs=64, rows=2048, block_k=32) == 2
     assert num_splits(programs=1024, rows=2048, block_k=32) == 1  # batch 64 x 16 head blocks: no split
     assert num_splits(programs=1, rows=64, block_k=32) == 1  # too few rows to split
+
+
+def test_sparse_mla_fp8_pool_at_prefill_runs_the_bf16_row_kernel_on_the_dequantized_pool(monkeypatch):
+    """Many query rows against a small pool (a prefill): the pool is dequantized once and the BF16-row kernel
+    reads it — the same values as the reference and, up to summation order, as the FP8-row kernel."""
+    from hybrid_jax.quant.formats import quantize_kv_fp8
+    from pallas_kernels.sparse_attention import api
+
+    lat, rope, tile = 64, 16, 32
+    ql, qr, pool, table, idx = _case(4, 1, 24, 5, lat, rope, 8, 32, [40], jnp.float32)  # 64 pool rows
+    assert 1 * 24 * 32 >= api.POOL_DEQUANT_MIN_RATIO * pool.shape[0] * pool.shape[1]
+    values, scales = quantize_kv_fp8(pool[..., :lat] * 30.0, tile)
+    kw = dict(scale=0.1, latent_scales=scales, rope_pages=pool[..., lat:], impl="pallas", interpret=True)
+    ref_o, ref_lse = sparse_mla(ql, qr, values, table, idx, scale=0.1, latent_scales=scales,
+                                rope_pages=pool[..., lat:], impl="reference")  # fmt: skip
+
+    def kernels(*args, **kwargs):  # which kernel runs: the jitted wrapper's name in the program
+        text = str(jax.make_jaxpr(lambda *a: sparse_mla(*a, **kwargs))(*args))
+        return "name=sparse_mla_fp8_pallas" in text, "name=sparse_mla_pallas" in text
+
+    o, lse = sparse_mla(ql, qr, values, table, idx, precision="ieee", **kw)
+    assert rel_err(o, ref_o) < 1e-5
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-5, atol=1e-5)
+    assert kernels(ql, qr, values, table, idx, precision="ieee", **kw) == (False, True)
+    # bf16 queries: the pool dequantized to bfloat16 (exact), against the FP8-row kernel on the same call
+    qlb, qrb = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
+    ob, _ = sparse_mla(qlb, qrb, values, table, idx, **kw)
+    monkeypatch.setattr(api, "POOL_DEQUANT_MIN_RATIO", 10**9)
+    assert kernels(qlb, qrb, values, table, idx, **kw) == (True, False)  # now the FP8-row kernel
+    of, _ = sparse_mla(qlb, qrb, values, table, idx, **kw)
+    assert rel_err(ob, ref_o) < 2e-2 and rel_err(ob, of) < 5e-3

@@ -23,6 +23,24 @@ MIN_ROWS_PER_SPLIT = 128
 # Query rows from which a launch has programs to spare (several per SM): 16-head blocks then run 2 warps.
 MANY_ROWS = 1024
 
+# An FP8 latent pool is dequantized whole (to the products' dtype) and read by the BF16-row kernel when the
+# rows the kernel would convert (query rows x selected rows) number at least this many times the pool's
+# rows: a prefill. E4M3 x a power-of-two scale is exact in bfloat16, so the products are those of the FP8
+# kernel with bf16 products, summed in another order. Why: the FP8 kernel converts every gathered value in
+# every program, and at prefill it was the slower one (H200, T=4096 x 16 heads, top-2048: 4.59 ms on FP8
+# rows against 3.19 ms on BF16 rows, e10f145), while the pool is converted once, in one pass over it. At
+# decode (B=64 x 2048 selected of 8192 rows each: ratio 0.25) the FP8 kernel reads half the bytes. The
+# crossover itself is a cost estimate, not measured.
+POOL_DEQUANT_MIN_RATIO = 8
+
+
+def _dequantized(values, scales, dtype):
+    """[P,G,L] E4M3 values x [P,G,L/tile] scales -> [P,G,L] in dtype."""
+    p, g, lat = values.shape
+    tile = lat // scales.shape[-1]
+    dense = values.astype(jnp.float32).reshape(p, g, -1, tile) * scales[..., None].astype(jnp.float32)
+    return dense.reshape(p, g, lat).astype(dtype)
+
 
 def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) -> tuple[int, int, int, int]:
     """(block_h, block_k, num_warps, num_stages) measured fastest on the H200 (bf16 products; ad-hoc sweeps
@@ -116,7 +134,8 @@ def sparse_mla(
     Split pools: pass `kv_pages` = the latent pool [P,G,L] and `rope_pages` [P,G,R] (the model's cache keeps
     them apart; the kernel reads both, so no step concatenates the pools). FP8 latent cache: in addition
     `latent_scales` [P,G,L/tile] float32 with `kv_pages` in E4M3; the Pallas kernel dequantizes the selected
-    rows in the kernel, the reference dequantizes the pool first.
+    rows in the kernel, the reference dequantizes the pool first — and so does the Pallas path at prefill
+    (query rows x selected rows >= POOL_DEQUANT_MIN_RATIO x the pool's rows), then runs the BF16-row kernel.
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -137,21 +156,21 @@ def sparse_mla(
         impl = "pallas" if auto_impl("sparse_mla", supported) else "reference"
     if impl != "pallas":
         if latent_scales is not None:
-            p, g, _ = kv_pages.shape
-            tile = lat // latent_scales.shape[-1]
-            dense = kv_pages.astype(jnp.float32).reshape(p, g, -1, tile) * latent_scales[..., None].astype(jnp.float32)
-            kv_pages = dense.reshape(p, g, lat)
+            kv_pages = _dequantized(kv_pages, latent_scales, jnp.float32)
         if rope_pages is not None:
             dt = jnp.promote_types(kv_pages.dtype, rope_pages.dtype)
             kv_pages = jnp.concatenate([kv_pages.astype(dt), rope_pages.astype(dt)], axis=-1)
         return sparse_mla_reference(q_latent, q_rope, kv_pages, page_table, indices, scale=scale)
     if not supported:
         raise ValueError(f"sparse_mla(impl='pallas'): latent {lat} and rope {rope} must be powers of two (rope >= 16)")
+    k = indices.shape[-1]
+    if latent_scales is not None and b * t * k >= POOL_DEQUANT_MIN_RATIO * kv_pages.shape[0] * kv_pages.shape[1]:
+        kv_pages = _dequantized(kv_pages, latent_scales, jnp.bfloat16 if precision == "bf16" else jnp.float32)
+        latent_scales = None
     tiles = default_tiles(n, b * t, latent_scales is not None, block_h)
     block_h, block_k, num_warps, num_stages = (
         tiles[i] if given is None else given for i, given in enumerate((block_h, block_k, num_warps, num_stages))
     )
-    k = indices.shape[-1]
     kp = -(-k // block_k) * block_k
     np_ = -(-n // block_h) * block_h
     # Pool rows of the selected positions; -1 stays -1 (and padding adds more of them).
