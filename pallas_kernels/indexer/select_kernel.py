@@ -12,7 +12,8 @@ are as long as the context. Here one program owns a row and never sorts it:
      the search (those K are the answer, no ties): later passes scan nothing, and random scores stop
      after about log4(limit / K) + 1 of the 16 two-bit passes;
   4. one compaction pass writes the chosen (position, score) pairs in ascending position order: a prefix
-     sum of the chosen mask within each chunk gives each one its output slot.
+     sum of the chosen mask within each chunk gives each one its output slot (and a second one ranks the
+     ties at τ, only when some are taken).
 Each pass reads only the row's first `limit` scores (a causal query sees at most pos + 1 keys; the rest
 are -inf by construction). Work per row: (32 / digit_bits + 1) passes over `limit` scores, 2^digit_bits - 1
 comparisons per score and pass, and no sort. The kernel is bound by those integer operations (H200,
@@ -110,19 +111,27 @@ def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
     # branch computes from its operand: a bare constant yields no value in the Triton lowering of cond.)
     thr, need = jax.lax.cond(limit > k, threshold, lambda n: (n * 0 + _NEG_INF_KEY, n * 0), limit)
 
-    def compact(c, carry):
-        base, ties_seen = carry
-        key, pos = keys(c)
-        tie = (key == thr).astype(jnp.int32)
-        tie_rank = ties_seen + jnp.cumsum(tie)  # 1-based rank of each tie in the row so far
-        chosen = (key > thr) | ((tie == 1) & (tie_rank <= need))
-        chosen_i = chosen.astype(jnp.int32)
-        slot = jnp.where(chosen, base + jnp.cumsum(chosen_i) - 1, k)  # k: out of the row, never stored
-        pltriton.store(idx_ref.at[slot], pos, mask=chosen)
-        pltriton.store(vals_ref.at[slot], x_ref[pl.ds(c * chunk, chunk)], mask=chosen)
-        return base + jnp.sum(chosen_i), ties_seen + jnp.sum(tie)
+    def compact(with_ties):
+        def body(c, carry):
+            base, ties_seen = carry
+            key, pos = keys(c)
+            chosen = key > thr
+            if with_ties:
+                tie = (key == thr).astype(jnp.int32)
+                tie_rank = ties_seen + jnp.cumsum(tie)  # 1-based rank of each tie in the row so far
+                chosen = chosen | ((tie == 1) & (tie_rank <= need))
+                ties_seen = ties_seen + jnp.sum(tie)
+            chosen_i = chosen.astype(jnp.int32)
+            slot = jnp.where(chosen, base + jnp.cumsum(chosen_i) - 1, k)  # k: out of the row, never stored
+            pltriton.store(idx_ref.at[slot], pos, mask=chosen)
+            pltriton.store(vals_ref.at[slot], x_ref[pl.ds(c * chunk, chunk)], mask=chosen)
+            return base + jnp.sum(chosen_i), ties_seen
 
-    count, _ = jax.lax.fori_loop(0, n_chunks, compact, (jnp.int32(0), jnp.int32(0)))
+        return lambda n: jax.lax.fori_loop(0, n, body, (n * 0, n * 0))[0]
+
+    # No ties to take (the usual case: the search stopped at a bound with exactly k keys at or above it, or
+    # the prefix is taken whole): the compaction skips the ties' prefix sum, one of its two per chunk.
+    count = jax.lax.cond(need > 0, compact(True), compact(False), n_chunks)
 
     def pad(c, carry):  # slots count .. k-1: nothing (disjoint from the slots written above)
         slot = c * chunk + lane
