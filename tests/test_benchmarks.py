@@ -121,3 +121,12 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     assert asked == ["hierarchical"]
     assert "while" in (tmp_path / "out" / "kda_b1.hlo.txt").read_text()
     assert "kda stage (layer 0), B=1" in capsys.readouterr().out
+
+
+def test_ceilings_take_the_best_of_their_repeats(monkeypatch):
+    """Each ceiling is the best of `repeats` medians (the warm-up timings not counted)."""
+    timed = iter([9.0, 2.0, 1.0, 4.0, 9.0, 8.0, 0.5, 2.0])  # copy: warm-up, 3 medians; matmul: the same
+    monkeypatch.setattr(benchmarks.common, "median_ms", lambda fn, **kw: (fn(), next(timed))[1])
+    bw, rate = benchmarks.common.ceilings(repeats=3, copy_elems=1024, mm=16)
+    assert bw == 2 * 1024 * 4 / 1e-3  # the 1.0 ms median, not the 9.0 ms warm-up
+    assert rate == 2 * 16**3 / 0.5e-3
