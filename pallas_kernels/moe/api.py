@@ -186,13 +186,14 @@ def moe_experts(
     bn_d, d_pad2 = _tile(d_pad, block_n)
     d_pad, f_pad = max(d_pad, d_pad2), max(f_pad, f_pad2)
     token = order // k
-    # The sorted, padded rows as one gather; padding rows read token 0: computed, never read back.
+    # The token of each sorted, padded row (the gate/up kernel gathers them); padding rows read token 0:
+    # computed, never read back.
     row_token = jnp.zeros((rows,), jnp.int32).at[dest].set(token.astype(jnp.int32))
-    xs = jnp.pad(x, [(0, 0), (0, d_pad - d)])[row_token]
+    xp = jnp.pad(x, [(0, 0), (0, d_pad - d)])
     kw = dict(block_m=block_m, precision=precision, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
     gate, up = pad3(gate_proj, d_pad, f_pad), pad3(up_proj, d_pad, f_pad)
-    h = grouped_gate_up_pallas(xs, gate, up, block_expert, block_n=bn_f, block_k=bk_d, **kw)  # SiLU(g) * u
+    h = grouped_gate_up_pallas(xp, row_token, gate, up, block_expert, block_n=bn_f, block_k=bk_d, **kw)
     # each pair's output in x's dtype (as the reference model's per-expert products), summed in float32
     y = grouped_matmul_pallas(
         h, pad3(down_proj, f_pad, d_pad), block_expert, block_n=bn_d, block_k=bk_f, out_dtype=x.dtype, **kw
