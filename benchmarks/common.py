@@ -159,13 +159,14 @@ def decode_loop(model, n: int):
 
 def ceilings(repeats: int = 3, copy_elems: int = 1 << 30, mm: int = 8192) -> tuple[float, float]:
     """Measured copy bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) on this device: the best
-    of `repeats` medians, each over timings of 5 queued calls (one host dispatch and wait per 5). One median
-    of single calls read from 3.19 to 3.76 TB/s and from 495 to 681 TFLOP/s between runs of 2026-11-30,
-    swinging every floor with it; a floor is what the device can do, so it takes the best it showed."""
+    of `repeats` medians. One median read from 3.19 to 3.76 TB/s and from 495 to 681 TFLOP/s between runs of
+    2026-11-30, swinging every floor with it; a floor is what the device can do, so it takes the best it
+    showed. The matmul timings queue 5 calls per host dispatch and wait (a call is ~1.6 ms); the copy is
+    timed one call at a time, since each queued call would hold its own 4 GiB output."""
     x = jnp.ones((copy_elems,), jnp.float32)  # 4 GiB: far past the L2
     copy = jax.jit(lambda x: x * 1.5 + 1.0)
     median_ms(lambda: copy(x), warmup=20, iters=1)  # long warm-up: the clocks ramp from idle
-    ms = min(median_ms(lambda: copy(x), warmup=0, iters=10, calls=5) for _ in range(repeats))
+    ms = min(median_ms(lambda: copy(x), warmup=0, iters=10) for _ in range(repeats))
     bw = 2 * x.nbytes / (ms * 1e-3)
     a = jax.random.normal(jax.random.key(0), (mm, mm), jnp.bfloat16)
     matmul = jax.jit(lambda a: a @ a)

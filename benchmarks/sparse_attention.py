@@ -30,7 +30,7 @@ from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.indexer.api import default_selection
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.sparse_attention import sparse_mla
-from pallas_kernels.sparse_attention.api import default_tiles
+from pallas_kernels.sparse_attention.api import default_tiles, dequantizes_pool
 
 PAGE = 64
 
@@ -278,8 +278,12 @@ def sparse_mla_rows(
         args = (ql, qr, values, scales, pool[..., lat:], table, idx)
         fp8_bytes = b * t * topk * (lat + 4 * lat // 128 + 2 * rope)  # E4M3 latent + f32 scales + bf16 rope
         fp8_tiles = "{} heads, {} rows, {} warps, {} stages".format(*default_tiles(heads, b * t, True))
-        for prec, label in ((None, f"pallas, FP8 latent rows, defaults ({fp8_tiles}, bf16)"),
-                            ("tf32", "pallas, FP8 latent rows, TF32 products")):  # fmt: skip
+        how = f"FP8-row kernel: {fp8_tiles}"
+        if dequantizes_pool(b * t, topk, pool.shape[0] * pool.shape[1]):  # prefill: the BF16-row kernel
+            how = "pool dequantized once, then the BF16-row kernel"
+            fp8_bytes = nbytes + values.nbytes + scales.nbytes + pool.shape[0] * pool.shape[1] * lat * 2
+        for prec, label in ((None, f"pallas, FP8 latent pool, defaults ({how}, bf16)"),
+                            ("tf32", f"pallas, FP8 latent pool ({how}), TF32 products")):  # fmt: skip
             fp8 = jax.jit(
                 lambda a, c, v8, sc, rp, tb, i, prec=prec: sparse_mla(
                     a, c, v8, tb, i, scale=0.1, impl="pallas", latent_scales=sc, rope_pages=rp, precision=prec

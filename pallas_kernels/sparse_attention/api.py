@@ -34,6 +34,12 @@ MANY_ROWS = 1024
 POOL_DEQUANT_MIN_RATIO = 8
 
 
+def dequantizes_pool(query_rows: int, selected: int, pool_rows: int) -> bool:
+    """Whether `sparse_mla(impl="pallas")` reads an FP8 latent pool through one dequantized copy (prefill)
+    rather than converting the gathered rows in the FP8-row kernel: see POOL_DEQUANT_MIN_RATIO."""
+    return query_rows * selected >= POOL_DEQUANT_MIN_RATIO * pool_rows
+
+
 def _dequantized(values, scales, dtype):
     """[P,G,L] E4M3 values x [P,G,L/tile] scales -> [P,G,L] in dtype."""
     p, g, lat = values.shape
@@ -164,7 +170,7 @@ def sparse_mla(
     if not supported:
         raise ValueError(f"sparse_mla(impl='pallas'): latent {lat} and rope {rope} must be powers of two (rope >= 16)")
     k = indices.shape[-1]
-    if latent_scales is not None and b * t * k >= POOL_DEQUANT_MIN_RATIO * kv_pages.shape[0] * kv_pages.shape[1]:
+    if latent_scales is not None and dequantizes_pool(b * t, k, kv_pages.shape[0] * kv_pages.shape[1]):
         kv_pages = _dequantized(kv_pages, latent_scales, jnp.bfloat16 if precision == "bf16" else jnp.float32)
         latent_scales = None
     tiles = default_tiles(n, b * t, latent_scales is not None, block_h)
