@@ -76,12 +76,15 @@ def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
         # bound by these comparisons)
         cands = [(tau | _wrap(d << shift)) ^ _SIGN for d in range(1, radix)]  # back to signed keys
 
+        # Per-lane counts, summed across the program once per pass: a block-wide sum per chunk and digit
+        # (shuffles, shared memory and a barrier each) cost more than the comparisons it counts.
         def body(c, counts):
             key, _ = keys(c)
-            return tuple(n + jnp.sum((key >= cand).astype(jnp.int32)) for n, cand in zip(counts, cands, strict=True))
+            return tuple(n + (key >= cand).astype(jnp.int32) for n, cand in zip(counts, cands, strict=True))
 
         scan = jnp.where(done, 0, n_chunks)
-        counts = jax.lax.fori_loop(0, scan, body, (jnp.int32(0),) * (radix - 1))
+        lanes = jax.lax.fori_loop(0, scan, body, (jnp.zeros((chunk,), jnp.int32),) * (radix - 1))
+        counts = [jnp.sum(n) for n in lanes]
         best = sum((n >= k).astype(jnp.int32) for n in counts)  # counts fall with the digit
         # keys at or above digit best + 1 now lie above the open range (unchanged when best is the top digit)
         new_above = sum(jnp.where(best == d - 1, n, 0) for d, n in enumerate(counts, start=1)) + jnp.where(
