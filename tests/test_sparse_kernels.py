@@ -149,6 +149,8 @@ def test_indexer_kernel_bf16_products_and_bad_knobs():
         indexer_topk(q, w, pool, table, impl="pallas", select="kernel", select_segments=3, **kw)
     with pytest.raises(ValueError, match="block_q=24"):
         indexer_topk(q, w, pool, table, impl="pallas", block_q=24, **kw)
+    with pytest.raises(ValueError, match="scale=-0.5"):
+        indexer_topk(q, w, pool, table, impl="pallas", **{**kw, "scale": -0.5})
 
 
 def _indexer_case(seed, b, t, n, h, page, lengths):

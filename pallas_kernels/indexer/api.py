@@ -97,6 +97,8 @@ def indexer_topk(
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
     if topk <= 0:
         raise ValueError(f"indexer_topk: topk={topk} must be positive")
+    if not scale > 0:  # the indexer's softmax-free scale (head dim^-1/2); the tiled kernel moves it out of the ReLU
+        raise ValueError(f"indexer_topk: scale={scale} must be positive")
     if select is None:
         select, auto_segments = default_selection(q.shape[0] * q.shape[1], page_table.shape[1] * k_pages.shape[1], topk)
         select_segments = auto_segments if select_segments is None else select_segments

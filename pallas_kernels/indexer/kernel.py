@@ -180,7 +180,9 @@ def _tile_kernel(
             else:
                 qh = q_ref[:, h, :].astype(cdt)  # [BQ, H]
                 s = jax.lax.dot_general(qh, k, _CONTRACT, precision=prec, preferred_element_type=jnp.float32)
-            return acc + w_ref[:, h].astype(jnp.float32)[:, None] * jnp.maximum(s * scale, 0.0)
+            # w ReLU(scale s) = (w scale) ReLU(s) for scale > 0: a max and a fused multiply-add per score and
+            # head, where the products leave the tensor cores (this epilogue runs once per head and tile)
+            return acc + (w_ref[:, h].astype(jnp.float32) * scale)[:, None] * jnp.maximum(s, 0.0)
 
         acc = jax.lax.fori_loop(0, heads, head, jnp.zeros(out_ref.shape, jnp.float32))
         kpos = first_key + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -211,6 +213,8 @@ def indexer_scores_tiled_pallas(
         raise ValueError(
             f"indexer_scores_tiled_pallas: {t} queries / {s_len} keys are not multiples of {block_q} / {block_k}"
         )
+    if not scale > 0:  # the kernel moves the scale out of the ReLU
+        raise ValueError(f"indexer_scores_tiled_pallas: scale={scale} must be positive")
     mx = kv_scales is not None
     in_specs = [
         pl.BlockSpec((None, block_q, n, h), lambda i, a, j: (i, a, 0, 0)),
