@@ -14,6 +14,18 @@ def query_block_size(t: int, elements_per_query: int) -> int:
     return max(1, min(t, BLOCK_ELEMENTS // max(1, elements_per_query)))
 
 
+def dividing_block(t: int, block: int, align: int = 1) -> int:
+    """A block size for `over_query_blocks` of at most `block` that divides `t` (so the queries are not
+    padded: a padded copy of a prefill's inputs costs a pass over them) — the largest multiple of `align`
+    that does, if it is at least half of `block`; else `block` itself."""
+    if t <= block:
+        return block
+    for size in range(block // align * align, block // 2 - 1, -align):
+        if size > 0 and t % size == 0:
+            return size
+    return block
+
+
 def over_query_blocks(fn, block: int, *xs):
     """fn(*xs) where every x has the query axis at position 1, evaluated `block` queries at a time
     (`lax.map`); outputs (any pytree of arrays with the query axis at 1) are stitched back together."""

@@ -210,3 +210,14 @@ def test_query_blocking_changes_nothing(tiny_blocks):
     whole = all_ops()
     for a, b in zip(jax.tree_util.tree_leaves(blocked), jax.tree_util.tree_leaves(whole), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_dividing_block_avoids_padding_when_it_can():
+    from pallas_kernels._blocking import dividing_block
+
+    assert dividing_block(32768, 3584, 64) == 2048  # a 32K prefill's indexer: no padded copy of q
+    assert dividing_block(64 * 515, 3584, 64) == 3584  # no multiple of 64 in [1792, 3584] divides it: pad
+    assert dividing_block(100, 40) == 25 and dividing_block(30, 64) == 64  # one block holds every query
+    for t, block, align in [(1000, 300, 8), (4096, 1000, 16), (97, 20, 1)]:
+        got = dividing_block(t, block, align)
+        assert got <= block and got % align == 0 and (t % got == 0 or got == block)

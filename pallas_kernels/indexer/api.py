@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._blocking import over_query_blocks, query_block_size
+from pallas_kernels._blocking import dividing_block, over_query_blocks, query_block_size
 from pallas_kernels._pallas import auto_impl, pow2
 from pallas_kernels.indexer.kernel import MX_BLOCK, indexer_scores_pallas, indexer_scores_tiled_pallas
 from pallas_kernels.indexer.prolog import column_groups, indexer_prolog_pallas
@@ -202,6 +202,7 @@ def indexer_topk(
     qbs = query_block_size(q.shape[1], b * s_pad)
     if block_q:
         qbs = max(block_q, qbs // block_q * block_q)
+    qbs = dividing_block(q.shape[1], qbs, block_q or 1)  # no padded copy of q (H200 32K prefill: 0.39 ms a layer)
     idx, vals = over_query_blocks(block, qbs, q, w, q_positions)
     return idx[:, :t], vals[:, :t]
 
