@@ -85,7 +85,7 @@ def test_sparse_mla_default_tiles_follow_the_measured_rule():
     from pallas_kernels.sparse_attention.api import MANY_ROWS, default_tiles
 
     assert default_tiles(128, 64, False) == (32, 64, 4, 3)  # decode, 128 heads
-    assert default_tiles(16, 16, False) == (16, 32, 4, 2)  # decode, 16 heads: few programs
+    assert default_tiles(16, 16, False) == (16, 64, 4, 2)  # decode, 16 heads: few programs
     assert default_tiles(16, MANY_ROWS, False) == (16, 32, 2, 3)  # prefill, 16 heads
     assert default_tiles(128, 4096, False, block_h=16) == (16, 32, 2, 3)
     assert default_tiles(128, 64, False, block_h=64) == (64, 64, 8, 2)
@@ -392,6 +392,7 @@ def test_sparse_mla_default_splits_only_for_small_grids():
     assert num_splits(programs=64, rows=2048, block_k=32) == 2
     assert num_splits(programs=1024, rows=2048, block_k=32) == 1  # batch 64 x 16 head blocks: no split
     assert num_splits(programs=1, rows=64, block_k=32) == 1  # too few rows to split
+    assert num_splits(programs=64, rows=2048, block_k=64, target=256) == 4  # batch 64, one 16-head block
 
 
 def test_sparse_mla_fp8_pool_at_prefill_runs_the_bf16_row_kernel_on_the_dequantized_pool(monkeypatch):

@@ -18,6 +18,10 @@ IMPLS = ("auto", "reference", "pallas")
 # selected rows are then split into independent parts merged by their log-sum-exp (flash-decoding).
 TARGET_PROGRAMS = 128
 MIN_ROWS_PER_SPLIT = 128
+# 16-head blocks on BF16 rows are light programs (16 query rows into the tensor cores): twice the programs
+# hide more of the gather latency (H200, 16 heads, top-2048 of 2112, block_k 64: B=64 0.072 ms with 4 parts
+# against 0.096 with 2, c8ddf8f).
+SMALL_BLOCK_TARGET_PROGRAMS = 256
 
 
 # Query rows from which a launch has programs to spare (several per SM): 16-head blocks then run 2 warps.
@@ -55,9 +59,11 @@ def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) 
 
     - 32-head blocks (from 32 heads): 64 rows a step, 4 warps, 3 stages — decode B=64 x 128 heads,
       top-2048: 0.203-0.213 ms against 0.267-0.287 for (32 rows, 2 stages).
-    - 16-head blocks: 32 rows a step; with MANY_ROWS query rows or more (prefill), 2 warps and 3 stages —
-      T=4096 x 16 heads 2.67-2.72 ms against 3.75-3.85 for 4 warps, T=16384 7.0 against 10.3 ms — else 4
-      warps and 2 stages (decode B=16 x 16 heads: 0.047 ms against 0.056 for 2 warps).
+    - 16-head blocks: with MANY_ROWS query rows or more (prefill), 32 rows a step, 2 warps and 3 stages —
+      T=4096 x 16 heads 2.67-2.72 ms against 3.75-3.85 for 4 warps, T=16384 7.0 against 10.3 ms — else
+      (decode) 64 rows, 4 warps and 2 stages: 16 heads, top-2048 of 2112, c8ddf8f: B=64 0.072 ms against
+      0.103 for 32 rows (both in 4 parts), B=1 0.026 against 0.050 (16 parts); 2 warps were slower at 32
+      rows (B=16: 0.056 against 0.047 ms).
     - 64-head blocks: 64 rows, 8 warps, 2 stages (0.244 ms at the decode shape above).
     - FP8 latent rows (bf16 products; ad-hoc sweep at e10f145, BENCHMARKS.md notes of 2026-11-30): 64-head
       blocks from 64 heads, 64 rows, 8 warps, 2 stages — decode B=64 x 128 heads: 0.468 ms against 0.508
@@ -75,16 +81,17 @@ def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) 
         return block_h, 64, 8, 2
     if block_h >= 32:
         return block_h, 64, 4, 3
-    many = rows >= MANY_ROWS
-    return block_h, 32, 2 if many else 4, 3 if many else 2
+    if rows >= MANY_ROWS:
+        return block_h, 32, 2, 3
+    return block_h, 64, 4, 2
 
 
-def num_splits(programs: int, rows: int, block_k: int) -> int:
-    """Parts the `rows` selected rows go in: a power of two that brings `programs` near TARGET_PROGRAMS,
-    each part a whole number of `block_k` blocks and at least MIN_ROWS_PER_SPLIT rows."""
+def num_splits(programs: int, rows: int, block_k: int, target: int = TARGET_PROGRAMS) -> int:
+    """Parts the `rows` selected rows go in: a power of two that brings `programs` near `target`, each part
+    a whole number of `block_k` blocks and at least MIN_ROWS_PER_SPLIT rows."""
     s = 1
     while (
-        programs * s * 2 <= TARGET_PROGRAMS and rows % (s * 2 * block_k) == 0 and rows // (s * 2) >= MIN_ROWS_PER_SPLIT
+        programs * s * 2 <= target and rows % (s * 2 * block_k) == 0 and rows // (s * 2) >= MIN_ROWS_PER_SPLIT
     ):
         s *= 2
     return s
@@ -189,7 +196,8 @@ def sparse_mla(
     )  # fmt: skip
     ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
     qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)
-    sp = num_splits(b * t * (np_ // block_h), kp, block_k) if splits is None else splits
+    target = SMALL_BLOCK_TARGET_PROGRAMS if block_h <= 16 and latent_scales is None else TARGET_PROGRAMS
+    sp = num_splits(b * t * (np_ // block_h), kp, block_k, target) if splits is None else splits
     if sp < 1 or kp % (sp * block_k):
         raise ValueError(f"sparse_mla: splits={sp} must divide the {kp // block_k} blocks of {block_k} selected rows")
     if sp > 1:  # each query row once per part, each part with its own rows
