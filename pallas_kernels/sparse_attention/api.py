@@ -90,9 +90,7 @@ def num_splits(programs: int, rows: int, block_k: int, target: int = TARGET_PROG
     """Parts the `rows` selected rows go in: a power of two that brings `programs` near `target`, each part
     a whole number of `block_k` blocks and at least MIN_ROWS_PER_SPLIT rows."""
     s = 1
-    while (
-        programs * s * 2 <= target and rows % (s * 2 * block_k) == 0 and rows // (s * 2) >= MIN_ROWS_PER_SPLIT
-    ):
+    while programs * s * 2 <= target and rows % (s * 2 * block_k) == 0 and rows // (s * 2) >= MIN_ROWS_PER_SPLIT:
         s *= 2
     return s
 
