@@ -85,7 +85,8 @@ def test_sparse_mla_default_tiles_follow_the_measured_rule():
     from pallas_kernels.sparse_attention.api import MANY_ROWS, default_tiles
 
     assert default_tiles(128, 64, False) == (32, 64, 4, 3)  # decode, 128 heads
-    assert default_tiles(16, 16, False) == (16, 64, 4, 2)  # decode, 16 heads: few programs
+    assert default_tiles(16, 16, False) == (16, 32, 4, 2)  # decode, 16 heads: few programs
+    assert default_tiles(16, 64, False) == (16, 64, 4, 2)  # decode at batch 64, 16 heads
     assert default_tiles(16, MANY_ROWS, False) == (16, 32, 2, 3)  # prefill, 16 heads
     assert default_tiles(128, 4096, False, block_h=16) == (16, 32, 2, 3)
     assert default_tiles(128, 64, False, block_h=64) == (64, 64, 8, 2)

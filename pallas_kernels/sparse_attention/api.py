@@ -18,10 +18,12 @@ IMPLS = ("auto", "reference", "pallas")
 # selected rows are then split into independent parts merged by their log-sum-exp (flash-decoding).
 TARGET_PROGRAMS = 128
 MIN_ROWS_PER_SPLIT = 128
-# 16-head blocks on BF16 rows are light programs (16 query rows into the tensor cores): twice the programs
-# hide more of the gather latency (H200, 16 heads, top-2048 of 2112, block_k 64: B=64 0.072 ms with 4 parts
-# against 0.096 with 2, c8ddf8f).
+# 16-head blocks on BF16 rows at decode from WIDE_DECODE_ROWS query rows: 64 rows a step and twice the
+# programs, which hide more of the gather latency (H200, 16 heads, top-2048 of 2112, block_k 64: B=64 0.072
+# ms with 4 parts against 0.096 with 2, c8ddf8f). At B=16 (top-2048 of 4096) the narrower tile in 8 parts
+# stayed faster (0.040 against 0.049 ms), at B=1 the two were within the spread between runs.
 SMALL_BLOCK_TARGET_PROGRAMS = 256
+WIDE_DECODE_ROWS = 64
 
 
 # Query rows from which a launch has programs to spare (several per SM): 16-head blocks then run 2 warps.
@@ -60,10 +62,10 @@ def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) 
     - 32-head blocks (from 32 heads): 64 rows a step, 4 warps, 3 stages — decode B=64 x 128 heads,
       top-2048: 0.203-0.213 ms against 0.267-0.287 for (32 rows, 2 stages).
     - 16-head blocks: with MANY_ROWS query rows or more (prefill), 32 rows a step, 2 warps and 3 stages —
-      T=4096 x 16 heads 2.67-2.72 ms against 3.75-3.85 for 4 warps, T=16384 7.0 against 10.3 ms — else
-      (decode) 64 rows, 4 warps and 2 stages: 16 heads, top-2048 of 2112, c8ddf8f: B=64 0.072 ms against
-      0.103 for 32 rows (both in 4 parts), B=1 0.026 against 0.050 (16 parts); 2 warps were slower at 32
-      rows (B=16: 0.056 against 0.047 ms).
+      T=4096 x 16 heads 2.67-2.72 ms against 3.75-3.85 for 4 warps, T=16384 7.0 against 10.3 ms; from
+      WIDE_DECODE_ROWS (decode at a larger batch) 64 rows, 4 warps, 2 stages — 16 heads, top-2048 of 2112,
+      c8ddf8f / 8686707: B=64 0.072-0.082 ms against 0.103-0.125 for 32 rows; else 32 rows, 4 warps, 2
+      stages (B=16: 0.040 ms against 0.046-0.049 for 64 rows, 0.056 for 2 warps).
     - 64-head blocks: 64 rows, 8 warps, 2 stages (0.244 ms at the decode shape above).
     - FP8 latent rows (bf16 products; ad-hoc sweep at e10f145, BENCHMARKS.md notes of 2026-11-30): 64-head
       blocks from 64 heads, 64 rows, 8 warps, 2 stages — decode B=64 x 128 heads: 0.468 ms against 0.508
@@ -83,7 +85,7 @@ def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) 
         return block_h, 64, 4, 3
     if rows >= MANY_ROWS:
         return block_h, 32, 2, 3
-    return block_h, 64, 4, 2
+    return (block_h, 64, 4, 2) if rows >= WIDE_DECODE_ROWS else (block_h, 32, 4, 2)
 
 
 def num_splits(programs: int, rows: int, block_k: int, target: int = TARGET_PROGRAMS) -> int:
@@ -194,7 +196,8 @@ def sparse_mla(
     )  # fmt: skip
     ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
     qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)
-    target = SMALL_BLOCK_TARGET_PROGRAMS if block_h <= 16 and latent_scales is None else TARGET_PROGRAMS
+    wide = block_h <= 16 and latent_scales is None and WIDE_DECODE_ROWS <= b * t < MANY_ROWS
+    target = SMALL_BLOCK_TARGET_PROGRAMS if wide else TARGET_PROGRAMS
     sp = num_splits(b * t * (np_ // block_h), kp, block_k, target) if splits is None else splits
     if sp < 1 or kp % (sp * block_k):
         raise ValueError(f"sparse_mla: splits={sp} must divide the {kp // block_k} blocks of {block_k} selected rows")
