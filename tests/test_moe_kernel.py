@@ -95,9 +95,10 @@ def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
         one = traced(api.GEMV_MAX_PAIRS // 2, e=e)
         assert "name=moe_gate_up_gemv" in one and "ragged_dot" not in one
     assert "name=moe_gate_up_gemv" not in traced(api.GEMV_MAX_PAIRS // 2 + 1)
-    # grouped kernel rows: 16-row blocks until experts average 16 rows, and below PALLAS_MIN_PAIRS
+    # grouped kernel rows: 16-row blocks until experts average 16 rows, and below SMALL_CALL_PAIRS
     assert api.auto_block_m(512, 256) == 16 and api.auto_block_m(16 * 256, 256) == 128
     assert api.auto_block_m(511, 4) == 16 and api.auto_block_m(512, 32) == 128
+    assert api.auto_choice(256, 32) == "pallas" and api.auto_block_m(256, 32) == 16  # hybrid_small, 64 tokens
     from pallas_kernels import use_pallas
 
     with use_pallas(ops=["moe"]):  # a use_pallas block still gets the kernel

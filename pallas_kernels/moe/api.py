@@ -31,9 +31,12 @@ IMPLS = ("auto", "reference", "pallas", "gather", "gemv")
 GEMV_MAX_PAIRS = 8
 # - from PALLAS_MIN_PAIRS pairs, or above DENSE_MAX_EXPERTS experts at every size, the grouped-matmul
 #   kernel: `ragged_dot` reads all E experts' weights at every call (0.90 ms at one token with 256
-#   experts); with 32 experts it ties the kernel at 16 tokens (0.208 vs 0.201 ms) and loses from 64 tokens
-#   (0.42 vs 0.25 ms; 6-16x at 4K-32K tokens, b7a640e).
-PALLAS_MIN_PAIRS = 512
+#   experts); with 32 experts it ties the kernel at 16 Kimi tokens (128 pairs: 0.208 vs 0.201 ms) and
+#   loses from 64 (512 pairs: 0.42 vs 0.25 ms; 6-16x at 4K-32K tokens, b7a640e). At hybrid_small widths
+#   (k=4) 64 tokens are 256 pairs, and there too the kernel wins: 0.122 ms (16-row blocks) against 0.186
+#   for `ragged_dot` (4d70aed); in the B=64 decode step `ragged_dot` cost ~127 us per MoE layer (a
+#   concatenate, two cuBLAS products and a transpose; profile at df90e21).
+PALLAS_MIN_PAIRS = 256
 DENSE_MAX_EXPERTS = 32
 # - the kernel's row blocks: DECODE_BLOCK_M rows while an expert gets fewer than that many rows on average
 #   (less padding: 256 experts, 64 tokens, 0.95 ms in 16-row blocks vs 1.25 ms in 64-row blocks), then
@@ -42,6 +45,7 @@ DENSE_MAX_EXPERTS = 32
 #   widths 4.19 vs 4.43 and 1.18 vs 1.24 ms). With 16-row blocks 4 warps and 2 stages stay (64 Kimi tokens:
 #   0.200 ms vs 0.235 for the prefill tiles).
 DECODE_BLOCK_M = 16
+SMALL_CALL_PAIRS = 512  # below this many pairs 16-row blocks (the 64 Kimi token measurement above)
 DECODE_TILES = dict(num_warps=4, num_stages=2)
 PREFILL_TILES = dict(block_m=128, num_warps=8, num_stages=3)
 
@@ -62,7 +66,7 @@ def auto_choice(pairs: int, experts: int) -> str:
 
 def auto_block_m(pairs: int, experts: int) -> int:
     """The grouped kernel's row block when none is given (rule above)."""
-    small = pairs < max(PALLAS_MIN_PAIRS, DECODE_BLOCK_M * experts)
+    small = pairs < max(SMALL_CALL_PAIRS, DECODE_BLOCK_M * experts)
     return DECODE_BLOCK_M if small else PREFILL_TILES["block_m"]
 
 
