@@ -143,7 +143,8 @@ def test_indexer_kernel_lowers(pool_format, t, keys_per_program):
     assert _lowered_for_h200(run, q, w, pool, table, pos, kv).count("xla.gpu.triton") == 2  # scores, selection
 
 
-def test_sparse_mla_kernel_lowers():
+@pytest.mark.parametrize("knobs", [{}, {"out_parts": 2, "block_h": 32, "num_warps": 4}])
+def test_sparse_mla_kernel_lowers(knobs):
     from pallas_kernels.sparse_attention import sparse_mla
 
     b, t, n, lat, rope, page, pages, k = 2, 1, 32, 512, 64, 64, 4, 128
@@ -154,7 +155,7 @@ def test_sparse_mla_kernel_lowers():
     idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, t, k))
 
     def run(ql, qr, pool, table, idx):
-        return sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", interpret=False)
+        return sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="pallas", interpret=False, **knobs)
 
     assert _lowered_for_h200(run, ql, qr, pool, table, idx).count("xla.gpu.triton") >= 1
 

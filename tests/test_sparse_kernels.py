@@ -68,6 +68,28 @@ def test_sparse_mla_kernel_bf16_pool():
         sparse_mla(ql, qr, pool, table, idx, **split)
 
 
+@pytest.mark.parametrize("parts", [2, 4])
+def test_sparse_mla_out_parts_match_one_part(parts):
+    """Each part scores every row and writes its own latent columns: the same output and LSE as one part,
+    with the split pools, a head block smaller than the heads, and queries that selected nothing."""
+    ql, qr, pool, table, idx = _case(9, 2, 3, 32, 64, 16, 8, 24, [29, 5], jnp.float32)
+    idx = idx.at[1, 2].set(-1)
+    kw = dict(scale=0.1, impl="pallas", precision="ieee", interpret=True, rope_pages=pool[..., 64:], block_h=16)
+    ref_o, ref_lse = sparse_mla(ql, qr, pool[..., :64], table, idx, **kw)
+    o, lse = sparse_mla(ql, qr, pool[..., :64], table, idx, out_parts=parts, **kw)
+    assert rel_err(o, ref_o) < 1e-6
+    fin = np.isfinite(np.asarray(ref_lse))
+    assert (np.isfinite(np.asarray(lse)) == fin).all() and (~fin).any()
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="out_parts=3"):
+        sparse_mla(ql, qr, pool[..., :64], table, idx, out_parts=3, **kw)
+    from hybrid_jax.quant.formats import quantize_kv_fp8
+
+    values, scales = quantize_kv_fp8(pool[..., :64], 32)
+    with pytest.raises(ValueError, match="out_parts=2 needs BF16 latent rows"):
+        sparse_mla(ql, qr, values, table, idx, out_parts=2, latent_scales=scales, **kw)
+
+
 def test_sparse_mla_default_head_block():
     """From 32 heads the kernel takes 32-head blocks by default (measured faster), below that 16."""
     ql, qr, pool, table, idx = _case(8, 1, 1, 32, 32, 16, 8, 40, [35], jnp.float32)
@@ -76,7 +98,7 @@ def test_sparse_mla_default_head_block():
     o32, lse32 = sparse_mla(ql, qr, pool, table, idx, block_h=32, **kw)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o32))
     grid = lambda **k: str(jax.make_jaxpr(lambda *a: sparse_mla(*a, **kw, **k))(ql, qr, pool, table, idx))  # noqa: E731
-    assert "grid=(1, 1)" in grid() and "grid=(1, 2)" in grid(block_h=16)  # 32 heads: one 32-head block
+    assert "grid=(1, 1, 1)" in grid() and "grid=(1, 2, 1)" in grid(block_h=16)  # 32 heads: one 32-head block
 
 
 def test_sparse_mla_default_tiles_follow_the_measured_rule():
