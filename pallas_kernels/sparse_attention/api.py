@@ -204,9 +204,9 @@ def sparse_mla(
     sp = num_splits(b * t * (np_ // block_h), kp, block_k, target) if splits is None else splits
     if sp < 1 or kp % (sp * block_k):
         raise ValueError(f"sparse_mla: splits={sp} must divide the {kp // block_k} blocks of {block_k} selected rows")
-    if sp > 1:  # each query row once per part, each part with its own rows
+    if sp > 1:  # a program per query and part, each part with its own rows (the kernel reads query r // sp)
         slots = slots.reshape(b * t * sp, kp // sp)
-        ql, qr = (jnp.repeat(z, sp, axis=0) for z in (ql, qr))
+    kw["q_splits"] = sp
     if latent_scales is None:
         rope_rows = None if rope_pages is None else rope_pages.reshape(-1, rope)
         out, lse = sparse_mla_pallas(

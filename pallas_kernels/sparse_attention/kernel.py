@@ -22,6 +22,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
 
+# static arguments of both kernels' entry points
+_KNOBS = ("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages")
+
 
 def _kernel(
     ql_ref, qr_ref, slots_ref, lat_ref, rope_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, rope, rope_off,
@@ -130,16 +133,15 @@ def _kernel_fp8(
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l_sum)))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages")
-)
+@functools.partial(jax.jit, static_argnames=(*_KNOBS, "q_splits"))
 def sparse_mla_fp8_pallas(
     q_latent, q_rope, slots, lat_rows, lat_scales, rope_rows, *, scale, block_h, block_k, precision, interpret,
-    num_warps=4, num_stages=2,
+    num_warps=4, num_stages=2, q_splits=1,
 ):  # fmt: skip
     """As `sparse_mla_pallas` with the latent rows in FP8: lat_rows [rows, L] E4M3, lat_scales [rows, L / tile]
     float32, rope_rows [rows, R]."""
-    nq, n, lat = q_latent.shape
+    nq = slots.shape[0]
+    _, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
     k = slots.shape[1]
     tile = lat // lat_scales.shape[1]
@@ -152,8 +154,8 @@ def sparse_mla_fp8_pallas(
         kernel,
         grid=(nq, n // block_h),
         in_specs=[
-            pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
-            pl.BlockSpec((None, block_h, rope), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, block_h, lat), lambda i, h: (i // q_splits, h, 0)),
+            pl.BlockSpec((None, block_h, rope), lambda i, h: (i // q_splits, h, 0)),
             pl.BlockSpec((None, k), lambda i, h: (i, 0)),
             whole(lat_rows), whole(lat_scales), whole(rope_rows),
         ],
@@ -161,28 +163,27 @@ def sparse_mla_fp8_pallas(
             pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
             pl.BlockSpec((None, block_h), lambda i, h: (i, h)),
         ],
-        out_shape=[jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype), jax.ShapeDtypeStruct((nq, n), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((nq, n, lat), q_latent.dtype), jax.ShapeDtypeStruct((nq, n), jnp.float32)],
         interpret=interpret,
         name="sparse_mla_fp8",
         **params,
     )(q_latent, q_rope, slots, lat_rows, lat_scales, rope_rows)  # fmt: skip
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages", "out_parts"),
-)
+@functools.partial(jax.jit, static_argnames=(*_KNOBS, "out_parts", "q_splits"))
 def sparse_mla_pallas(
     q_latent, q_rope, slots, kv_rows, rope_rows=None, *, scale, block_h, block_k, precision, interpret, num_warps=4,
-    num_stages=2, out_parts=1,
+    num_stages=2, out_parts=1, q_splits=1,
 ):  # fmt: skip
-    """q_latent [Q, N, L], q_rope [Q, N, R] (N a multiple of block_h), slots [Q, K] int32 pool rows (-1 =
-    none; K a multiple of block_k), kv_rows [rows, L + R], or kv_rows [rows, L] and rope_rows [rows, R] (the
-    latent and rope pools kept apart, so nothing concatenates the pools) -> (out [Q, N, L] in q_latent.dtype,
-    lse [Q, N]). `out_parts` > 1 (a power of two dividing L, L / out_parts >= 16): each head block's output
+    """q_latent [Q, N, L], q_rope [Q, N, R] (N a multiple of block_h), slots [Q·S, K] int32 pool rows (-1 =
+    none; K a multiple of block_k; S = q_splits parts of each query's rows, row r of slots for query r // S,
+    so no query is copied per part), kv_rows [rows, L + R], or kv_rows [rows, L] and rope_rows [rows, R] (the
+    latent and rope pools kept apart, so nothing concatenates the pools) -> (out [Q·S, N, L] in q_latent.dtype,
+    lse [Q·S, N]). `out_parts` > 1 (a power of two dividing L, L / out_parts >= 16): each head block's output
     columns in that many programs, each with a [block_h, L / out_parts] accumulator (room for larger head
     blocks in registers) at the price of recomputing the scores in every part."""
-    nq, n, lat = q_latent.shape
+    nq = slots.shape[0]
+    _, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
     k = slots.shape[1]
     if out_parts < 1 or out_parts & (out_parts - 1) or lat % out_parts or lat // out_parts < 16:
@@ -200,8 +201,8 @@ def sparse_mla_pallas(
         kernel,
         grid=(nq, n // block_h, out_parts),
         in_specs=[
-            pl.BlockSpec((None, block_h, lat), lambda i, h, v: (i, h, 0)),
-            pl.BlockSpec((None, block_h, rope), lambda i, h, v: (i, h, 0)),
+            pl.BlockSpec((None, block_h, lat), lambda i, h, v: (i // q_splits, h, 0)),
+            pl.BlockSpec((None, block_h, rope), lambda i, h, v: (i // q_splits, h, 0)),
             pl.BlockSpec((None, k), lambda i, h, v: (i, 0)),
             pl.BlockSpec(kv_rows.shape, lambda i, h, v: (0, 0)),
             pl.BlockSpec(rope_rows.shape, lambda i, h, v: (0, 0)),
@@ -211,7 +212,7 @@ def sparse_mla_pallas(
             pl.BlockSpec((None, None, block_h), lambda i, h, v: (i, v, h)),  # every part's (equal) LSE
         ],
         out_shape=[
-            jax.ShapeDtypeStruct(q_latent.shape, q_latent.dtype),
+            jax.ShapeDtypeStruct((nq, n, lat), q_latent.dtype),
             jax.ShapeDtypeStruct((nq, out_parts, n), jnp.float32),
         ],
         interpret=interpret,
