@@ -19,6 +19,7 @@ import argparse
 import collections
 import gzip
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
 
     fn = jax.jit(run, donate_argnums=(2,) if stage == "step" else ())
     compiled = fn.lower(leaves, x, *extra).compile()
-    (out_dir / f"{stage}_b{b}.hlo.txt").write_text(compiled.as_text())
+    hlo = compiled.as_text()
+    (out_dir / f"{stage}_b{b}.hlo.txt").write_text(hlo)
 
     def call_once(extra):
         out = fn(leaves, x, *extra)
@@ -86,17 +88,68 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
     trace = out_dir / f"trace_{stage}_b{b}"
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):
         call_once(extra)
-    print_table(f"{stage} stage (layer {layer}), B={b}", kernel_times(trace), args.calls, args.top)
+    print_table(f"{stage} stage (layer {layer}), B={b}", kernel_times(trace), args.calls, args.top, hlo_sources(hlo))
 
 
-def print_table(title: str, times: dict[str, list[float]], calls: int, top: int) -> None:
+_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def hlo_sources(hlo: str) -> dict[str, str]:
+    """Kernel name (as the profiler prints it: the HLO instruction's, or its `deduplicated_name`'s, with "."
+    as "_") -> "file.py:line (function)" of the innermost frame of this repository in the op's stack trace,
+    read from the stack-frame tables at the top of the optimized HLO text. Pallas kernels carry their own
+    names and are not listed."""
+    tables: dict[str, dict[int, str]] = {k: {} for k in _SECTIONS}
+    section = None
+    for line in hlo.split("\n"):
+        if line in _SECTIONS:
+            section = line
+        elif line.startswith(("%", "ENTRY", "HloModule")):
+            if section == "StackFrames":
+                break  # the tables precede the computations
+            section = None
+        elif section and (m := re.match(r"(\d+) (.*)$", line)):
+            tables[section][int(m.group(1))] = m.group(2)
+    fields = {k: {i: dict(re.findall(r"(\w+)=(\d+)", v)) for i, v in tables[k].items()}
+              for k in ("FileLocations", "StackFrames")}  # fmt: skip
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+
+    def source(frame: int) -> str | None:
+        seen = set()
+        while frame in fields["StackFrames"] and frame not in seen:
+            seen.add(frame)
+            f = fields["StackFrames"][frame]
+            loc = fields["FileLocations"].get(int(f["file_location_id"]), {})
+            path = tables["FileNames"].get(int(loc.get("file_name_id", -1)), "").strip('"')
+            if path and "site-packages" not in path and not path.startswith("<"):
+                fn = tables["FunctionNames"].get(int(loc.get("function_name_id", -1)), "").strip('"')
+                return f"{path.replace(root, '')}:{loc.get('line')} ({fn})"
+            frame = int(f["parent_frame_id"])
+        return None
+
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?stack_frame_id=(\d+)", hlo, re.M):
+        line_end = hlo.find("\n", m.start())
+        dedup = re.search(r'deduplicated_name="([\w.\-]+)"', hlo[m.start() : line_end])
+        where = source(int(m.group(2)))
+        if where:
+            for name in (m.group(1), dedup.group(1) if dedup else None):
+                if name:
+                    out.setdefault(name.replace(".", "_"), where)
+    return out
+
+
+def print_table(title: str, times: dict[str, list[float]], calls: int, top: int, sources=None) -> None:
+    """The kernels by time per call; with `sources` (`hlo_sources`) a column with each XLA kernel's source."""
     total = sum(sum(v) for v in times.values()) / calls
     launches = sum(len(v) for v in times.values()) / calls
     print(f"\n{title}: {total:.1f} us of kernels per call, {launches:.0f} kernels per call")
-    print("| kernel | launches per call | us per call | share |\n|---|---|---|---|")
+    head = "| kernel | launches per call | us per call | share |" + (" source |" if sources is not None else "")
+    print(head + "\n" + "|---" * head.count(" |") + "|")
     for name, ds in sorted(times.items(), key=lambda kv: -sum(kv[1]))[:top]:
         per = sum(ds) / calls
-        print(f"| {name[:90]} | {len(ds) / calls:g} | {per:.1f} | {per / total:.0%} |")
+        src = "" if sources is None else f" {sources.get(name, '')} |"
+        print(f"| {name[:90]} | {len(ds) / calls:g} | {per:.1f} | {per / total:.0%} |{src}")
 
 
 def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
@@ -133,14 +186,15 @@ def profile_prefill(model, tokens: int, args, out_dir: Path) -> None:
     fn = jax.jit(run)
     ids = jax.random.randint(jax.random.key(tokens), (1, tokens), 0, cfg.vocab_size - 8, jnp.int32)
     compiled = fn.lower(leaves, ids).compile()
-    (out_dir / f"prefill_{tokens}.hlo.txt").write_text(compiled.as_text())
+    hlo = compiled.as_text()
+    (out_dir / f"prefill_{tokens}.hlo.txt").write_text(hlo)
     jax.block_until_ready(fn(leaves, ids))
     trace = out_dir / f"trace_prefill_{tokens}"
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):
         for _ in range(args.calls):
             out = fn(leaves, ids)
         jax.block_until_ready(out)
-    print_table(f"prefill T={tokens}, B=1", kernel_times(trace), args.calls, args.top)
+    print_table(f"prefill T={tokens}, B=1", kernel_times(trace), args.calls, args.top, hlo_sources(hlo))
 
 
 def main() -> None:

@@ -123,6 +123,51 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     assert "kda stage (layer 0), B=1" in capsys.readouterr().out
 
 
+def test_profile_stage_maps_xla_kernels_to_their_source_lines(capsys):
+    from pathlib import Path
+
+    from benchmarks import profile_stage
+
+    root = str(Path(profile_stage.__file__).resolve().parents[1])
+    hlo = "\n".join([
+        "HloModule jit_run, is_scheduled=true",
+        "",
+        "FileNames",
+        '1 "/usr/lib/python3.12/site-packages/jax/_src/numpy/lax_numpy.py"',
+        f'2 "{root}/hybrid_jax/layers/kda.py"',
+        "",
+        "FunctionNames",
+        '1 "pad"',
+        '2 "KimiDeltaAttention.__call__"',
+        "",
+        "FileLocations",
+        "1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=1 end_column=2}",
+        "2 {file_name_id=2 function_name_id=2 line=229 end_line=229 column=1 end_column=2}",
+        "",
+        "StackFrames",
+        "1 {file_location_id=2 parent_frame_id=1}",
+        "2 {file_location_id=1 parent_frame_id=1}",
+        "",
+        "%fused_pad (p: f32[4]) -> f32[8] {",
+        '  %loop_pad_fusion.7 = f32[8]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(run)/pad" '
+        'deduplicated_name="loop_pad_fusion.3" stack_frame_id=2}',
+        "}",
+    ])  # fmt: skip
+    src = profile_stage.hlo_sources(hlo)
+    # the innermost frame inside the repository (frame 2 is jax's own, its parent frame 1 is kda.py)
+    assert (
+        src["loop_pad_fusion_7"]
+        == src["loop_pad_fusion_3"]
+        == "hybrid_jax/layers/kda.py:229 (KimiDeltaAttention.__call__)"
+    )
+    profile_stage.print_table("t", {"loop_pad_fusion_3": [4.0], "my_kernel": [2.0]}, 1, 5, src)
+    out = capsys.readouterr().out
+    assert (
+        "| loop_pad_fusion_3 | 1 | 4.0 | 67% | hybrid_jax/layers/kda.py:229" in out
+        and "| my_kernel | 1 | 2.0 | 33% |  |" in out
+    )
+
+
 def test_ceilings_take_the_best_of_their_repeats(monkeypatch):
     """Each ceiling is the best of `repeats` medians (the warm-up timings not counted)."""
     timed = iter([9.0, 2.0, 1.0, 4.0, 9.0, 8.0, 0.5, 2.0])  # copy: warm-up, 3 medians; matmul: the same
