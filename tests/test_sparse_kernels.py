@@ -83,6 +83,15 @@ def test_sparse_mla_out_parts_match_one_part(parts):
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="out_parts=3"):
         sparse_mla(ql, qr, pool[..., :64], table, idx, out_parts=3, **kw)
+    grid = str(jax.make_jaxpr(lambda *a: sparse_mla(*a, out_parts=parts, **kw))(ql, qr, pool[..., :64], table, idx))
+    assert f"grid=(6, 2, {parts})" in grid  # 6 query rows x 2 head blocks x the parts
+    from pallas_kernels.sparse_attention.kernel import sparse_mla_pallas
+
+    rows = pool[..., :64].reshape(-1, 64)
+    knobs = dict(scale=0.1, block_h=16, block_k=8, precision="ieee", interpret=True)
+    with pytest.raises(ValueError, match="12 slot rows for 6 queries in q_splits=3"):  # 18 rows expected
+        sparse_mla_pallas(ql.reshape(6, 32, 64), qr.reshape(6, 32, 16), jnp.zeros((12, 8), jnp.int32), rows,
+                          pool[..., 64:].reshape(-1, 16), q_splits=3, **knobs)  # fmt: skip
     from hybrid_jax.quant.formats import quantize_kv_fp8
 
     values, scales = quantize_kv_fp8(pool[..., :64], 32)
@@ -98,7 +107,7 @@ def test_sparse_mla_default_head_block():
     o32, lse32 = sparse_mla(ql, qr, pool, table, idx, block_h=32, **kw)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o32))
     grid = lambda **k: str(jax.make_jaxpr(lambda *a: sparse_mla(*a, **kw, **k))(ql, qr, pool, table, idx))  # noqa: E731
-    assert "grid=(1, 1, 1)" in grid() and "grid=(1, 2, 1)" in grid(block_h=16)  # 32 heads: one 32-head block
+    assert "grid=(1, 1)" in grid() and "grid=(1, 2)" in grid(block_h=16)  # 32 heads: one 32-head block
 
 
 def test_sparse_mla_default_tiles_follow_the_measured_rule():

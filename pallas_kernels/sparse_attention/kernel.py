@@ -26,6 +26,14 @@ from pallas_kernels._pallas import triton_params
 _KNOBS = ("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages")
 
 
+def _check_splits(name, q_latent, slots, q_splits):
+    """slots hold q_splits rows per query (row r for query r // q_splits)."""
+    if q_splits < 1 or slots.shape[0] != q_latent.shape[0] * q_splits:
+        raise ValueError(
+            f"{name}: {slots.shape[0]} slot rows for {q_latent.shape[0]} queries in q_splits={q_splits} parts"
+        )
+
+
 def _kernel(
     ql_ref, qr_ref, slots_ref, lat_ref, rope_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, rope, rope_off,
     precision, parts,
@@ -144,6 +152,7 @@ def sparse_mla_fp8_pallas(
     _, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
     k = slots.shape[1]
+    _check_splits("sparse_mla_fp8_pallas", q_latent, slots, q_splits)
     tile = lat // lat_scales.shape[1]
     params = triton_params(interpret, num_warps, num_stages)
     kernel = functools.partial(
@@ -186,6 +195,7 @@ def sparse_mla_pallas(
     _, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
     k = slots.shape[1]
+    _check_splits("sparse_mla_pallas", q_latent, slots, q_splits)
     if out_parts < 1 or out_parts & (out_parts - 1) or lat % out_parts or lat // out_parts < 16:
         raise ValueError(f"sparse_mla_pallas: out_parts={out_parts} must be a power of two leaving >= 16 of {lat}")
     params = triton_params(interpret, num_warps, num_stages)
@@ -197,26 +207,31 @@ def sparse_mla_pallas(
         precision=precision, parts=out_parts,
     )  # fmt: skip
     width = lat // out_parts
+    # One part: the two-axis grid and [Q·S, N] LSE the kernel was measured with; else a third grid axis over
+    # the parts, each writing its own (equal) LSE row.
+    parts = () if out_parts == 1 else (out_parts,)
+    lse_spec = (
+        pl.BlockSpec((None, block_h), lambda i, h: (i, h))
+        if not parts
+        else pl.BlockSpec((None, None, block_h), lambda i, h, v: (i, v, h))
+    )
     out, lse = pl.pallas_call(
         kernel,
-        grid=(nq, n // block_h, out_parts),
+        grid=(nq, n // block_h, *parts),
         in_specs=[
-            pl.BlockSpec((None, block_h, lat), lambda i, h, v: (i // q_splits, h, 0)),
-            pl.BlockSpec((None, block_h, rope), lambda i, h, v: (i // q_splits, h, 0)),
-            pl.BlockSpec((None, k), lambda i, h, v: (i, 0)),
-            pl.BlockSpec(kv_rows.shape, lambda i, h, v: (0, 0)),
-            pl.BlockSpec(rope_rows.shape, lambda i, h, v: (0, 0)),
+            pl.BlockSpec((None, block_h, lat), lambda i, h, *_: (i // q_splits, h, 0)),
+            pl.BlockSpec((None, block_h, rope), lambda i, h, *_: (i // q_splits, h, 0)),
+            pl.BlockSpec((None, k), lambda i, h, *_: (i, 0)),
+            pl.BlockSpec(kv_rows.shape, lambda i, h, *_: (0, 0)),
+            pl.BlockSpec(rope_rows.shape, lambda i, h, *_: (0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, block_h, width), lambda i, h, v: (i, h, v)),
-            pl.BlockSpec((None, None, block_h), lambda i, h, v: (i, v, h)),  # every part's (equal) LSE
-        ],
+        out_specs=[pl.BlockSpec((None, block_h, width), lambda i, h, *v: (i, h, *(v or (0,)))), lse_spec],
         out_shape=[
             jax.ShapeDtypeStruct((nq, n, lat), q_latent.dtype),
-            jax.ShapeDtypeStruct((nq, out_parts, n), jnp.float32),
+            jax.ShapeDtypeStruct((nq, *parts, n), jnp.float32),
         ],
         interpret=interpret,
         name="sparse_mla",
         **params,
     )(q_latent, q_rope, slots, kv_rows, rope_rows)
-    return out, lse[:, 0]
+    return out, (lse[:, 0] if parts else lse)
