@@ -143,7 +143,7 @@ def test_indexer_kernel_lowers(pool_format, t, keys_per_program):
     assert _lowered_for_h200(run, q, w, pool, table, pos, kv).count("xla.gpu.triton") == 2  # scores, selection
 
 
-@pytest.mark.parametrize("knobs", [{}, {"out_parts": 2, "block_h": 32, "num_warps": 4}])
+@pytest.mark.parametrize("knobs", [{}, {"block_h": 32, "num_warps": 8}])
 def test_sparse_mla_kernel_lowers(knobs):
     from pallas_kernels.sparse_attention import sparse_mla
 

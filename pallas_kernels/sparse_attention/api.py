@@ -125,7 +125,6 @@ def sparse_mla(
     interpret: bool | None = None,
     latent_scales=None,
     rope_pages=None,
-    out_parts: int = 1,
 ):
     """Absorbed-form MLA over selected positions.
 
@@ -150,8 +149,6 @@ def sparse_mla(
     `latent_scales` [P,G,L/tile] float32 with `kv_pages` in E4M3; the Pallas kernel dequantizes the selected
     rows in the kernel, the reference dequantizes the pool first — and so does the Pallas path at prefill
     (query rows x selected rows >= POOL_DEQUANT_MIN_RATIO x the pool's rows), then runs the BF16-row kernel.
-    `out_parts` (BF16-row kernel only): each head block's L output columns in that many programs, each
-    scoring all rows again (`kernel.sparse_mla_pallas`): a knob for larger head blocks, off by default.
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -210,14 +207,9 @@ def sparse_mla(
     if latent_scales is None:
         rope_rows = None if rope_pages is None else rope_pages.reshape(-1, rope)
         out, lse = sparse_mla_pallas(
-            ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, kv_pages.shape[-1]), rope_rows, out_parts=out_parts,
-            **kw,
-        )  # fmt: skip
+            ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, kv_pages.shape[-1]), rope_rows, **kw
+        )
     else:
-        if out_parts != 1:
-            raise ValueError(
-                f"sparse_mla: out_parts={out_parts} needs BF16 latent rows (the FP8-row kernel has one part)"
-            )
         out, lse = sparse_mla_fp8_pallas(
             ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, lat),
             latent_scales.reshape(-1, latent_scales.shape[-1]).astype(jnp.float32), rope_pages.reshape(-1, rope), **kw,

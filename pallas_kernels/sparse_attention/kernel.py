@@ -36,19 +36,13 @@ def _check_splits(name, q_latent, slots, q_splits):
 
 def _kernel(
     ql_ref, qr_ref, slots_ref, lat_ref, rope_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, rope, rope_off,
-    precision, parts,
+    precision,
 ):  # fmt: skip
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
     # "bf16": operands stay bfloat16 into the tensor cores (half the registers per gathered tile) and the
     # probabilities go to bfloat16 for the output product, as flash attention does; else float32 / TF32.
     op = jnp.bfloat16 if precision == "bf16" else jnp.float32
-    # With `parts` > 1 this program writes the latent columns [v·W, (v+1)·W) (W = L / parts) of the output:
-    # it scores all L columns (piece 0 its own, then the others) but multiplies the probabilities by its own
-    # piece only, so its accumulator is [BH, W]. Pieces are read at traced offsets.
-    width = lat // parts
-    v = pl.program_id(2) if parts > 1 else 0
-    offs = [((v + c) % parts) * width for c in range(parts)] if parts > 1 else [0]
-    ql = [ql_ref[:, pl.ds(off, width)].astype(op) for off in offs]  # [BH, W] each
+    ql = ql_ref[...].astype(op)  # [BH, L]
     qr = qr_ref[...].astype(op)  # [BH, R]
     bh = qr.shape[0]
     contract = (((1,), (1,)), ((), ()))
@@ -58,26 +52,23 @@ def _kernel(
         slots = slots_ref[pl.ds(j * block_k, block_k)]  # [BK] pool rows, -1 = unused
         valid = slots >= 0
         rows = jnp.maximum(slots, 0)
-        pieces = [lat_ref[rows, pl.ds(off, width)].astype(op) for off in offs]  # [BK, W] each
+        c = lat_ref[rows, pl.ds(0, lat)].astype(op)  # [BK, L]
         kr = rope_ref[rows, pl.ds(rope_off, rope)].astype(op)  # [BK, R]
         s = jax.lax.dot_general(qr, kr, contract, precision=prec, preferred_element_type=jnp.float32)
-        for qc, c in zip(ql, pieces, strict=True):
-            s = s + jax.lax.dot_general(qc, c, contract, precision=prec, preferred_element_type=jnp.float32)
+        s = s + jax.lax.dot_general(ql, c, contract, precision=prec, preferred_element_type=jnp.float32)
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)  # [BH, BK]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: keep exp() away from inf - inf
         p = jnp.exp(s - safe[:, None])
         alpha = jnp.exp(m - safe)
         l_sum = l_sum * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(
-            p.astype(op), pieces[0], precision=prec, preferred_element_type=jnp.float32
-        )
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(op), c, precision=prec, preferred_element_type=jnp.float32)
         return m_new, l_sum, acc
 
     init = (
         jnp.full((bh,), -jnp.inf, jnp.float32),
         jnp.zeros((bh,), jnp.float32),
-        jnp.zeros((bh, width), jnp.float32),
+        jnp.zeros((bh, lat), jnp.float32),
     )
     m, l_sum, acc = jax.lax.fori_loop(0, n_blocks, body, init)
     empty = l_sum == 0.0
@@ -179,59 +170,45 @@ def sparse_mla_fp8_pallas(
     )(q_latent, q_rope, slots, lat_rows, lat_scales, rope_rows)  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=(*_KNOBS, "out_parts", "q_splits"))
+@functools.partial(jax.jit, static_argnames=(*_KNOBS, "q_splits"))
 def sparse_mla_pallas(
     q_latent, q_rope, slots, kv_rows, rope_rows=None, *, scale, block_h, block_k, precision, interpret, num_warps=4,
-    num_stages=2, out_parts=1, q_splits=1,
+    num_stages=2, q_splits=1,
 ):  # fmt: skip
     """q_latent [Q, N, L], q_rope [Q, N, R] (N a multiple of block_h), slots [Q·S, K] int32 pool rows (-1 =
     none; K a multiple of block_k; S = q_splits parts of each query's rows, row r of slots for query r // S,
     so no query is copied per part), kv_rows [rows, L + R], or kv_rows [rows, L] and rope_rows [rows, R] (the
     latent and rope pools kept apart, so nothing concatenates the pools) -> (out [Q·S, N, L] in q_latent.dtype,
-    lse [Q·S, N]). `out_parts` > 1 (a power of two dividing L, L / out_parts >= 16): each head block's output
-    columns in that many programs, each with a [block_h, L / out_parts] accumulator (room for larger head
-    blocks in registers) at the price of recomputing the scores in every part."""
+    lse [Q·S, N])."""
     nq = slots.shape[0]
     _, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
     k = slots.shape[1]
     _check_splits("sparse_mla_pallas", q_latent, slots, q_splits)
-    if out_parts < 1 or out_parts & (out_parts - 1) or lat % out_parts or lat // out_parts < 16:
-        raise ValueError(f"sparse_mla_pallas: out_parts={out_parts} must be a power of two leaving >= 16 of {lat}")
     params = triton_params(interpret, num_warps, num_stages)
     rope_off = 0
     if rope_rows is None:  # one pool [c | k_rope]: the rope columns follow the latent ones
         rope_rows, rope_off = kv_rows, lat
     kernel = functools.partial(
         _kernel, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, rope=rope, rope_off=rope_off,
-        precision=precision, parts=out_parts,
+        precision=precision,
     )  # fmt: skip
-    width = lat // out_parts
-    # One part: the two-axis grid and [Q·S, N] LSE the kernel was measured with; else a third grid axis over
-    # the parts, each writing its own (equal) LSE row.
-    parts = () if out_parts == 1 else (out_parts,)
-    lse_spec = (
-        pl.BlockSpec((None, block_h), lambda i, h: (i, h))
-        if not parts
-        else pl.BlockSpec((None, None, block_h), lambda i, h, v: (i, v, h))
-    )
-    out, lse = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        grid=(nq, n // block_h, *parts),
+        grid=(nq, n // block_h),
         in_specs=[
-            pl.BlockSpec((None, block_h, lat), lambda i, h, *_: (i // q_splits, h, 0)),
-            pl.BlockSpec((None, block_h, rope), lambda i, h, *_: (i // q_splits, h, 0)),
-            pl.BlockSpec((None, k), lambda i, h, *_: (i, 0)),
-            pl.BlockSpec(kv_rows.shape, lambda i, h, *_: (0, 0)),
-            pl.BlockSpec(rope_rows.shape, lambda i, h, *_: (0, 0)),
+            pl.BlockSpec((None, block_h, lat), lambda i, h: (i // q_splits, h, 0)),
+            pl.BlockSpec((None, block_h, rope), lambda i, h: (i // q_splits, h, 0)),
+            pl.BlockSpec((None, k), lambda i, h: (i, 0)),
+            pl.BlockSpec(kv_rows.shape, lambda i, h: (0, 0)),
+            pl.BlockSpec(rope_rows.shape, lambda i, h: (0, 0)),
         ],
-        out_specs=[pl.BlockSpec((None, block_h, width), lambda i, h, *v: (i, h, *(v or (0,)))), lse_spec],
-        out_shape=[
-            jax.ShapeDtypeStruct((nq, n, lat), q_latent.dtype),
-            jax.ShapeDtypeStruct((nq, *parts, n), jnp.float32),
+        out_specs=[
+            pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
+            pl.BlockSpec((None, block_h), lambda i, h: (i, h)),
         ],
+        out_shape=[jax.ShapeDtypeStruct((nq, n, lat), q_latent.dtype), jax.ShapeDtypeStruct((nq, n), jnp.float32)],
         interpret=interpret,
         name="sparse_mla",
         **params,
     )(q_latent, q_rope, slots, kv_rows, rope_rows)
-    return out, (lse[:, 0] if parts else lse)
