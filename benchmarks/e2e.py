@@ -339,7 +339,7 @@ def main() -> None:
     p.add_argument("--quant", nargs="+", default=["none", "hierarchical"], choices=["none", "hierarchical"])
     p.add_argument("--quant-models", nargs="+", default=["hybrid_small"], help="models also run with --quant")
     p.add_argument("--ttft", type=int, nargs="*", default=[4096, 32768, 131072], help="none: decode rows only")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64], help="none: TTFT rows only")
     p.add_argument(
         "--quant-ttft", type=int, nargs="*", default=None, help="TTFT lengths of quantized runs (default --ttft)"
     )

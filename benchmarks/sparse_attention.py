@@ -200,14 +200,17 @@ def _prefill_parts(bw, rate, q, w, pool, table, kw, flops, shape, select_variant
     limits = (pos + 1).reshape(-1)
     flat = scores.reshape(-1, t)
     for variant in select_variants:
-        chunk, warps, stages, bits = (int(v) for v in variant.split(":"))
+        chunk, warps, stages, bits, *pre = variant.split(":")
+        chunk, warps, stages, bits = int(chunk), int(warps), int(stages), int(bits)
+        pre = {"pre": True, "nopre": False}[pre[0]] if pre else None
         fn = jax.jit(
-            lambda x, l, c=chunk, nw=warps, ns=stages, d=bits: top_k_rows_pallas(
-                x, l, k=kw["topk"], chunk=c, num_warps=nw, num_stages=ns, digit_bits=d, interpret=cpu
+            lambda x, l, c=chunk, nw=warps, ns=stages, d=bits, p=pre: top_k_rows_pallas(
+                x, l, k=kw["topk"], chunk=c, num_warps=nw, num_stages=ns, digit_bits=d, interpret=cpu, prefilter=p
             )
         )
         ms = median_ms(functools.partial(fn, flat, limits), warmup=1, iters=5)
         impl = f"selection kernel alone, chunk {chunk}, {warps} warps, {stages} stages, {bits}-bit digits"
+        impl += {None: "", True: ", prefilter", False: ", no prefilter"}[pre]
         rows.append(row("indexer", part, impl, ms, 0, scores.nbytes, bw, rate))
     return rows
 
@@ -304,7 +307,7 @@ def sparse_mla_rows(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--contexts", type=int, nargs="*", default=[32768, 131072], help="none: no decode rows")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--index-heads", type=int, default=64)
     p.add_argument("--index-dim", type=int, default=128)
@@ -324,7 +327,10 @@ def main() -> None:
         "--prefill-variants", nargs="+", default=list(PREFILL_VARIANTS), help="BLOCK_Q:BLOCK_S:SELECT (0: one-query)"
     )
     p.add_argument(
-        "--select-variants", nargs="*", default=[], help="CHUNK:WARPS:STAGES:DIGIT_BITS selection kernel, prefill"
+        "--select-variants",
+        nargs="*",
+        default=[],
+        help="CHUNK:WARPS:STAGES:DIGIT_BITS[:pre|nopre] selection kernel alone at prefill (prefilter: the rule)",
     )
     p.add_argument("--decode-selects", nargs="+", default=list(DECODE_SELECTS), help="top_k or kernel:SEGMENTS")
     p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")

@@ -143,6 +143,17 @@ def test_indexer_kernel_lowers(pool_format, t, keys_per_program):
     assert _lowered_for_h200(run, q, w, pool, table, pos, kv).count("xla.gpu.triton") == 2  # scores, selection
 
 
+def test_prefiltered_selection_lowers():
+    from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
+
+    x = jnp.ones((4, 8192), jnp.float32)
+
+    def run(x, limits):
+        return top_k_rows_pallas(x, limits, k=256, chunk=1024, prefilter=True)
+
+    assert _lowered_for_h200(run, x, jnp.full((4,), 8000, jnp.int32)).count("xla.gpu.triton") == 2
+
+
 @pytest.mark.parametrize("knobs", [{}, {"block_h": 32, "num_warps": 8}])
 def test_sparse_mla_kernel_lowers(knobs):
     from pallas_kernels.sparse_attention import sparse_mla

@@ -257,8 +257,9 @@ def test_indexer_tiled_prefill_matches_reference(pool_format):
     k=st.sampled_from([1, 5, 16, 33, 100]),
     ties=st.booleans(),
     digit_bits=st.sampled_from([1, 2, 4]),
+    prefilter=st.booleans(),
 )
-def test_selection_kernel_matches_top_k(seed, rows, chunks, k, ties, digit_bits):
+def test_selection_kernel_matches_top_k(seed, rows, chunks, k, ties, digit_bits, prefilter):
     """The selection kernel against `lax.top_k` on each row's visible prefix: the same set (ties at the K-th
     value to the lowest positions), in ascending position order, the right values, -1 / -inf after."""
     from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
@@ -273,8 +274,9 @@ def test_selection_kernel_matches_top_k(seed, rows, chunks, k, ties, digit_bits)
     limits = rng.integers(0, s + 1, rows).astype(np.int32)
     x[np.arange(s)[None, :] >= limits[:, None]] = -np.inf  # the caller's contract: -inf past the limit
     vals, idx = top_k_rows_pallas(
-        jnp.asarray(x), jnp.asarray(limits), k=k, chunk=chunk, digit_bits=digit_bits, interpret=True
-    )
+        jnp.asarray(x), jnp.asarray(limits), k=k, chunk=chunk, digit_bits=digit_bits, interpret=True,
+        prefilter=prefilter,
+    )  # fmt: skip
     vals, idx = np.asarray(vals), np.asarray(idx)
     for r in range(rows):
         rv, ri = jax.lax.top_k(jnp.asarray(x[r]), min(k, s))
@@ -283,6 +285,44 @@ def test_selection_kernel_matches_top_k(seed, rows, chunks, k, ties, digit_bits)
         np.testing.assert_array_equal(idx[r, :n], want)
         np.testing.assert_array_equal(vals[r, :n], x[r, want])
         assert (idx[r, n:] == -1).all() and np.isneginf(vals[r, n:]).all()
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "cauchy", "lognormal", "mostly_neg_inf", "constant"])
+def test_prefiltered_selection_equals_full_selection(kind):
+    """The prefilter narrows each long row to k..2k candidates at or above a bound it searches for, in
+    position order; the selection among them equals the selection over the whole row (ties to the lowest
+    positions), on heavy tails and ties too. Rows it cannot narrow (too short, too few finite scores, all
+    tied) are marked -1 and selected in full."""
+    from pallas_kernels.indexer.select_kernel import prefilter_rows, top_k_rows_pallas
+
+    rng = np.random.default_rng(11)
+    r, s, k, chunk = 6, 512, 12, 32
+    x = {
+        "normal": lambda: rng.standard_normal((r, s)),
+        "ties": lambda: np.round(rng.standard_normal((r, s)) * 2) / 2,
+        "cauchy": lambda: rng.standard_cauchy((r, s)),
+        "lognormal": lambda: rng.lognormal(0.0, 4.0, (r, s)),
+        "mostly_neg_inf": lambda: np.where(rng.random((r, s)) < 0.9, -np.inf, rng.standard_normal((r, s))),
+        "constant": lambda: np.ones((r, s)),
+    }[kind]().astype(np.float32)
+    limits = np.array([512, 40, 31, 300, 129, 0], np.int32)  # 40 > the 32-candidate width > 31
+    x[np.arange(s)[None, :] >= limits[:, None]] = -np.inf
+    xs, ls = jnp.asarray(x), jnp.asarray(limits)
+    full = top_k_rows_pallas(xs, ls, k=k, chunk=chunk, interpret=True, prefilter=False)
+    pre = top_k_rows_pallas(xs, ls, k=k, chunk=chunk, interpret=True, prefilter=True)
+    for a, b in zip(full, pre, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cand, pos, count = (np.asarray(a) for a in prefilter_rows(xs, ls[:, None], k=k, chunk=chunk, interpret=True))
+    count = count[:, 0]
+    # narrowed: every row with more finite scores than the width, unless all of them are tied
+    narrowed = (np.isfinite(x).sum(axis=1) > 32) & (kind != "constant")
+    assert ((count >= k) & (count <= 32)).tolist() == narrowed.tolist() and narrowed.sum() >= (kind != "constant")
+    assert (count[~((count >= k) & (count <= 32))] == -1).all()
+    for i in np.flatnonzero(count >= 0):  # the candidates: scores >= some bound, in position order, then pads
+        n = count[i]
+        assert (np.diff(pos[i, :n]) > 0).all() and (pos[i, n:] == -1).all() and np.isneginf(cand[i, n:]).all()
+        np.testing.assert_array_equal(cand[i, :n], x[i, pos[i, :n]])
+        assert np.sum(x[i] >= cand[i, :n].min()) == n
 
 
 def test_segmented_selection_equals_one_pass():

@@ -57,13 +57,15 @@ def _wrap(v: int) -> int:
 _NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 with its low 31 bits flipped
 
 
-def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
-    limit = limit_ref[0]
+def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bits):
+    """The row's Top-K among the first `limit` scores of x_ref, written to vals_ref / idx_ref. pos_ref: the
+    position of each score (a prefiltered row's candidates), or None (the score's own index)."""
     n_chunks = (limit + chunk - 1) // chunk
     lane = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
     def keys(c):  # the last chunk may run past `limit`: those scores are -inf by the caller's contract
-        return order_key(x_ref[pl.ds(c * chunk, chunk)]), c * chunk + lane
+        pos = c * chunk + lane if pos_ref is None else pos_ref[pl.ds(c * chunk, chunk)]
+        return order_key(x_ref[pl.ds(c * chunk, chunk)]), pos
 
     radix = 1 << digit_bits
 
@@ -145,35 +147,211 @@ def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
         return carry
 
     jax.lax.fori_loop(count // chunk, (k + chunk - 1) // chunk, pad, 0)
+    return limit * 0  # a value for the branches of a cond (a bare constant yields none in the Triton lowering)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "chunk", "digit_bits", "interpret", "num_warps", "num_stages"))
-def top_k_rows_pallas(x, limits, *, k, chunk=4096, digit_bits=2, interpret=False, num_warps=8, num_stages=2):
+def _kernel(limit_ref, x_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
+    _select_row(x_ref, None, limit_ref[0], vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
+
+
+def _kernel_prefiltered(limit_ref, count_ref, x_ref, cand_ref, cand_pos_ref, vals_ref, idx_ref, *, k, chunk,
+                        digit_bits):  # fmt: skip
+    """A prefiltered row (count >= 0) is selected among its `count` candidates, any other one in full."""
+    kw = dict(k=k, chunk=chunk, digit_bits=digit_bits)
+    count = count_ref[0]
+    jax.lax.cond(
+        count >= 0,
+        lambda n: _select_row(cand_ref, cand_pos_ref, n, vals_ref, idx_ref, **kw),
+        lambda n: _select_row(x_ref, None, limit_ref[0] + n * 0, vals_ref, idx_ref, **kw),
+        count,
+    )
+
+
+def _normal_quantile(p):
+    """Φ⁻¹(p), roughly (Tukey's lambda approximation, within ~0.01 over (0.001, 0.999)): only where to put
+    the first pass's bounds, never what is chosen."""
+    return 4.91 * (jnp.exp(0.14 * jnp.log(p)) - jnp.exp(0.14 * jnp.log(1.0 - p)))
+
+
+def _from_key(key):
+    """The inverse of `order_key`."""
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ _LOW31, key), jnp.float32)
+
+
+# Candidates of a prefiltered row: between k and PREFILTER_WIDTH_PER_K x k scores at or above a bound.
+PREFILTER_WIDTH_PER_K = 2
+# Bound searches of the prefilter before a row is left to the full selection (a heavy-tailed or tie-heavy
+# row; random scores end in the first search, the worst distributions tried on CPU by the sixth).
+PREFILTER_PASSES = 8
+
+
+def _prefilter_kernel(limit_ref, x_ref, cand_ref, cand_pos_ref, count_ref, *, k, width, chunk, passes):
+    """Find a bound c with k <= #(scores >= c) <= width and write those scores and their positions, in
+    position order, to cand / cand_pos (then -inf / -1 up to `width`); count = how many, or -1 where the
+    row is too short to gain (at most `width` finite scores) or no bound was found in `passes` searches.
+
+    One pass takes the row's count, mean, spread, min and max of its finite scores; each search counts the
+    scores at or above three bounds: first where a normal distribution of that mean and spread puts the
+    1.15k, 1.5k and 1.85k largest, then the linear interpolation of the counts so far at 1.5k, the midpoint
+    of the open range in value and the midpoint in float order (which halves heavy tails as a radix digit
+    would). The selection then reads at most `width` candidates instead of the row: one pass over the row
+    for the statistics, about one search and one compaction, where the radix search over the whole row
+    takes ten or more passes (random scores: the k-th score has no short binary prefix)."""
+    f32 = jnp.float32
+    limit = limit_ref[0]
+    n_chunks = (limit + chunk - 1) // chunk
+    lane = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    def load(c):  # past `limit` the caller's contract holds -inf: never counted, never chosen
+        return x_ref[pl.ds(c * chunk, chunk)]
+
+    def stats(c, acc):
+        n, s1, s2, lo, hi = acc
+        v = load(c)
+        ok = v > -jnp.inf
+        z = jnp.where(ok, v, 0.0)
+        return (n + ok.astype(jnp.int32), s1 + z, s2 + z * z, jnp.minimum(lo, jnp.where(ok, v, jnp.inf)),
+                jnp.maximum(hi, v))  # fmt: skip
+
+    zeros = jnp.zeros((chunk,), f32)
+    init = (jnp.zeros((chunk,), jnp.int32), zeros, zeros, zeros + jnp.inf, zeros - jnp.inf)
+    scan = jnp.where(limit > width, n_chunks, 0)  # short rows: nothing to gain, straight to the full selection
+    n, s1, s2, lo, hi = jax.lax.fori_loop(0, scan, stats, init)
+    finite = jnp.sum(n)
+    mean = jnp.sum(s1) / jnp.maximum(finite, 1).astype(f32)
+    spread = jnp.sqrt(jnp.maximum(jnp.sum(s2) / jnp.maximum(finite, 1).astype(f32) - mean * mean, 0.0))
+    lo, hi = jnp.min(lo), jnp.max(hi)
+    targets = [1.15 * k, 1.5 * k, 1.85 * k]
+
+    def search(i, carry):
+        lo, n_lo, hi, n_hi, bound, found = carry
+        mid = lo * 0.5 + hi * 0.5
+        if i == 0:
+            cands = [mean + spread * _normal_quantile(1.0 - t / n_lo.astype(f32)) for t in targets]
+        else:
+            mid_key = _from_key((order_key(lo) >> 1) + (order_key(hi) >> 1) + (order_key(lo) & order_key(hi) & 1))
+            interp = lo + (hi - lo) * ((n_lo.astype(f32) - targets[1]) / (n_lo - n_hi).astype(f32))
+            cands = [interp, mid, mid_key]
+        cands = [jnp.clip(jnp.where(c == c, c, mid), lo, hi) for c in cands]  # NaN (an overflowed spread): mid
+
+        def body(c, counts):
+            v = load(c)
+            return tuple(m + (v >= b).astype(jnp.int32) for m, b in zip(counts, cands, strict=True))
+
+        # a bound found (or none to search for): later searches scan nothing
+        lanes = jax.lax.fori_loop(0, jnp.where(found == -1, n_chunks, 0), body, (jnp.zeros((chunk,), jnp.int32),) * 3)
+        for c, m in zip(cands, (jnp.sum(x) for x in lanes), strict=True):
+            fits = (found == -1) & (m >= k) & (m <= width)
+            bound, found = jnp.where(fits, c, bound), jnp.where(fits, m, found)
+            wider = (found == -1) & (m > width) & (c > lo)
+            lo, n_lo = jnp.where(wider, c, lo), jnp.where(wider, m, n_lo)
+            fewer = (found == -1) & (m < k) & (c < hi)
+            hi, n_hi = jnp.where(fewer, c, hi), jnp.where(fewer, m, n_hi)
+        return lo, n_lo, hi, n_hi, bound, found
+
+    # (hi, 1): the max has at least one score at it; only the interpolation reads n_hi, never a decision.
+    # found: -1 searching, -2 nothing to search (at most `width` finite scores), else the bound's count.
+    # (found as arithmetic: the Triton lowering gives a select between two constants a boolean type)
+    carry = (lo, finite, hi, finite * 0 + 1, lo, (finite > width).astype(jnp.int32) - 2)
+    for i in range(passes):  # unrolled: the Triton lowering takes no loop whose inner loops' bounds it carries
+        carry = search(i, carry)
+    *_, bound, found = carry
+
+    def compact(c, base):
+        v = load(c)
+        chosen = v >= bound
+        chosen_i = chosen.astype(jnp.int32)
+        slot = jnp.where(chosen, base + jnp.cumsum(chosen_i) - 1, width)  # width: out of the row, never stored
+        pltriton.store(cand_ref.at[slot], v, mask=chosen)
+        pltriton.store(cand_pos_ref.at[slot], c * chunk + lane, mask=chosen)
+        return base + jnp.sum(chosen_i)
+
+    count = jax.lax.fori_loop(0, jnp.where(found >= 0, n_chunks, 0), compact, jnp.int32(0))
+
+    def pad(c, carry):  # candidates count .. width-1: -inf, as the selection's contract past its limit
+        slot = c * chunk + lane
+        empty = slot >= count
+        slot = jnp.where(empty, slot, width)
+        pltriton.store(cand_ref.at[slot], jnp.full((chunk,), -jnp.inf, f32), mask=empty)
+        pltriton.store(cand_pos_ref.at[slot], jnp.full((chunk,), -1, jnp.int32), mask=empty)
+        return carry
+
+    jax.lax.fori_loop(jnp.where(found >= 0, count // chunk, width // chunk), width // chunk, pad, 0)
+    count_ref[0] = jnp.where(found >= 0, count, -1)
+
+
+# `prefilter=None` runs the prefilter on rows of at least this many times its candidate width.
+PREFILTER_MIN_ROWS_PER_WIDTH = 4
+
+
+@functools.partial(
+    jax.jit, static_argnames=("k", "chunk", "digit_bits", "interpret", "num_warps", "num_stages", "prefilter")
+)
+def top_k_rows_pallas(x, limits, *, k, chunk=4096, digit_bits=2, interpret=False, num_warps=8, num_stages=2,
+                      prefilter=None):  # fmt: skip
     """x [R, S] float32 scores (S a multiple of chunk; -inf = not a candidate), limits [R] int32: only the
     first limits[r] scores of row r are candidates, and the caller guarantees the rest are -inf (the kernel
     reads up to the end of the chunk holding the last one) -> (values [R, k] float32, positions [R, k]
     int32): the row's k
     largest finite scores in ascending position order (ties at the K-th value: the lowest positions), then
-    -inf / -1."""
+    -inf / -1.
+
+    prefilter: first narrow each long row to between k and PREFILTER_WIDTH_PER_K x k candidates at or above
+    a bound (`_prefilter_kernel`, a second launch), which the selection then reads instead of the row — the
+    same result: the candidates keep position order, so ties still go to the lowest positions. None: when
+    S >= PREFILTER_MIN_ROWS_PER_WIDTH x that width."""
     r, s = x.shape
     if s % chunk or chunk & (chunk - 1):
         raise ValueError(f"top_k_rows_pallas: chunk={chunk} must be a power of two dividing the row length {s}")
     if 32 % digit_bits:
         raise ValueError(f"top_k_rows_pallas: digit_bits={digit_bits} must divide 32")
-    kernel = functools.partial(_kernel, k=k, chunk=chunk, digit_bits=digit_bits)
-    return pl.pallas_call(
-        kernel,
-        grid=(r,),
-        in_specs=[
-            pl.BlockSpec((None, 1), lambda i: (i, 0)),
-            pl.BlockSpec((None, s), lambda i: (i, 0)),
-        ],
-        out_specs=[pl.BlockSpec((None, k), lambda i: (i, 0)), pl.BlockSpec((None, k), lambda i: (i, 0))],
+    limits = jnp.clip(limits, 0, s).astype(jnp.int32)[:, None]
+    x = x.astype(jnp.float32)
+    width = -(-(PREFILTER_WIDTH_PER_K * k) // chunk) * chunk
+    if prefilter is None:
+        prefilter = s >= PREFILTER_MIN_ROWS_PER_WIDTH * width
+    params = triton_params(interpret, num_warps, num_stages)
+    row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
+    outs = dict(
+        out_specs=[row(k), row(k)],
         out_shape=[jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32)],
         interpret=interpret,
         name="indexer_select",
-        **triton_params(interpret, num_warps, num_stages),
-    )(jnp.clip(limits, 0, s).astype(jnp.int32)[:, None], x.astype(jnp.float32))
+        **params,
+    )
+    kw = dict(k=k, chunk=chunk, digit_bits=digit_bits)
+    if not prefilter:
+        return pl.pallas_call(functools.partial(_kernel, **kw), grid=(r,), in_specs=[row(1), row(s)], **outs)(limits, x)
+    cand, cand_pos, count = prefilter_rows(x, limits, k=k, chunk=chunk, interpret=interpret, **params)
+    return pl.pallas_call(
+        functools.partial(_kernel_prefiltered, **kw),
+        grid=(r,),
+        in_specs=[row(1), row(1), row(s), row(width), row(width)],
+        **outs,
+    )(limits, count, x, cand, cand_pos)
+
+
+def prefilter_rows(x, limits, *, k, chunk, interpret, **params):
+    """x [R, S] float32, limits [R, 1] int32 -> (candidates [R, W] float32, their positions [R, W] int32,
+    count [R, 1] int32: how many, -1 for rows left to the full selection), W = PREFILTER_WIDTH_PER_K x k
+    rounded up to whole chunks (`_prefilter_kernel`)."""
+    r, s = x.shape
+    width = -(-(PREFILTER_WIDTH_PER_K * k) // chunk) * chunk
+    row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_prefilter_kernel, k=k, width=width, chunk=chunk, passes=PREFILTER_PASSES),
+        grid=(r,),
+        in_specs=[row(1), row(s)],
+        out_specs=[row(width), row(width), row(1)],
+        out_shape=[
+            jax.ShapeDtypeStruct((r, width), jnp.float32),
+            jax.ShapeDtypeStruct((r, width), jnp.int32),
+            jax.ShapeDtypeStruct((r, 1), jnp.int32),
+        ],
+        interpret=interpret,
+        name="indexer_prefilter",
+        **params,
+    )(limits, x)
 
 
 def top_k_segmented(x, limits, *, k, segments, chunk=4096, interpret=False, **knobs):
