@@ -91,7 +91,8 @@ def indexer_topk(
     else the one-query kernel; 0: always the one-query kernel), `precision` of the score products: "bf16"
     (q and keys in bfloat16, float32 accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32"
     (the default otherwise) or "ieee"; `select` "kernel" (`select_kernel.top_k_rows_pallas`: radix select
-    of each row's visible prefix, then a sort of the K chosen), "top_k" (`lax.top_k`) or "radix"
+    of each row's visible prefix — long rows first narrowed to k..2k candidates by its prefilter kernel — then
+    a sort of the K chosen), "top_k" (`lax.top_k`) or "radix"
     (`select.top_k_radix`), the same result; None: `default_selection` (measured on the H200).
     `sort=False` lets the selection kernel return each query's chosen positions in ascending position order
     (the same set, -1 / -inf pads last) without the final sort of K per query: for callers that, like

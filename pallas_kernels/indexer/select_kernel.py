@@ -21,6 +21,13 @@ comparisons per score and pass, and no sort. The kernel is bound by those intege
 4096-score chunks and 8 warps 2.6 ms). Slots past the
 row's count are written -1 / -inf.
 
+Prefilter (`prefilter=True`, the default on rows of at least 4 x 2k keys): a first kernel finds, per row,
+a bound with between k and 2k scores at or above it and writes those (score, position) pairs in position
+order; the kernel above then selects among them instead of the row (the same answer: every score of the
+Top-K is at or above the bound, and position order keeps the tie rule). Random scores need one statistics
+pass, one counting pass and one compaction over the row (H200, 85a0b5a: the last 4,096 rows of a 32K
+prefill 1.237 vs 1.672 ms; [64, 131072] rows 0.231 vs 0.710 ms).
+
 Order keys: the float32 bits as int32, negative values with their 31 low bits flipped, compare like the
 floats under a signed comparison (-inf lowest of the non-NaN values). The radix digits are those of the
 unsigned image (key XOR 0x80000000).
