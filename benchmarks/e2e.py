@@ -27,6 +27,7 @@ engines on the same 64-token prompt are compared (the row "parity").
 
     python -m benchmarks.e2e [--models hybrid_small kimi] [--quant none hierarchical] [--ttft 4096 32768 131072]
         [--batches 1 16 64] [--context 2048] [--no-baseline] [--no-startup] [--no-record]
+    python -m benchmarks.e2e --models --no-baseline     # the start-up rows alone (about a minute)
 """
 
 from __future__ import annotations
@@ -335,7 +336,7 @@ def _fmt(v, spec):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["hybrid_small", "kimi"])
+    p.add_argument("--models", nargs="*", default=["hybrid_small", "kimi"], help="none: the start-up rows alone")
     p.add_argument("--quant", nargs="+", default=["none", "hierarchical"], choices=["none", "hierarchical"])
     p.add_argument("--quant-models", nargs="+", default=["hybrid_small"], help="models also run with --quant")
     p.add_argument("--ttft", type=int, nargs="*", default=[4096, 32768, 131072], help="none: decode rows only")
@@ -353,6 +354,8 @@ def main() -> None:
     p.add_argument("--no-startup", action="store_true")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
+    if not args.models and args.no_startup:
+        raise SystemExit("e2e: no --models and --no-startup: nothing to measure")
 
     rows: list[dict] = []
 
@@ -440,6 +443,9 @@ def main() -> None:
         f"End to end ({', '.join(args.models)}; Kimi-shaped = {args.kimi_layers} layers, {args.kimi_experts} experts"
         f"{', tiny widths' if args.tiny else ''}); decode after {args.context} tokens; ceilings: copy "
         f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+        if args.models
+        else f"Start-up of `python -m hybrid_jax generate --config {args.startup_config}`, one process each: cold, "
+        "then warm from the persistent compilation cache the first filled"
     )
     report("e2e.py", title, table, record=not args.no_record)
 

@@ -25,6 +25,31 @@ def test_e2e_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     assert "16 steps per executable; 0 compilations in all timed calls" in out  # no recompilation
 
 
+def test_e2e_startup_rows_alone_and_a_second_start_compiles_nothing(fast_ceilings, monkeypatch, capsys):
+    """`--models` with no model: only the start-up rows, two fresh CLI processes sharing a new persistent
+    compilation cache; the second loads every executable the first compiled."""
+    from benchmarks import e2e
+
+    argv = ["e2e", "--models", "--startup-config", "tiny", "--no-baseline", "--no-record"]
+    monkeypatch.setattr(sys, "argv", argv)
+    e2e.main()
+    out = capsys.readouterr().out
+    cold = next(ln for ln in out.splitlines() if ln.startswith("| tiny | none | hybrid-jax CLI | start-up, cold"))
+    warm = next(ln for ln in out.splitlines() if ln.startswith("| tiny | none | hybrid-jax CLI | start-up, warm"))
+    compiled = int(cold.split("XLA compilations: ")[1].split(",")[0])
+    assert compiled > 0
+    assert f"XLA compilations: 0, loaded from the persistent cache: {compiled}" in warm
+    assert "| hybrid-jax | " not in out  # no model rows
+
+
+def test_e2e_with_nothing_to_measure_says_so(monkeypatch):
+    from benchmarks import e2e
+
+    monkeypatch.setattr(sys, "argv", ["e2e", "--models", "--no-startup", "--no-record"])
+    with pytest.raises(SystemExit, match="nothing to measure"):
+        e2e.main()
+
+
 def test_e2e_row_peak_counts_live_bytes_temporaries_and_new_outputs(monkeypatch):
     """A row's peak: the device's live bytes plus the executable's temporaries and outputs, a donated
     input's aliased output not counted twice (a fake device's statistics stand in for the GPU's)."""
