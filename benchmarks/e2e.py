@@ -27,7 +27,7 @@ engines on the same 64-token prompt are compared (the row "parity").
 
     python -m benchmarks.e2e [--models hybrid_small kimi] [--quant none hierarchical] [--ttft 4096 32768 131072]
         [--batches 1 16 64] [--context 2048] [--no-baseline] [--no-startup] [--no-record]
-    python -m benchmarks.e2e --models --no-baseline     # the start-up rows alone (about a minute)
+    python -m benchmarks.e2e --models --no-baseline     # the start-up rows alone
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ import pytest
 mesh_lib = pytest.importorskip("jax._src.mesh")  # AbstractDevice is private: skip if it moves
 
 
-def _lowered_for_h200(fn, *args) -> str:
+def _lowered_for_h200(fn, *args, axis_types=None) -> str:
     device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",), abstract_device=device)):
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), axis_types=axis_types, abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -290,16 +291,10 @@ def test_decode_step_has_no_device_loop(preset, quant, batch, monkeypatch):
     cost 0.58 ms of a hybrid_small B=64 step; this test fails on the code before it)."""
     from flax import nnx
 
-    from hybrid_jax import HybridConfig, HybridLM
-    from hybrid_jax.quant.config import QuantConfig
+    from benchmarks.e2e import build_model
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the GPU defaults, not interpret mode
-    cfg = getattr(HybridConfig, preset)()
-    q = QuantConfig.hierarchical() if quant == "hierarchical" else None
-    param_dtype = None if q and q.projection.param_dtype is not None else jnp.bfloat16
-    model = nnx.eval_shape(
-        lambda: HybridLM(cfg, dtype=jnp.bfloat16, param_dtype=param_dtype, quant=q, rngs=nnx.Rngs(0))
-    )
+    model = nnx.eval_shape(lambda: build_model(preset, quant))  # as the e2e benchmark builds it, abstract
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: model.init_cache(batch, 2048 + 64))
     ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -307,10 +302,7 @@ def test_decode_step_has_no_device_loop(preset, quant, batch, monkeypatch):
     def step(state, ids, cache):
         return nnx.merge(graphdef, state).decode_step(ids, cache)
 
-    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     # Auto axes: XLA's sharding propagation, as on a real device (ragged_dot has no explicit-axes rule)
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(step).trace(state, ids, cache).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered_for_h200(step, state, ids, cache, axis_types=(jax.sharding.AxisType.Auto,))
     assert "xla.gpu.triton" in text  # the step's kernels were picked
     assert "stablehlo.while" not in text
