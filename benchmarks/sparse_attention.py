@@ -215,6 +215,16 @@ def _prefill_parts(bw, rate, q, w, pool, table, kw, flops, shape, select_variant
     return rows
 
 
+def _err_if_runs(fn, args, ref, what: str) -> float | None:
+    """Relative error of fn(*args)[0] against ref, or None (and the reason printed) where the kernel does not
+    run, e.g. a tile past the shared memory: the sweep goes on."""
+    try:
+        return rel_err(fn(*args)[0], ref)
+    except jax.errors.JaxRuntimeError as e:
+        print(f"  {what}: did not run: {str(e).splitlines()[0]}", flush=True)
+        return None
+
+
 def _mla_variant(text: str) -> tuple:
     """ "block_h:block_k:precision:splits:warps:stages" (splits "-" = the rule) -> a variant tuple."""
     bh, bk, prec, sp, nw, ns = text.split(":")
@@ -268,10 +278,8 @@ def sparse_mla_rows(
             label = f"pallas, block_h={bh}, block_k={bk}" + (f", {prec}" if prec != "tf32" else "")
             label += f", splits={sp}" if sp else ""
             label += f", {nw} warps, {ns} stages" if (nw, ns) != (4, 2) else ""
-            try:
-                err = rel_err(fn(ql, qr, pool, table, idx)[0], ref_o)
-            except jax.errors.JaxRuntimeError as e:  # e.g. a tile past the shared memory: the sweep goes on
-                print(f"  {case} | {shape} | {label}: did not run: {str(e).splitlines()[0]}", flush=True)
+            err = _err_if_runs(fn, (ql, qr, pool, table, idx), ref_o, f"{case} | {shape} | {label}")
+            if err is None:
                 rows.append(row(case, shape, label, float("nan"), flops, nbytes, bw, rate, "did not run (see log)"))
                 continue
             ms = timer(fn, ql, qr, pool, table, idx)
@@ -286,19 +294,26 @@ def sparse_mla_rows(
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
         args = (ql, qr, values, scales, pool[..., lat:], table, idx)
         fp8_bytes = b * t * topk * (lat + 4 * lat // 128 + 2 * rope)  # E4M3 latent + f32 scales + bf16 rope
-        fp8_tiles = "{} heads, {} rows, {} warps, {} stages".format(*default_tiles(heads, b * t, True))
-        how = f"FP8-row kernel: {fp8_tiles}"
-        if dequantizes_pool(b * t, topk, pool.shape[0] * pool.shape[1]):  # prefill: the BF16-row kernel
-            how = "pool dequantized once, then the BF16-row kernel"
-            fp8_bytes = nbytes + values.nbytes + scales.nbytes + pool.shape[0] * pool.shape[1] * lat * 2
-        for prec, label in ((None, f"pallas, FP8 latent pool, defaults ({how}, bf16)"),
-                            ("tf32", f"pallas, FP8 latent pool ({how}), TF32 products")):  # fmt: skip
+        pool_rows = pool.shape[0] * pool.shape[1]
+        if dequantizes_pool(b * t, topk, pool_rows):  # prefill: the BF16-row kernel
+            fp8_bytes = nbytes + values.nbytes + scales.nbytes + pool_rows * lat * 2
+        for prec, label in ((None, "pallas, FP8 latent pool, defaults ({}, bf16)"),
+                            ("tf32", "pallas, FP8 latent pool ({}), TF32 products")):  # fmt: skip
+            how = "FP8-row kernel: {} heads, {} rows, {} warps, {} stages".format(
+                *default_tiles(heads, b * t, True, precision=prec or "bf16")
+            )
+            if dequantizes_pool(b * t, topk, pool_rows):
+                how = "pool dequantized once to bfloat16, then the BF16-row kernel"
+            label = label.format(how)
             fp8 = jax.jit(
                 lambda a, c, v8, sc, rp, tb, i, prec=prec: sparse_mla(
                     a, c, v8, tb, i, scale=0.1, impl="pallas", latent_scales=sc, rope_pages=rp, precision=prec
                 )
             )
-            err = rel_err(fp8(*args)[0], ref_o)
+            err = _err_if_runs(fp8, args, ref_o, f"{case} | {shape} | {label}")
+            if err is None:
+                rows.append(row(case, shape, label, float("nan"), flops, fp8_bytes, bw, rate, "did not run (see log)"))
+                continue
             ms = timer(fp8, *args)
             check = f"rel err {err:.1e} (FP8 rounding)"
             rows.append(row(case, shape, label, ms, flops, fp8_bytes, bw, rate, check))

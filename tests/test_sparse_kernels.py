@@ -105,6 +105,11 @@ def test_sparse_mla_default_tiles_follow_the_measured_rule():
     assert default_tiles(128, 64, True) == (64, 64, 8, 2)  # FP8 rows
     assert default_tiles(32, 64, True) == (32, 64, 4, 2)
     assert default_tiles(16, 4096, True) == (16, 32, 4, 2)
+    # float32 operands (float32 queries): 32-row steps, 2 stages; FP8 rows too (their 64-head tile overflowed)
+    assert default_tiles(128, 64, True, precision="tf32") == (32, 32, 4, 2)
+    assert default_tiles(128, 4096, False, precision="ieee") == (32, 32, 4, 2)
+    assert default_tiles(128, 64, False, block_h=64, precision="tf32") == (64, 32, 8, 2)
+    assert default_tiles(16, 64, False, precision="tf32") == (16, 64, 4, 2)  # 16-head blocks: as for bf16
     ql, qr, pool, table, idx = _case(8, 3, 1, 32, 32, 16, 8, 40, [35, 12, 40], jnp.float32)
     kw = dict(scale=0.1, impl="pallas", precision="ieee", interpret=True)
     jaxpr = lambda **k: str(jax.make_jaxpr(lambda *a: sparse_mla(*a, **kw, **k))(ql, qr, pool, table, idx))  # noqa: E731
@@ -471,6 +476,12 @@ def test_sparse_mla_fp8_pool_at_prefill_runs_the_bf16_row_kernel_on_the_dequanti
     fin = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-5, atol=1e-5)
     assert kernels(ql, qr, values, table, idx, precision="ieee", **kw) == (False, True)
+    # the dequantized pool: float32 for "ieee" products only; TF32 ones read it in bfloat16 (exact, half the bytes)
+    rows = pool.shape[0] * pool.shape[1]
+    pool_dtype = lambda p: str(jax.make_jaxpr(lambda *a: sparse_mla(*a, precision=p, **kw))(ql, qr, values, table, idx))  # noqa: E731
+    assert f"f32[{rows},{lat}]" in pool_dtype("ieee") and f"bf16[{rows},{lat}]" in pool_dtype("tf32")
+    ot, _ = sparse_mla(ql, qr, values, table, idx, **kw)  # float32 queries: TF32 products by default
+    assert rel_err(ot, ref_o) < 1e-5  # interpret mode multiplies in float32: the bf16 pool lost nothing
     # bf16 queries: the pool dequantized to bfloat16 (exact), against the FP8-row kernel on the same call
     qlb, qrb = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
     ob, _ = sparse_mla(qlb, qrb, values, table, idx, **kw)

@@ -54,7 +54,9 @@ def _dequantized(values, scales, dtype):
     return dense.reshape(p, g, lat).astype(dtype)
 
 
-def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) -> tuple[int, int, int, int]:
+def default_tiles(
+    heads: int, rows: int, fp8: bool, block_h: int | None = None, precision: str = "bf16"
+) -> tuple[int, int, int, int]:
     """(block_h, block_k, num_warps, num_stages) measured fastest on the H200 (bf16 products; ad-hoc sweeps
     at aab90a2, BENCHMARKS.md notes of 2026-11-30), for `rows` query rows of `heads` heads; a given
     `block_h` picks the rest for that head block.
@@ -71,7 +73,17 @@ def default_tiles(heads: int, rows: int, fp8: bool, block_h: int | None = None) 
       blocks from 64 heads, 64 rows, 8 warps, 2 stages — decode B=64 x 128 heads: 0.468 ms against 0.508
       for (32, 64, 4, 2) and 0.683 for (16, 32, 4, 2); 32-head blocks (32, 64, 4, 2); 16-head blocks 32 rows,
       4 warps, 2 stages (prefill T=4096 x 16 heads: 4.59 ms, the fastest of five tiles).
+    - float32 operands (precision "tf32" or "ieee": float32 queries) from 32-head blocks, on either pool:
+      32-head blocks, 32 rows a step, 2 stages. The tiles above hold twice the bytes per gathered tile
+      there: on FP8 rows the 64-head tile asked for 238,848 bytes of the H200's 232,448 of shared memory
+      (the kernel did not run), and the fitting ones ran slower (H200, d397dea, float32 queries, 128 heads,
+      top-2048: decode B=64 BF16 rows 0.511 ms against 0.822 for (32, 64, 4, 3), FP8 rows 0.693 against
+      1.110 for (32, 64, 4, 2); prefill T=4096 28.5 ms against 41.4). 16-head blocks keep the rules above
+      (decode B=64 0.116 ms, prefill T=4096 6.9 ms).
     """
+    if precision != "bf16" and (block_h or heads) >= 32:
+        block_h = block_h or 32
+        return block_h, 32, 4 if block_h <= 32 else 8, 2
     if fp8:
         block_h = block_h or (64 if heads >= 64 else 32 if heads >= 32 else 16)
         if block_h >= 64:
@@ -178,9 +190,11 @@ def sparse_mla(
         raise ValueError(f"sparse_mla(impl='pallas'): latent {lat} and rope {rope} must be powers of two (rope >= 16)")
     k = indices.shape[-1]
     if latent_scales is not None and dequantizes_pool(b * t, k, kv_pages.shape[0] * kv_pages.shape[1]):
-        kv_pages = _dequantized(kv_pages, latent_scales, jnp.bfloat16 if precision == "bf16" else jnp.float32)
+        # bfloat16 unless "ieee": E4M3 times a power-of-two scale (`quantize_kv_fp8`'s) is exact in it, and
+        # float32 rows made the kernel 21x slower (H200, d397dea, T=4096 x 128 heads, same tiles: 876 vs 41 ms)
+        kv_pages = _dequantized(kv_pages, latent_scales, jnp.float32 if precision == "ieee" else jnp.bfloat16)
         latent_scales = None
-    tiles = default_tiles(n, b * t, latent_scales is not None, block_h)
+    tiles = default_tiles(n, b * t, latent_scales is not None, block_h, precision)
     block_h, block_k, num_warps, num_stages = (
         tiles[i] if given is None else given for i, given in enumerate((block_h, block_k, num_warps, num_stages))
     )
