@@ -145,8 +145,8 @@ def sparse_mla(
     Returns (out [B,T,N,L] in q_latent.dtype, natural-log LSE [B,T,N] float32, -inf where nothing is selected).
     impl: "reference" (jnp), "pallas" (`kernel.sparse_mla_pallas`: rows gathered from the pool inside the
     kernel, online softmax; L and R powers of two; `block_h` heads, `block_k` rows per step, `num_warps`
-    and `num_stages` — each left None is taken from `default_tiles` (measured on the H200: 32-head blocks
-    from 32 heads on BF16 pools, else 16), `precision`
+    and `num_stages` — each left None is taken from `default_tiles`, measured on the H200 per pool, head
+    count, query rows and operand precision), `precision`
     "tf32", "ieee" or "bf16" (bfloat16 operands and probabilities, float32 accumulation, flash-attention
     style; on an FP8 pool the E4M3 values enter the products as bfloat16, exactly) for its products —
     default "bf16" for bf16 queries, on BF16 and FP8 pools alike (H200, B=64 x 128 heads, top-2048, 10
@@ -160,7 +160,8 @@ def sparse_mla(
     them apart; the kernel reads both, so no step concatenates the pools). FP8 latent cache: in addition
     `latent_scales` [P,G,L/tile] float32 with `kv_pages` in E4M3; the Pallas kernel dequantizes the selected
     rows in the kernel, the reference dequantizes the pool first — and so does the Pallas path at prefill
-    (query rows x selected rows >= POOL_DEQUANT_MIN_RATIO x the pool's rows), then runs the BF16-row kernel.
+    (query rows x selected rows >= POOL_DEQUANT_MIN_RATIO x the pool's rows), to bfloat16 (float32 for "ieee"),
+    then runs the BF16-row kernel.
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
