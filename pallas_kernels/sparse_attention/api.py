@@ -145,7 +145,7 @@ def sparse_mla(
     Returns (out [B,T,N,L] in q_latent.dtype, natural-log LSE [B,T,N] float32, -inf where nothing is selected).
     impl: "reference" (jnp), "pallas" (`kernel.sparse_mla_pallas`: rows gathered from the pool inside the
     kernel, online softmax; L and R powers of two; `block_h` heads, `block_k` rows per step, `num_warps`
-    and `num_stages` — each left None is taken from `default_tiles`, measured on the H200 per pool, head
+    and `num_stages` — each left None is taken from `default_tiles` (measured on the H200 per pool, head
     count, query rows and operand precision), `precision`
     "tf32", "ieee" or "bf16" (bfloat16 operands and probabilities, float32 accumulation, flash-attention
     style; on an FP8 pool the E4M3 values enter the products as bfloat16, exactly) for its products —
