@@ -48,6 +48,10 @@ DECODE_BLOCK_M = 16
 SMALL_CALL_PAIRS = 512  # below this many pairs 16-row blocks (the 64 Kimi token measurement above)
 DECODE_TILES = dict(num_warps=4, num_stages=2)
 PREFILL_TILES = dict(block_m=128, num_warps=8, num_stages=3)
+# 4-byte operands (a float32 model) hold twice the bytes per tile: the prefill tiles' 3 stages asked the H200
+# for 262,144 bytes of shared memory (232,448 there) and no float32 model ran (`benchmarks/gpu_parity.py`,
+# 2039bda); 2 stages of 128-row blocks need about two thirds of that.
+WIDE_OPERAND_MAX_STAGES = 2
 
 
 def auto_choice(pairs: int, experts: int) -> str:
@@ -111,7 +115,8 @@ def moe_experts(
     `block_m` rows — default `auto_block_m`; gate and up in one kernel writing SiLU(gate) * up, then down;
     `block_n` / `block_k` output and contraction tiles, powers of two, default 128 / 64, 64 / 128 for
     "gemv"; `num_warps` / `num_stages` Triton's parameters of the grouped kernels, default by row block
-    (`DECODE_TILES` for 16-row blocks, else `PREFILL_TILES`); `split_k`: "gemv"'s
+    (`DECODE_TILES` for 16-row blocks, else `PREFILL_TILES`; at most WIDE_OPERAND_MAX_STAGES stages for
+    float32 operands); `split_k`: "gemv"'s
     contraction splits, a power of two, default `gemv.auto_split_k`), or "auto"
     (`auto_choice`: on a GPU "gemv" for up to `GEMV_MAX_PAIRS` pairs — one decoded token — the grouped
     kernel from `PALLAS_MIN_PAIRS` pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the
@@ -135,7 +140,11 @@ def moe_experts(
     if block_m is None:
         block_m = auto_block_m(idx.size, e)
     triton = DECODE_TILES if block_m <= DECODE_BLOCK_M else PREFILL_TILES
-    num_warps, num_stages = num_warps or triton["num_warps"], num_stages or triton["num_stages"]
+    if num_stages is None:
+        num_stages = triton["num_stages"]
+        if max(jnp.dtype(x.dtype).itemsize, jnp.dtype(gate_proj.dtype).itemsize) >= 4:
+            num_stages = min(num_stages, WIDE_OPERAND_MAX_STAGES)
+    num_warps = num_warps or triton["num_warps"]
     if impl == "auto":  # before the tile defaults, which depend on the kernel
         impl = auto_choice(idx.size, e)
     if block_n is None:
