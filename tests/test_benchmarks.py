@@ -200,3 +200,20 @@ def test_ceilings_take_the_best_of_their_repeats(monkeypatch):
     bw, rate = benchmarks.common.ceilings(repeats=3, copy_elems=1024, mm=16)
     assert bw == 2 * 1024 * 4 / 1e-3  # the 1.0 ms median, not the 9.0 ms warm-up
     assert rate == 2 * 16**3 / 0.5e-3
+
+
+def test_gpu_parity_cuts_each_preset_to_a_valid_config_with_every_layer_kind():
+    """The parity benchmark's cut keeps the widths and one layer of each attention and MLP type (DeepSeek's
+    first MoE layer is its fourth, Kimi's first MLA layer too) and a valid expert grouping."""
+    from benchmarks.gpu_parity import cut_config
+    from hybrid_jax import PRESETS
+
+    for name, preset in PRESETS.items():
+        full, cut = preset(), cut_config(preset(), 2, 16)
+        assert set(cut.layer_types) == set(full.layer_types) and set(cut.mlp_types) == set(full.mlp_types), name
+        assert (cut.hidden_size, cut.num_heads, cut.index_num_heads) == (full.hidden_size, full.num_heads,
+                                                                          full.index_num_heads)  # fmt: skip
+        assert cut.num_experts == min(16, full.num_experts) and cut.num_layers <= 4, name
+    ds = cut_config(PRESETS["deepseek_v32"](), 2, 16)
+    assert ds.layer_types == ("sparse",) * 3 and ds.mlp_types == ("dense", "dense", "moe")
+    assert (ds.n_group, ds.topk_group, ds.num_experts_per_tok) == (8, 4, 8)

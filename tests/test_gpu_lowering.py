@@ -104,6 +104,25 @@ def test_moe_kernels_lower(impl, tokens):
     assert _lowered_for_h200(run, x, idx, w, gate, down).count("xla.gpu.triton") >= 1
 
 
+def test_moe_prefill_tiles_take_fewer_stages_for_float32():
+    """128-row blocks: 3 pipeline stages for bf16, at most WIDE_OPERAND_MAX_STAGES for float32 operands,
+    whose 3 stages overflowed the H200's shared memory (no float32 model ran); given stages are kept."""
+    import re
+
+    from pallas_kernels.moe import api, moe_experts
+
+    def stages(dtype, **kw):
+        x, w = jnp.ones((512, 256), dtype), jnp.ones((512, 2), jnp.float32)
+        idx = jnp.zeros((512, 2), jnp.int32).at[:, 1].set(1)
+        gate, down = jnp.ones((8, 256, 128), dtype), jnp.ones((8, 128, 256), dtype)
+        run = lambda *a: moe_experts(*a, impl="pallas", interpret=False, block_m=128, **kw)  # noqa: E731
+        return set(re.findall(r"num_stages = (\d+)", _lowered_for_h200(run, x, idx, w, gate, gate, down)))
+
+    assert stages(jnp.bfloat16) == {str(api.PREFILL_TILES["num_stages"])} == {"3"}
+    assert stages(jnp.float32) == {str(api.WIDE_OPERAND_MAX_STAGES)}
+    assert stages(jnp.float32, num_stages=3) == {"3"}
+
+
 @pytest.mark.parametrize("dims", [(64, 64), (192, 128)])
 def test_attention_kernel_lowers(dims):
     from pallas_kernels.attention import attention
