@@ -217,3 +217,26 @@ def test_gpu_parity_cuts_each_preset_to_a_valid_config_with_every_layer_kind():
     ds = cut_config(PRESETS["deepseek_v32"](), 2, 16)
     assert ds.layer_types == ("sparse",) * 3 and ds.mlp_types == ("dense", "dense", "moe")
     assert (ds.n_group, ds.topk_group, ds.num_experts_per_tok) == (8, 4, 8)
+
+
+def test_kernel_resources_flags_a_tile_past_the_shared_memory(tmp_path):
+    """The MoE prefill tiles with float32 operands, compiled on the host for sm_90 by the `triton` package: 3
+    stages over the limit (the H200 refused them), the 2 the defaults now take under it."""
+    pytest.importorskip("triton")
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.kernel_resources import SMEM_LIMIT, compile_for_hopper, triton_kernels
+    from pallas_kernels.moe import moe_experts
+
+    x, w = jax.ShapeDtypeStruct((512, 256), jnp.float32), jax.ShapeDtypeStruct((512, 2), jnp.float32)
+    idx = jax.ShapeDtypeStruct((512, 2), jnp.int32)
+    gate, down = jax.ShapeDtypeStruct((8, 256, 128), jnp.float32), jax.ShapeDtypeStruct((8, 128, 256), jnp.float32)
+
+    def smem(**kw):
+        run = lambda *a: moe_experts(*a, impl="pallas", interpret=False, block_m=128, **kw)  # noqa: E731
+        kernels = {k["name"]: k for k in triton_kernels(run, x, idx, w, gate, gate, down)}
+        return compile_for_hopper(kernels["moe_gate_up"], tmp_path)
+
+    three, default = smem(num_stages=3), smem()
+    assert three["smem"] > SMEM_LIMIT >= default["smem"] > 0 and default["regs"] > 0

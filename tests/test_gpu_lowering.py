@@ -55,6 +55,26 @@ def test_kda_prefill_kernels_lower(solve):
     assert _lowered_for_h200(run, q, g, beta, s0).count("xla.gpu.triton") == 4  # cumsum, A, solve, state pass
 
 
+@pytest.mark.parametrize("precision,stages", [("bf16", "3"), ("tf32", "1")])
+def test_kda_state_pass_stages_follow_the_products_precision(precision, stages):
+    """float32 intermediates: the state pass unpipelined (3 stages asked sm_90 for 385,024 bytes of shared
+    memory, 2 for 262,144; a block may have 232,448)."""
+    import re
+
+    from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
+
+    q = jnp.ones((1, 128, 2, 128), jnp.bfloat16)
+    g = jnp.ones((1, 128, 2, 128), jnp.float32)
+    beta = jnp.ones((1, 128, 2), jnp.float32)
+    s0 = jnp.zeros((1, 2, 128, 128), jnp.float32)
+
+    def run(q, g, beta, s0):
+        return kda_chunked_pallas(q, q, q, g, beta, s0, scale=0.1, l2norm=True, block_v=32, precision=precision)
+
+    text = _lowered_for_h200(run, q, g, beta, s0)
+    assert re.findall(r'name = "kda_chunk_state", num_stages = (\d+)', text) == [stages]
+
+
 def test_kda_packed_prefill_kernels_lower():
     """Packed sequences: the state pass is one program per (sequence, head, V-block) whose loop bounds are
     read from memory (a counted loop with a dynamic trip count)."""

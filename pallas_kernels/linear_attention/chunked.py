@@ -54,6 +54,17 @@ INTRA_WARPS = (8, 4)
 # Software-pipelining stages of the state pass (its loads of the next chunk's tiles overlap this chunk's
 # products): 4.53 ms vs 4.92 at 2 for the whole 32K prefill (H200).
 STATE_STAGES = 3
+# float32 intermediates ("tf32" / "ieee" products) hold twice the bytes per tile: the state pass asks for
+# 385,024 bytes of shared memory on sm_90 with 3 stages and 262,144 with 2, where a block may have 232,448;
+# 1 stage (no pipelining) 57,344 (Kimi-Linear and hybrid_small widths, `benchmarks/kernel_resources.py`).
+# Before this no float32 model with KDA layers could prefill on the GPU; its speed there is not measured.
+WIDE_STATE_STAGES = 1
+
+
+def state_stages(precision: str) -> int:
+    """The state pass's default pipelining stages for products at `precision`."""
+    return STATE_STAGES if precision == "bf16" else WIDE_STATE_STAGES
+
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a @ bᵀ
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
@@ -334,7 +345,7 @@ def _gate_spec(nc, dk):
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
-    num_stages=STATE_STAGES, solve="neumann", seq_start=None, seq_count=None, parts=PARTS,
+    num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -349,7 +360,7 @@ def kda_chunked_pallas(
     dv = v.shape[-1]
     nc = t // CHUNK
     packed = seq_start is not None
-    params = triton_params(interpret, num_warps, num_stages)
+    params = triton_params(interpret, num_warps, num_stages or state_stages(precision))
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
         parts=parts,
@@ -387,7 +398,7 @@ def kda_chunked_pallas(
 
 @functools.partial(jax.jit, static_argnames=("l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages"))
 def kda_state_summary_pallas(
-    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=STATE_STAGES
+    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=None
 ):
     """The affine map of a sequence shard, S_end = M S_start + E (ARCH_SPEC §2), from the same two phases.
 
@@ -398,7 +409,7 @@ def kda_state_summary_pallas(
     b, t, n, dk = k.shape
     dv = v.shape[-1]
     nc = t // CHUNK
-    params = triton_params(interpret, num_warps, num_stages)
+    params = triton_params(interpret, num_warps, num_stages or state_stages(precision))
     _, w, u, _, kg, gl = _intra(k, k, v, g, beta, scale=1.0, l2norm=l2norm, precision=precision, interpret=interpret)
     u_aug = jnp.concatenate([jnp.zeros((b, t, n, dk), jnp.float32), u], axis=-1)
     eye = jnp.eye(dk, dk + dv, dtype=jnp.float32)
