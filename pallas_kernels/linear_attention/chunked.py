@@ -65,6 +65,7 @@ def state_stages(precision: str) -> int:
     """The state pass's default pipelining stages for products at `precision`."""
     return STATE_STAGES if precision == "bf16" else WIDE_STATE_STAGES
 
+
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a @ bᵀ
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
