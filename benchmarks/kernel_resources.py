@@ -7,13 +7,13 @@ call: a tile past the 232,448 bytes of shared memory a block may have on an H100
 sparse MLA tile with float32 queries (acb2fd9) and the MoE prefill tiles with float32 operands (96843e1). Here
 the model is lowered for an abstract H200 with the GPU defaults (`impl="auto"` as on a GPU: an abstract model
 and cache, nothing allocated), the Triton IR of each kernel is taken as Pallas hands it to XLA, and the
-`triton` package compiles it for sm_90 with the kernel's warps and stages (`pip install triton`; its bundled
-`ptxas -v` gives registers and spills). XLA compiles the same IR with its own copy of Triton, which may
-allocate differently. Compared with the H200's error messages: equal to the byte for two sparse-MLA variants
-(295,168 and 286,976 bytes), higher for two kernels (294,912 against 262,144 for the MoE prefill tiles in
-float32, 353,536 against 238,848 for the FP8-row sparse MLA tile with float32 queries). Read the figures as
-upper bounds (in the four cases compared none read lower than the GPU's): over the limit here may still fit
-there.
+`triton` package compiles it for sm_90 with the kernel's warps and stages (in the `test` extra on Linux
+x86-64, else `pip install triton`; its bundled `ptxas -v` gives registers and spills). XLA compiles the same
+IR with its own copy of Triton, which may allocate differently. Compared with the H200's error messages: equal
+to the byte for two sparse-MLA variants (295,168 and 286,976 bytes), higher for two kernels (294,912 against
+262,144 for the MoE prefill tiles in float32, 353,536 against 238,848 for the FP8-row sparse MLA tile with
+float32 queries). Read the figures as upper bounds (in the four cases compared none read lower than the
+GPU's): over the limit here may still fit there.
 
     python -m benchmarks.kernel_resources                               # every preset, bf16 and float32
     python -m benchmarks.kernel_resources --presets deepseek_v32 --dtypes float32 --quant none hierarchical
