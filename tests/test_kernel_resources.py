@@ -11,17 +11,18 @@ pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize(
-    "preset,dtype,quant",
+    "preset,dtype,quant,batch",
     [
-        ("hybrid_small", "float32", "none"),  # KDA, indexer, sparse MLA, MoE with 4-byte operands
-        ("deepseek_v32", "float32", "hierarchical"),  # 128 heads on FP8 latent rows, float32 queries
-        ("kimi_linear_48b", "bfloat16", "none"),  # dense MLA attention, the pipelined KDA state pass
+        ("hybrid_small", "float32", "none", 16),  # KDA, indexer, sparse MLA, MoE with 4-byte operands
+        ("hybrid_small", "float32", "none", 64),  # the wider decode tiles of a larger batch
+        ("deepseek_v32", "float32", "hierarchical", 16),  # 128 heads on FP8 latent rows, float32 queries
+        ("kimi_linear_48b", "bfloat16", "none", 16),  # dense MLA attention, the pipelined KDA state pass
     ],
 )
-def test_preset_kernels_fit_the_shared_memory(preset, dtype, quant, tmp_path):
+def test_preset_kernels_fit_the_shared_memory(preset, dtype, quant, batch, tmp_path):
     from benchmarks.kernel_resources import SMEM_LIMIT, compile_for_hopper, preset_kernels
 
-    found = preset_kernels(preset, jnp.dtype(dtype), quant, tokens=4096, batch=16, layers=2)
+    found = preset_kernels(preset, jnp.dtype(dtype), quant, tokens=4096, batch=batch, layers=2)
     sizes = [(stage, k["name"], compile_for_hopper(k, tmp_path)) for stage, ks in found.items() for k in ks]
     assert len(sizes) >= 5 and all(r["regs"] for *_, r in sizes)  # the kernels were found and compiled
     over = [

@@ -109,7 +109,8 @@ def test_sparse_mla_default_tiles_follow_the_measured_rule():
     assert default_tiles(128, 64, True, precision="tf32") == (32, 32, 4, 2)
     assert default_tiles(128, 4096, False, precision="ieee") == (32, 32, 4, 2)
     assert default_tiles(128, 64, False, block_h=64, precision="tf32") == (64, 32, 8, 2)
-    assert default_tiles(16, 64, False, precision="tf32") == (16, 64, 4, 2)  # 16-head blocks: as for bf16
+    assert default_tiles(16, 64, False, precision="tf32") == (16, 32, 4, 2)  # 16 heads at decode: 32 rows too
+    assert default_tiles(16, MANY_ROWS, False, precision="tf32") == (16, 32, 2, 3)  # prefill: as for bf16
     ql, qr, pool, table, idx = _case(8, 3, 1, 32, 32, 16, 8, 40, [35, 12, 40], jnp.float32)
     kw = dict(scale=0.1, impl="pallas", precision="ieee", interpret=True)
     jaxpr = lambda **k: str(jax.make_jaxpr(lambda *a: sparse_mla(*a, **kw, **k))(ql, qr, pool, table, idx))  # noqa: E731
