@@ -96,13 +96,7 @@ def run_case(case: str, args) -> dict:
     def run(kernels: bool):
         """(prefill's last logits, [steps] decode logits) with the kernels or the references; the decode
         tokens are the reference's greedy ones (`tokens`, filled by the reference run, which goes first)."""
-        with (
-            use_pallas(True)
-            if kernels and args.force_kernels
-            else contextlib.nullcontext()
-            if kernels
-            else use_pallas(False)
-        ):
+        with paths(kernels):
             prefill = jit_module(lambda m, x, c: m.prefill(x, c, last_only=True), model)
             step = jit_module(lambda m, x, c: m.decode_step(x, c), model)
             logits, cache = prefill(ids, model.init_cache(1, max_len))
@@ -113,6 +107,12 @@ def run_case(case: str, args) -> dict:
                 logits, cache = step(jnp.asarray([tokens[i]], jnp.int32), cache)
                 out.append(np.asarray(logits[0], np.float32))
         return out
+
+    def paths(kernels: bool):
+        """The references: use_pallas(False); the kernels: as `impl="auto"` picks them (forced on a CPU)."""
+        if not kernels:
+            return use_pallas(False)
+        return use_pallas(True) if args.force_kernels else contextlib.nullcontext()
 
     tokens: list[int] = []
     try:

@@ -37,10 +37,20 @@ from benchmarks.common import report
 SMEM_LIMIT = 232_448  # bytes of shared memory one block may opt into on sm_90 (H100 / H200)
 
 
+def lower_for_h200(fn, *args, axis_types=None):
+    """`jax.jit(fn)` traced on `args` and lowered for an abstract NVIDIA H200 (no GPU needed): Pallas's
+    Triton lowering runs; Triton's own compilation does not."""
+    from jax._src import mesh as mesh_lib  # AbstractDevice is private
+
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), axis_types=axis_types, abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def triton_kernels(fn, *args) -> list[dict]:
     """The Triton kernels in `fn(*args)` lowered for an abstract H200: [{name, ttir, num_warps, num_stages}],
     one per distinct kernel (the layers of a stack repeat theirs)."""
-    from jax._src import mesh as mesh_lib
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     found, last = {}, {}
@@ -60,14 +70,11 @@ def triton_kernels(fn, *args) -> list[dict]:
             found.setdefault(key, dict(name=name, ttir=ttir, num_warps=warps, num_stages=stages))
         return custom_call(*a, backend_config=backend_config, **k)
 
-    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
     reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call = grab_module, grab_call
     backend = jax.default_backend
     jax.default_backend = lambda: "gpu"  # the GPU defaults, not interpret mode
     try:
-        with jax.sharding.use_abstract_mesh(mesh):
-            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        lower_for_h200(fn, *args, axis_types=(jax.sharding.AxisType.Auto,))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call = lower_module, custom_call
         jax.default_backend = backend

@@ -12,10 +12,9 @@ mesh_lib = pytest.importorskip("jax._src.mesh")  # AbstractDevice is private: sk
 
 
 def _lowered_for_h200(fn, *args, axis_types=None) -> str:
-    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), axis_types=axis_types, abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    from benchmarks.kernel_resources import lower_for_h200
+
+    return lower_for_h200(fn, *args, axis_types=axis_types).as_text()
 
 
 @pytest.mark.parametrize("rows", [1, 5])

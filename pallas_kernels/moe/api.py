@@ -50,7 +50,8 @@ DECODE_TILES = dict(num_warps=4, num_stages=2)
 PREFILL_TILES = dict(block_m=128, num_warps=8, num_stages=3)
 # 4-byte operands (a float32 model) hold twice the bytes per tile: the prefill tiles' 3 stages asked the H200
 # for 262,144 bytes of shared memory (232,448 there) and no float32 model ran (`benchmarks/gpu_parity.py`,
-# 2039bda); 2 stages of 128-row blocks need about two thirds of that.
+# 2039bda). Compiled on the host for sm_90 (`benchmarks/kernel_resources.py`, an upper bound of the GPU's
+# figure) the gate/up kernel needs 294,912 bytes at 3 stages and 196,608 at 2.
 WIDE_OPERAND_MAX_STAGES = 2
 
 
