@@ -29,6 +29,7 @@ from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.indexer.api import default_selection
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
+from pallas_kernels.indexer.select_split import top_k_split
 from pallas_kernels.sparse_attention import sparse_mla
 from pallas_kernels.sparse_attention.api import default_tiles, dequantizes_pool
 
@@ -112,7 +113,9 @@ def indexer_rows(
                     got_i, _ = fn(q, w, pool, table)
                     ms = chained_ms(fn, q, w, pool, table)
                     check = _same_topk(got_i, ref_i)
-                    how = "lax.top_k" if select == "top_k" else f"selection kernel, {vk['select_segments']} segments"
+                    how = {"top_k": "lax.top_k", "split": "split selection (row passes over many programs)"}.get(
+                        select, f"selection kernel, {vk['select_segments']} segments"
+                    )
                     how += " (the default)" if spec == "default" else ""
                     impl = (
                         f"pallas scores (bf16 pool, block_s={vk['block_s']}, {vk['keys_per_program']} keys/program, "
@@ -135,6 +138,14 @@ def indexer_rows(
             )
             ms = chained_ms(sel_only, scores)
             rows.append(row("indexer", shape, "selection kernel alone on [B, S]", ms, 0, scores.nbytes, bw, rate))
+            split_only = jax.jit(
+                lambda x, s=s: top_k_split(
+                    x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(4096, s),
+                    interpret=jax.default_backend() == "cpu",
+                )
+            )  # fmt: skip
+            ms = chained_ms(split_only, scores)
+            rows.append(row("indexer", shape, "split selection alone on [B, S]", ms, 0, scores.nbytes, bw, rate))
             values, scales = quantize_mxfp8(pool)
             fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
             ms = chained_ms(fn8, q, w, values, scales, table)
@@ -347,7 +358,9 @@ def main() -> None:
         default=[],
         help="CHUNK:WARPS:STAGES:DIGIT_BITS[:pre|nopre] selection kernel alone at prefill (prefilter: the rule)",
     )
-    p.add_argument("--decode-selects", nargs="+", default=list(DECODE_SELECTS), help="top_k or kernel:SEGMENTS")
+    p.add_argument(
+        "--decode-selects", nargs="+", default=list(DECODE_SELECTS), help="default, top_k, split or kernel:SEGMENTS"
+    )
     p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")
     p.add_argument("--mla-decode-variants", nargs="*", default=None, help="BH:BK:PREC:SPLITS(-):WARPS:STAGES")
     p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")

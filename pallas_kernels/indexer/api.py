@@ -13,10 +13,11 @@ from pallas_kernels.indexer.prolog_reference import indexer_prolog_reference
 from pallas_kernels.indexer.reference import indexer_topk_reference
 from pallas_kernels.indexer.select import top_k_radix
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas, top_k_segmented
+from pallas_kernels.indexer.select_split import top_k_split
 from pallas_kernels.paged import slot_index
 
 IMPLS = ("auto", "reference", "pallas")
-SELECTS = ("kernel", "top_k", "radix")
+SELECTS = ("kernel", "split", "top_k", "radix")
 # Queries per call from which the scores come from the tiled kernel (a key tile read once per query tile):
 # prefill. Below it (decode) one program per query walks its keys.
 TILED_MIN_QUERIES = 64
@@ -92,7 +93,8 @@ def indexer_topk(
     (q and keys in bfloat16, float32 accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32"
     (the default otherwise) or "ieee"; `select` "kernel" (`select_kernel.top_k_rows_pallas`: radix select
     of each row's visible prefix — long rows first narrowed to k..2k candidates by its prefilter kernel — then
-    a sort of the K chosen), "top_k" (`lax.top_k`) or "radix"
+    a sort of the K chosen), "split" (`select_split.top_k_split`: the same selection with each row's
+    passes spread over many programs, for a few long rows), "top_k" (`lax.top_k`) or "radix"
     (`select.top_k_radix`), the same result; None: `default_selection` (measured on the H200).
     `sort=False` lets the selection kernel return each query's chosen positions in ascending position order
     (the same set, -1 / -inf pads last) without the final sort of K per query: for callers that, like
@@ -149,7 +151,7 @@ def indexer_topk(
     chunk = min(SELECT_CHUNK, pow2(s_len))
     # key slots: whole score programs, and whole selection chunks (segments) when the kernel selects
     unit = span if block_q == 0 else block_s  # powers of two, as chunk
-    if select == "kernel":
+    if select in ("kernel", "split"):
         unit = max(unit, select_segments * chunk)
     s_pad = -(-s_len // unit) * unit
     slots = slot_index(page_table, jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (b, s_pad)), g)
@@ -184,10 +186,12 @@ def indexer_topk(
                 *args, scale=float(scale), block_s=block_s, steps=span // block_s, precision=precision,
                 interpret=interp,
             )  # fmt: skip
-        if select == "kernel":
+        if select in ("kernel", "split"):
             limits = jnp.clip(jnp.minimum(pb + 1, kv_lengths[:, None]), 0, s_len)  # [B, Tb]
             flat, lim = scores.reshape(-1, s_pad), limits.reshape(-1)
-            if select_segments > 1:
+            if select == "split":
+                vals, idx = top_k_split(flat, lim, k=topk, chunk=chunk, interpret=interp)
+            elif select_segments > 1:
                 vals, idx = top_k_segmented(flat, lim, k=topk, segments=select_segments, chunk=chunk, interpret=interp)
             else:
                 vals, idx = top_k_rows_pallas(flat, lim, k=topk, chunk=chunk, interpret=interp)

@@ -1,0 +1,239 @@
+"""Pallas kernels: exact Top-K of a few long score rows, each row's passes shared by many programs.
+
+`select_kernel.top_k_rows_pallas` gives each row one program: a decode step at batch 1 has one 128K row,
+one SM works and the other 131 wait (H200, d397dea: 0.184 ms for the row, `lax.top_k` 0.071 ms). Here
+each row is cut into segments of `seg` scores, one program each, and the three passes over the row run
+on all of them:
+  1. statistics: per segment, the count, sum, sum of squares, min and max of its finite scores;
+  2. counting: every program combines the row's statistics into NB candidate bounds (where a normal
+     distribution of that mean and spread puts the t·k largest, t from 0.5 to 2.5; values spread between
+     the max and the min; the mean; the min) and counts its scores at or above each bound;
+  3. compaction: every program picks the same bound — the one with the fewest scores at or above it that
+     still leaves k (the min, i.e. every finite score, when fewer than k are finite) — takes its write
+     offset from the counts of the segments before it, and writes its scores at or above the bound and
+     their positions there, in position order.
+Then one program per row selects the Top-K among its candidates (`select_kernel._select_row`: radix
+select and compaction, ties at the K-th value to the lowest positions), which keeps position order: the
+result equals `top_k_rows_pallas` on the whole row for any distribution. The bounds only decide how many
+candidates the last step reads: about 1.03-1.2 k for normal-like scores; a heavy-tailed or tie-heavy row
+may leave more (at worst every finite score), which costs time, never exactness.
+
+Work per row: three passes over its scores spread over S / seg programs, then one program over the
+candidates. Four launches; no sort.
+
+Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._pallas import pow2, triton_params
+from pallas_kernels.indexer.select_kernel import _normal_quantile, _select_row
+
+# Bounds counted per row: x k scores at or above where a normal distribution would put them (below 1: a
+# right tail heavier than normal puts more there than the normal predicts) ...
+QUANTILE_TARGETS = (0.5, 0.7, 0.85, 0.95, 1.03, 1.1, 1.2, 1.4, 1.7, 2.5)
+# ... and values at these fractions of the way from the max down to the min (heavy tails), then the mean
+# and the min (every finite score: the bound that always leaves k when k are there).
+SPREAD_FRACTIONS = (1 / 256, 1 / 32, 1 / 8, 1 / 2)
+NUM_BOUNDS = len(QUANTILE_TARGETS) + len(SPREAD_FRACTIONS) + 2  # 16: a power of two for the block shapes
+_MIN_BOUND = NUM_BOUNDS - 1
+STATS = 8  # count, sum, sum of squares, min, max, then zeros (a power-of-two block)
+# Programs the passes aim for across all rows (the H200 has 132 SMs), and the segment sizes allowed.
+TARGET_PROGRAMS = 512
+MIN_SEGMENT = 256
+PASS_CHUNK = 1024  # scores per step of a pass
+
+
+def segment_size(rows: int, s: int, chunk: int) -> int:
+    """Scores per program of the passes: the largest power of two up to rows x S / TARGET_PROGRAMS, kept
+    within [MIN_SEGMENT, chunk] (chunk, a power of two dividing S, also bounds it for short rows)."""
+    seg = min(MIN_SEGMENT, chunk)
+    while seg * 2 <= min(chunk, rows * s // TARGET_PROGRAMS):
+        seg *= 2
+    return seg
+
+
+def _stats_kernel(limit_ref, x_ref, stats_ref, *, seg, chunk):
+    """stats_ref [STATS]: count, sum, sum of squares, min, max of the finite scores of this segment."""
+    n = jnp.clip(limit_ref[0] - pl.program_id(1) * seg, 0, seg)
+
+    def body(c, acc):  # past `limit` the scores are -inf (the caller's contract): never counted
+        cnt, s1, s2, lo, hi = acc
+        v = x_ref[pl.ds(c * chunk, chunk)]
+        ok = v > -jnp.inf
+        z = jnp.where(ok, v, 0.0)
+        lo = jnp.minimum(lo, jnp.where(ok, v, jnp.inf))
+        return cnt + ok.astype(jnp.float32), s1 + z, s2 + z * z, lo, jnp.maximum(hi, v)
+
+    zeros = jnp.zeros((chunk,), jnp.float32)
+    acc = jax.lax.fori_loop(0, (n + chunk - 1) // chunk, body, (zeros, zeros, zeros, zeros + jnp.inf, zeros - jnp.inf))
+    vals = (jnp.sum(acc[0]), jnp.sum(acc[1]), jnp.sum(acc[2]), jnp.min(acc[3]), jnp.max(acc[4]))
+    lane = jax.lax.broadcasted_iota(jnp.int32, (STATS,), 0)
+    out = jnp.zeros((STATS,), jnp.float32)
+    for i, v in enumerate(vals):
+        out = jnp.where(lane == i, v, out)
+    stats_ref[...] = out
+
+
+def _bounds(stats, segments, k):
+    """stats [P_pad, STATS] of a row's segments (rows >= segments unwritten) -> bounds [NUM_BOUNDS] float32,
+    all finite scores' range (+inf everywhere when the row has none: nothing is then at or above them)."""
+    f32 = jnp.float32
+    valid = jax.lax.broadcasted_iota(jnp.int32, stats.shape, 0) < segments
+    # per column first: a whole-tile reduction of an iota-derived mask does not lower under an explicit mesh
+    sums = jnp.sum(jnp.where(valid, stats, 0.0), axis=0)  # [STATS]
+    mins = jnp.min(jnp.where(valid, stats, jnp.inf), axis=0)
+    maxs = jnp.max(jnp.where(valid, stats, -jnp.inf), axis=0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (STATS,), 0)
+    finite, s1, s2 = (jnp.sum(jnp.where(col == c, sums, 0.0)) for c in range(3))
+    lo = jnp.min(jnp.where(col == 3, mins, jnp.inf))
+    hi = jnp.max(jnp.where(col == 4, maxs, -jnp.inf))
+    n = jnp.maximum(finite, 1.0)
+    mean = s1 / n
+    spread = jnp.sqrt(jnp.maximum(s2 / n - mean * mean, 0.0))
+    cands = [mean + spread * _normal_quantile(1.0 - t * k / n) for t in QUANTILE_TARGETS]
+    cands += [hi - (hi - lo) * f for f in SPREAD_FRACTIONS] + [mean, lo]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (NUM_BOUNDS,), 0)
+    out = jnp.zeros((NUM_BOUNDS,), f32)
+    for i, c in enumerate(cands):
+        # NaN (t·k past the finite count, or an overflowed spread) -> the min: every finite score
+        c = jnp.clip(jnp.where(c == c, c, lo), lo, hi)
+        out = jnp.where(lane == i, c, out)
+    return jnp.where(finite > 0, out, jnp.inf)
+
+
+def _count_kernel(limit_ref, stats_ref, x_ref, counts_ref, bounds_ref, *, k, seg, chunk, segments):
+    """counts_ref [NUM_BOUNDS]: this segment's scores at or above each of the row's bounds; bounds_ref: the
+    bounds (every program of the row writes the same values, from the same statistics)."""
+    bounds = _bounds(stats_ref[...], segments, k)
+    n = jnp.clip(limit_ref[0] - pl.program_id(1) * seg, 0, seg)
+
+    def body(c, acc):
+        v = x_ref[pl.ds(c * chunk, chunk)]
+        return acc + jnp.sum((v[:, None] >= bounds[None, :]).astype(jnp.int32), axis=0)
+
+    counts_ref[...] = jax.lax.fori_loop(0, (n + chunk - 1) // chunk, body, jnp.zeros((NUM_BOUNDS,), jnp.int32))
+    bounds_ref[...] = bounds
+
+
+def _compact_kernel(limit_ref, counts_ref, bounds_ref, x_ref, cand_ref, pos_ref, n_ref, *, k, seg, chunk, segments,
+                    pad):  # fmt: skip
+    """Writes this segment's scores at or above the row's chosen bound, and their positions, at its offset
+    in the row's candidates; the last segment also writes `pad` slots of -inf / -1 after them (the
+    selection reads whole chunks), and n_ref the row's candidate count."""
+    p = pl.program_id(1)
+    counts = counts_ref[...]  # [P_pad, NUM_BOUNDS]
+    seg_i = jax.lax.broadcasted_iota(jnp.int32, counts.shape, 0)
+    counts = jnp.where(seg_i < segments, counts, 0)
+    totals = jnp.sum(counts, axis=0)  # [NUM_BOUNDS]: scores at or above each bound in the row
+    lane = jax.lax.broadcasted_iota(jnp.int32, (NUM_BOUNDS,), 0)
+    big = jnp.int32(1 << 30)
+    # the fewest candidates that still hold the Top-K; the min (every finite score) when fewer than k exist
+    key = jnp.where(totals >= k, totals, big)
+    key = jnp.where(lane == _MIN_BOUND, jnp.minimum(key, big - 1), key)
+    j = jnp.min(jnp.where(key == jnp.min(key), lane, NUM_BOUNDS))
+    bound = jnp.max(jnp.where(lane == j, bounds_ref[...], -jnp.inf))
+    col = jax.lax.broadcasted_iota(jnp.int32, counts.shape, 1)
+    per_seg = jnp.sum(jnp.where(col == j, counts, 0), axis=1)  # [P_pad]
+    offset = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, per_seg.shape, 0) < p, per_seg, 0))
+    n_cand = jnp.sum(per_seg)
+    n = jnp.clip(limit_ref[0] - p * seg, 0, seg)
+    step = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    width = cand_ref.shape[0]  # the slot of a lane not stored: past the row (no lane may share a stored slot)
+
+    def body(c, base):
+        v = x_ref[pl.ds(c * chunk, chunk)]
+        chosen = v >= bound  # -inf past the limit is below every bound
+        chosen_i = chosen.astype(jnp.int32)
+        slot = jnp.where(chosen, base + jnp.cumsum(chosen_i) - 1, width)
+        pltriton.store(cand_ref.at[slot], v, mask=chosen)
+        pltriton.store(pos_ref.at[slot], p * seg + c * chunk + step, mask=chosen)
+        return base + jnp.sum(chosen_i)
+
+    jax.lax.fori_loop(0, (n + chunk - 1) // chunk, body, offset)
+    tail = n_cand + jax.lax.broadcasted_iota(jnp.int32, (pad,), 0)
+    last = (tail < width) & (p == segments - 1)
+    tail = jnp.where(last, tail, width)
+    pltriton.store(cand_ref.at[tail], jnp.full((pad,), -jnp.inf, jnp.float32), mask=last)
+    pltriton.store(pos_ref.at[tail], jnp.full((pad,), -1, jnp.int32), mask=last)
+    n_ref[0] = n_cand
+
+
+def _select_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
+    _select_row(cand_ref, pos_ref, n_ref[0], vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "seg", "interpret", "num_warps", "select_warps"))
+def top_k_split(x, limits, *, k, chunk=4096, seg=None, interpret=False, num_warps=4, select_warps=8):
+    """x [R, S] float32 scores (S a multiple of `chunk`, a power of two; -inf = not a candidate), limits [R]
+    int32 with the same contract as `select_kernel.top_k_rows_pallas` (the scores past limits[r] are -inf)
+    -> (values [R, k] float32, positions [R, k] int32): the row's k largest finite scores in ascending
+    position order (ties at the K-th value: the lowest positions), then -inf / -1 — the same result as
+    `top_k_rows_pallas`. seg: scores per program of the passes (None: `segment_size`)."""
+    r, s = x.shape
+    if s % chunk or chunk & (chunk - 1):
+        raise ValueError(f"top_k_split: chunk={chunk} must be a power of two dividing the row length {s}")
+    seg = segment_size(r, s, chunk) if seg is None else seg
+    if s % seg or seg & (seg - 1):
+        raise ValueError(f"top_k_split: seg={seg} must be a power of two dividing the row length {s}")
+    segments = s // seg
+    p_pad = pow2(segments)
+    step = min(PASS_CHUNK, seg)
+    limits = jnp.clip(limits, 0, s).astype(jnp.int32)[:, None]
+    x = x.astype(jnp.float32)
+    kw = dict(interpret=interpret, **triton_params(interpret, num_warps, 1))
+    limit_spec = pl.BlockSpec((None, 1), lambda i, p: (i, 0))
+    seg_spec = pl.BlockSpec((None, seg), lambda i, p: (i, p))
+    per_seg = lambda n: pl.BlockSpec((None, None, n), lambda i, p: (i, p, 0))  # noqa: E731
+    per_row = lambda *n: pl.BlockSpec((None, *n), lambda i, p: (i,) + (0,) * len(n))  # noqa: E731
+    grid = (r, segments)
+    f32, i32 = jnp.float32, jnp.int32
+    stats = pl.pallas_call(
+        functools.partial(_stats_kernel, seg=seg, chunk=step),
+        grid=grid,
+        in_specs=[limit_spec, seg_spec],
+        out_specs=per_seg(STATS),
+        out_shape=jax.ShapeDtypeStruct((r, p_pad, STATS), f32),
+        name="indexer_split_stats",
+        **kw,
+    )(limits, x)
+    counts, bounds = pl.pallas_call(
+        functools.partial(_count_kernel, k=k, seg=seg, chunk=step, segments=segments),
+        grid=grid,
+        in_specs=[limit_spec, per_row(p_pad, STATS), seg_spec],
+        out_specs=[per_seg(NUM_BOUNDS), per_row(NUM_BOUNDS)],
+        out_shape=[jax.ShapeDtypeStruct((r, p_pad, NUM_BOUNDS), i32), jax.ShapeDtypeStruct((r, NUM_BOUNDS), f32)],
+        name="indexer_split_count",
+        **kw,
+    )(limits, stats, x)
+    cand, cand_pos, n_cand = pl.pallas_call(
+        functools.partial(_compact_kernel, k=k, seg=seg, chunk=step, segments=segments, pad=chunk),
+        grid=grid,
+        in_specs=[limit_spec, per_row(p_pad, NUM_BOUNDS), per_row(NUM_BOUNDS), seg_spec],
+        out_specs=[per_row(s), per_row(s), per_row(1)],
+        out_shape=[
+            jax.ShapeDtypeStruct((r, s), f32),
+            jax.ShapeDtypeStruct((r, s), i32),
+            jax.ShapeDtypeStruct((r, 1), i32),
+        ],  # fmt: skip
+        name="indexer_split_compact",
+        **kw,
+    )(limits, counts, bounds, x)
+    row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2),
+        grid=(r,),
+        in_specs=[row(1), row(s), row(s)],
+        out_specs=[row(k), row(k)],
+        out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
+        interpret=interpret,
+        name="indexer_split_select",
+        **triton_params(interpret, select_warps, 2),
+    )(n_cand, cand, cand_pos)
