@@ -352,13 +352,12 @@ def test_default_selection_rule():
     from pallas_kernels.indexer.api import default_selection
 
     assert default_selection(32768, 32768, 2048) == ("kernel", 1)  # prefill rows
-    assert default_selection(64, 131072, 2048) == ("kernel", 4)  # decode, long context: segmented
-    assert default_selection(16, 131072, 2048) == ("kernel", 8)
+    assert default_selection(64, 131072, 2048) == ("split", 1)  # decode, long context: passes over many programs
+    assert default_selection(1, 131072, 2048) == ("split", 1) and default_selection(16, 16384, 2048) == ("split", 1)
     assert default_selection(64, 8192, 2048) == ("top_k", 1)  # short context
     assert default_selection(1, 2112, 2048) == ("kernel", 1)  # context near topk: top_k would sort the row
     assert default_selection(64, 4096, 2048) == ("kernel", 1) and default_selection(1, 1024, 2048) == ("kernel", 1)
-    assert default_selection(16, 32768, 2048) == ("top_k", 1)  # too few scores in all
-    assert default_selection(1, 131072, 2048) == ("top_k", 1)  # one row
+    assert default_selection(511, 131072, 2048) == ("split", 1) and default_selection(512, 131072, 2048)[0] == "kernel"
 
 
 def test_selection_kernel_long_prefix_few_finite():

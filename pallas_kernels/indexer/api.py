@@ -25,15 +25,14 @@ TILED_BLOCK_Q = 64  # queries per tile (H200, 5beadda: 64x128 tiles 41.6 ms, 128
 SELECT_CHUNK = 4096  # scores per step of the selection kernel
 # What `select=None` picks (H200 measurements in BENCHMARKS.md). One program per row is latency-bound on a
 # long row (5beadda: 1.0 ms for one 128K row, `lax.top_k` 0.07 ms) but a prefill's thousands of rows fill
-# the GPU (32K prefill: 41.6 ms vs 85.8 with top_k): the kernel from SELECT_KERNEL_MIN_ROWS rows. From
-# SELECT_SEGMENTED_MIN_ROWS rows with long contexts (>= SEGMENTED_MIN_KEYS_PER_K x topk keys) and at least
-# SEGMENTED_MIN_SCORES scores in all, the rows are cut into segments for more programs (ccf5e46 / 47c72c0,
-# decode 128K: B=64 1.99 -> 1.16 ms with 4 segments, B=16 0.66 -> 0.43 ms with 8; 32K: B=64 0.53 -> 0.37
-# ms); below, `lax.top_k` (128K B=1: 0.106 ms vs 0.178 segmented; 32K B=16: 0.172 vs 0.200).
+# the GPU (32K prefill: 41.6 ms vs 85.8 with top_k): the kernel from SELECT_KERNEL_MIN_ROWS rows. Fewer
+# rows with long contexts (>= SPLIT_MIN_KEYS_PER_K x topk keys) go to the split selection, whose passes
+# over each row run on many programs (c154445, decode at 10 chained calls: 128K B=16 0.356 ms vs 0.400
+# with the rows cut into 8 segments and 0.665 with `lax.top_k`; B=64 1.068 vs 1.089 with 4 segments; 32K
+# B=16 0.162 vs 0.181 top_k; B=1 128K 0.108 vs 0.107 top_k, both sorted — unsorted, as the model asks,
+# 0.101); shorter contexts keep `lax.top_k`.
 SELECT_KERNEL_MIN_ROWS = 512
-SELECT_SEGMENTED_MIN_ROWS = 8
-SEGMENTED_MIN_KEYS_PER_K = 8
-SEGMENTED_MIN_SCORES = 1 << 21
+SPLIT_MIN_KEYS_PER_K = 8
 # Rows of at most this many times topk keys (decode with a context near or below topk) go to the selection
 # kernel at any row count: `lax.top_k` with K this close to the row length sorts the whole row (H200,
 # hybrid_small decode B=1 at 2K context: 19.2 us per sparse layer for one 2112-score row, 6% of the step;
@@ -46,9 +45,8 @@ def default_selection(rows: int, keys: int, topk: int) -> tuple[str, int]:
     """(select, segments) that `indexer_topk(select=None)` uses for `rows` score rows of `keys` keys."""
     if rows >= SELECT_KERNEL_MIN_ROWS or keys <= NEAR_FULL_KEYS_PER_K * topk:
         return "kernel", 1
-    long_rows = keys >= SEGMENTED_MIN_KEYS_PER_K * topk and rows * keys >= SEGMENTED_MIN_SCORES
-    if rows >= SELECT_SEGMENTED_MIN_ROWS and long_rows:
-        return "kernel", min(8, max(2, pow2(256 // rows)))  # about 256 programs on the long pass
+    if keys >= SPLIT_MIN_KEYS_PER_K * topk:
+        return "split", 1
     return "top_k", 1
 
 
