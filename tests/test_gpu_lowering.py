@@ -193,6 +193,19 @@ def test_prefiltered_selection_lowers():
     assert _lowered_for_h200(run, x, jnp.full((4,), 8000, jnp.int32)).count("xla.gpu.triton") == 2
 
 
+def test_split_selection_lowers():
+    """The split selection's four kernels at a decode shape (one 128K row: 128 programs on each pass), and
+    the reductions of its bound choice (an iota-masked whole-tile sum fails to lower under an explicit mesh)."""
+    from pallas_kernels.indexer.select_split import top_k_split
+
+    x = jnp.ones((1, 131072), jnp.float32)
+
+    def run(x, limits):
+        return top_k_split(x, limits, k=2048, chunk=4096)
+
+    assert _lowered_for_h200(run, x, jnp.full((1,), 131000, jnp.int32)).count("xla.gpu.triton") == 4
+
+
 @pytest.mark.parametrize("knobs", [{}, {"block_h": 32, "num_warps": 8}])
 def test_sparse_mla_kernel_lowers(knobs):
     from pallas_kernels.sparse_attention import sparse_mla

@@ -195,7 +195,7 @@ def _indexer_case(seed, b, t, n, h, page, lengths):
     topk=st.sampled_from([1, 8, 50]),  # 50 > every available position count
     page=st.sampled_from([4, 8]),
     short=st.integers(1, 37),
-    select=st.sampled_from(["kernel", "top_k", "radix"]),
+    select=st.sampled_from(["kernel", "split", "top_k", "radix"]),
     keys_per_program=st.sampled_from([None, 32, 64]),  # one 16-key block, or 2 / 4 of them per program
     block_q=st.sampled_from([0, 16]),  # the one-query kernel, or the tiled one (queries padded to 16)
     segments=st.sampled_from([1, 4]),  # the selection kernel in one pass per row, or per quarter row + merge
@@ -346,6 +346,53 @@ def test_segmented_selection_equals_one_pass():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="3 segments"):
         top_k_segmented(jnp.asarray(x), jnp.asarray(limits), k=24, segments=3, chunk=32, interpret=True)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "cauchy", "mostly_neg_inf", "constant", "skewed"])
+def test_split_selection_equals_row_selection(kind):
+    """The split selection (each row's statistics, counting and compaction over many programs, then one
+    selection among the candidates) returns what one program per row does — same positions in position
+    order, same values, ties to the lowest positions, -1 / -inf pads — on heavy tails, ties, rows with
+    fewer than k finite scores, empty rows, and a segment count that is not a power of two (6 segments of
+    64, each pass two 32-score steps inside a segment with `seg` 64 and the pass step patched to 32)."""
+    from pallas_kernels.indexer import select_split
+    from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
+
+    rng = np.random.default_rng(5)
+    r, s, k = 6, 384, 20
+    x = {
+        "normal": lambda: rng.standard_normal((r, s)),
+        "ties": lambda: np.round(rng.standard_normal((r, s)) * 2) / 2,
+        "cauchy": lambda: rng.standard_cauchy((r, s)),
+        "mostly_neg_inf": lambda: np.where(rng.random((r, s)) < 0.95, -np.inf, rng.standard_normal((r, s))),
+        "constant": lambda: np.ones((r, s)),
+        "skewed": lambda: rng.exponential(size=(r, s)) ** 3,
+    }[kind]().astype(np.float32)
+    limits = np.array([384, 200, 64, 19, 0, 321], np.int32)  # whole, mid-segment, one segment, < k, empty
+    x[np.arange(s)[None, :] >= limits[:, None]] = -np.inf
+    xs, ls = jnp.asarray(x), jnp.asarray(limits)
+    want = top_k_rows_pallas(xs, ls, k=k, chunk=128, interpret=True, prefilter=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(select_split, "PASS_CHUNK", 32)
+        got = select_split.top_k_split.__wrapped__(xs, ls, k=k, chunk=128, seg=64, interpret=True)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if kind == "normal":  # the default segment size, and the shape errors
+        got = select_split.top_k_split(xs, ls, k=k, chunk=128, interpret=True)
+        for a, b in zip(want, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        with pytest.raises(ValueError, match="seg=48"):
+            select_split.top_k_split(xs, ls, k=k, chunk=128, seg=48, interpret=True)
+        with pytest.raises(ValueError, match="chunk=96"):
+            select_split.top_k_split(xs, ls, k=k, chunk=96, interpret=True)
+
+
+def test_split_segment_size():
+    from pallas_kernels.indexer.select_split import segment_size
+
+    assert segment_size(1, 131072, 4096) == 1024  # one row: about one program per SM
+    assert segment_size(16, 131072, 4096) == 4096 and segment_size(64, 32768, 4096) == 4096  # capped at chunk
+    assert segment_size(1, 32768, 4096) == 256 and segment_size(1, 512, 128) == 128  # the floor; short rows: chunk
 
 
 def test_default_selection_rule():
