@@ -15,11 +15,14 @@ on all of them:
 Then one program per row selects the Top-K among its candidates (`select_kernel._select_row`: radix
 select and compaction, ties at the K-th value to the lowest positions), which keeps position order: the
 result equals `top_k_rows_pallas` on the whole row for any distribution. The bounds only decide how many
-candidates the last step reads: about 1.03-1.2 k for normal-like scores; a heavy-tailed or tie-heavy row
-may leave more (at worst every finite score), which costs time, never exactness.
+candidates the last step reads: in a numpy check of 128K scores with k = 2048, 1.04 k for normal ones, 1.08 k
+for ReLU-weighted sums like the indexer's, 1.6-2.1 k for Gumbel, log-normal and exponential ones; a tie-heavy
+row may leave more (at worst every finite score), which costs time, never exactness.
 
 Work per row: three passes over its scores spread over S / seg programs, then one program over the
-candidates. Four launches; no sort.
+candidates. Four launches; no sort. H200 (c154445, 10 chained calls, the selection alone): one 128K row
+0.059 ms (`lax.top_k` 0.081, the row kernel 0.177); [16, 128K] 0.086 (0.473 / 0.180); [64, 128K] 0.156
+(0.770 / 0.203).
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests).
 """
