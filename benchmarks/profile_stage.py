@@ -7,9 +7,12 @@ Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing
 is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with
 its defaults), what `benchmarks.linear_attention` times, split into its kernels. `--stage prefill` is the
 whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row times), split into its kernels.
+`--stage indexer` is the indexer's decode Top-K alone (`indexer_topk`, 64 heads of 128, a BF16 pool of
+`--context` keys, `--topk`, unsorted as the model asks) with each selection of `--selects`, what
+`benchmarks.sparse_attention`'s decode rows time.
 
     python -m benchmarks.profile_stage [--model hybrid_small|kimi]
-        [--stage kda|sparse|moe|step|kda_prefill|prefill]
+        [--stage kda|sparse|moe|step|kda_prefill|prefill|indexer] [--selects split top_k]
         [--batch 1 16] [--context 2048] [--tokens 32768] [--quant none|hierarchical] [--out DIR]
 """
 
@@ -172,6 +175,31 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
     print_table(title, kernel_times(trace), args.calls, args.top)
 
 
+def profile_indexer(b: int, args, out_dir: Path) -> None:
+    """The indexer's decode Top-K at batch b (one query per row at the last of `args.context` keys), once per
+    selection in `args.selects`, `sort=False`."""
+    from benchmarks.sparse_attention import _pool
+    from pallas_kernels.indexer import indexer_topk
+
+    heads, dim, s = 64, 128, args.context
+    ks = jax.random.split(jax.random.key(s + b), 3)
+    pool, table = _pool(ks[0], b, s, dim, jnp.bfloat16)
+    q = jax.random.normal(ks[1], (b, 1, heads, dim), jnp.bfloat16)
+    w = jax.random.normal(ks[2], (b, 1, heads), jnp.float32)
+    kw = dict(q_positions=jnp.full((b, 1), s - 1, jnp.int32), kv_lengths=jnp.full((b,), s, jnp.int32),
+              topk=args.topk, scale=dim**-0.5, impl="pallas", sort=False)  # fmt: skip
+    for select in args.selects:
+        fn = jax.jit(lambda q, w, p, t, select=select: indexer_topk(q, w, p, t, select=select, **kw)[0])
+        jax.block_until_ready(fn(q, w, pool, table))
+        trace = out_dir / f"trace_indexer_{select}_b{b}"
+        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+            for _ in range(args.calls):
+                out = fn(q, w, pool, table)
+            jax.block_until_ready(out)
+        title = f"indexer decode B={b} S={s} {heads}x{dim} top-{args.topk}, select={select}, unsorted"
+        print_table(title, kernel_times(trace), args.calls, args.top)
+
+
 def profile_prefill(model, tokens: int, args, out_dir: Path) -> None:
     """The whole model's batch-1 prefill (cache allocation + prefill, last position's logits), as the e2e
     TTFT row times it; `args.calls` calls traced."""
@@ -200,12 +228,16 @@ def profile_prefill(model, tokens: int, args, out_dir: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="hybrid_small", help="a preset, or kimi (the Kimi-shaped folder)")
-    p.add_argument("--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill", "prefill"])
+    p.add_argument(
+        "--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill", "prefill", "indexer"]
+    )
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
     p.add_argument("--quant", default="none", choices=["none", "hierarchical"], help="the model's quant config")
     add_kimi_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=2048, help="indexer only")
+    p.add_argument("--selects", nargs="+", default=["split", "top_k"], help="indexer only: `indexer_topk` selects")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=None, help="folder for traces and HLO (default: a temp folder)")
@@ -216,6 +248,10 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.stage == "kda_prefill":
         profile_kda_prefill(args.tokens, args, out_dir)
+        return
+    if args.stage == "indexer":
+        for b in args.batch:
+            profile_indexer(b, args, out_dir)
         return
     # bf16 weights; --quant hierarchical: MXFP8 indexer keys and an FP8 latent cache as well
     model = kimi_model(args, args.quant) if args.model == "kimi" else build_model(args.model, args.quant)

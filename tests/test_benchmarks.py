@@ -148,6 +148,20 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     assert "kda stage (layer 0), B=1" in capsys.readouterr().out
 
 
+def test_profile_stage_indexer_runs_each_selection(tmp_path, monkeypatch, capsys):
+    """`--stage indexer` profiles the decode Top-K once per selection (on the CPU the kernels run in interpret
+    mode and the trace has no device kernels to list, but the selection compiles, runs, is titled and traced)."""
+    from benchmarks import profile_stage
+
+    argv = ["profile_stage", "--stage", "indexer", "--batch", "1", "--context", "256", "--topk", "16",
+            "--selects", "split", "--calls", "1", "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_stage.main()
+    out = capsys.readouterr().out
+    assert "indexer decode B=1 S=256 64x128 top-16, select=split, unsorted" in out
+    assert [p.name for p in tmp_path.iterdir()] == ["trace_indexer_split_b1"]
+
+
 def test_profile_stage_maps_xla_kernels_to_their_source_lines(capsys):
     from pathlib import Path
 

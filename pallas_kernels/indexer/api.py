@@ -30,7 +30,8 @@ SELECT_CHUNK = 4096  # scores per step of the selection kernel
 # over each row run on many programs (c154445, decode at 10 chained calls: 128K B=16 0.356 ms vs 0.400
 # with the rows cut into 8 segments and 0.665 with `lax.top_k`; B=64 1.068 vs 1.089 with 4 segments; 32K
 # B=16 0.162 vs 0.181 top_k; B=1 128K 0.108 vs 0.107 top_k, both sorted — unsorted, as the model asks,
-# 0.101); shorter contexts keep `lax.top_k`.
+# 0.101); shorter contexts keep `lax.top_k`. The 8 x topk boundary is the segmented rule's it replaced:
+# contexts from 16K to below 32K have not been timed against `lax.top_k`.
 SELECT_KERNEL_MIN_ROWS = 512
 SPLIT_MIN_KEYS_PER_K = 8
 # Rows of at most this many times topk keys (decode with a context near or below topk) go to the selection

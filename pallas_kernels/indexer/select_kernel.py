@@ -192,6 +192,20 @@ PREFILTER_WIDTH_PER_K = 2
 PREFILTER_PASSES = 8
 
 
+def finite_stats_init(lanes: int, count_dtype):
+    """Per-lane (count, sum, sum of squares, min, max) accumulators of finite scores, empty."""
+    zeros = jnp.zeros((lanes,), jnp.float32)
+    return jnp.zeros((lanes,), count_dtype), zeros, zeros, zeros + jnp.inf, zeros - jnp.inf
+
+
+def finite_stats_step(acc, v):
+    """`acc` updated with the scores v [lanes]; -inf (masked or past the limit) counts nowhere."""
+    n, s1, s2, lo, hi = acc
+    ok = v > -jnp.inf
+    z = jnp.where(ok, v, 0.0)
+    return n + ok.astype(n.dtype), s1 + z, s2 + z * z, jnp.minimum(lo, jnp.where(ok, v, jnp.inf)), jnp.maximum(hi, v)
+
+
 def _prefilter_kernel(limit_ref, x_ref, cand_ref, cand_pos_ref, count_ref, *, k, width, chunk, passes):
     """Find a bound c with k <= #(scores >= c) <= width and write those scores and their positions, in
     position order, to cand / cand_pos (then -inf / -1 up to `width`); count = how many, or -1 where the
@@ -212,18 +226,9 @@ def _prefilter_kernel(limit_ref, x_ref, cand_ref, cand_pos_ref, count_ref, *, k,
     def load(c):  # past `limit` the caller's contract holds -inf: never counted, never chosen
         return x_ref[pl.ds(c * chunk, chunk)]
 
-    def stats(c, acc):
-        n, s1, s2, lo, hi = acc
-        v = load(c)
-        ok = v > -jnp.inf
-        z = jnp.where(ok, v, 0.0)
-        return (n + ok.astype(jnp.int32), s1 + z, s2 + z * z, jnp.minimum(lo, jnp.where(ok, v, jnp.inf)),
-                jnp.maximum(hi, v))  # fmt: skip
-
-    zeros = jnp.zeros((chunk,), f32)
-    init = (jnp.zeros((chunk,), jnp.int32), zeros, zeros, zeros + jnp.inf, zeros - jnp.inf)
     scan = jnp.where(limit > width, n_chunks, 0)  # short rows: nothing to gain, straight to the full selection
-    n, s1, s2, lo, hi = jax.lax.fori_loop(0, scan, stats, init)
+    init = finite_stats_init(chunk, jnp.int32)
+    n, s1, s2, lo, hi = jax.lax.fori_loop(0, scan, lambda c, acc: finite_stats_step(acc, load(c)), init)
     finite = jnp.sum(n)
     mean = jnp.sum(s1) / jnp.maximum(finite, 1).astype(f32)
     spread = jnp.sqrt(jnp.maximum(jnp.sum(s2) / jnp.maximum(finite, 1).astype(f32) - mean * mean, 0.0))

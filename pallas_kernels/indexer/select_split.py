@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import pow2, triton_params
-from pallas_kernels.indexer.select_kernel import _normal_quantile, _select_row
+from pallas_kernels.indexer.select_kernel import _normal_quantile, _select_row, finite_stats_init, finite_stats_step
 
 # Bounds counted per row: x k scores at or above where a normal distribution would put them (below 1: a
 # right tail heavier than normal puts more there than the normal predicts) ...
@@ -70,16 +70,11 @@ def _stats_kernel(limit_ref, x_ref, stats_ref, *, seg, chunk):
     """stats_ref [STATS]: count, sum, sum of squares, min, max of the finite scores of this segment."""
     n = jnp.clip(limit_ref[0] - pl.program_id(1) * seg, 0, seg)
 
-    def body(c, acc):  # past `limit` the scores are -inf (the caller's contract): never counted
-        cnt, s1, s2, lo, hi = acc
-        v = x_ref[pl.ds(c * chunk, chunk)]
-        ok = v > -jnp.inf
-        z = jnp.where(ok, v, 0.0)
-        lo = jnp.minimum(lo, jnp.where(ok, v, jnp.inf))
-        return cnt + ok.astype(jnp.float32), s1 + z, s2 + z * z, lo, jnp.maximum(hi, v)
-
-    zeros = jnp.zeros((chunk,), jnp.float32)
-    acc = jax.lax.fori_loop(0, (n + chunk - 1) // chunk, body, (zeros, zeros, zeros, zeros + jnp.inf, zeros - jnp.inf))
+    # past `limit` the scores are -inf (the caller's contract): never counted
+    acc = jax.lax.fori_loop(
+        0, (n + chunk - 1) // chunk, lambda c, acc: finite_stats_step(acc, x_ref[pl.ds(c * chunk, chunk)]),
+        finite_stats_init(chunk, jnp.float32),
+    )  # fmt: skip
     vals = (jnp.sum(acc[0]), jnp.sum(acc[1]), jnp.sum(acc[2]), jnp.min(acc[3]), jnp.max(acc[4]))
     lane = jax.lax.broadcasted_iota(jnp.int32, (STATS,), 0)
     out = jnp.zeros((STATS,), jnp.float32)
