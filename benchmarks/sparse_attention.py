@@ -296,8 +296,18 @@ def sparse_mla_rows(
             ms = timer(fn, ql, qr, pool, table, idx)
             if bh is None:
                 dh, dk, dw, ds = default_tiles(heads, b * t, False)
-                rows.append(row(case, shape, f"pallas, defaults ({dh} heads, {dk} rows, {dw} warps, {ds} stages, bf16)",
-                                ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))  # fmt: skip
+                tiles = f"{dh} heads, {dk} rows, {dw} warps, {ds} stages, bf16"
+                rows.append(row(case, shape, f"pallas, defaults ({tiles})", ms, flops, nbytes, bw, rate,
+                                f"rel err {err:.1e}"))  # fmt: skip
+                # the grid order before heads_inner: the same kernel with the queries inner
+                label = f"pallas, defaults ({tiles}), queries-inner grid"
+                fn = jax.jit(
+                    lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="pallas", heads_inner=False)
+                )
+                err = _err_if_runs(fn, (ql, qr, pool, table, idx), ref_o, f"{case} | {shape} | {label}")
+                if err is not None:
+                    ms = timer(fn, ql, qr, pool, table, idx)
+                    rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
                 continue
             rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
         if not extra:

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybrid_jax.quant.formats import quantize_kv_fp8
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_mla
 from tests.conftest import rel_err
@@ -88,7 +89,26 @@ def test_sparse_mla_default_head_block():
     o32, lse32 = sparse_mla(ql, qr, pool, table, idx, block_h=32, **kw)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o32))
     grid = lambda **k: str(jax.make_jaxpr(lambda *a: sparse_mla(*a, **kw, **k))(ql, qr, pool, table, idx))  # noqa: E731
-    assert "grid=(1, 1)" in grid() and "grid=(1, 2)" in grid(block_h=16)  # 32 heads: one 32-head block
+    # (head blocks, queries): 32 heads make one 32-head block, or two of 16
+    assert "grid=(1, 1)" in grid() and "grid=(2, 1)" in grid(block_h=16)
+    assert "grid=(1, 2)" in grid(block_h=16, heads_inner=False)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_mla_grid_orders_agree(fp8):
+    """The grid's order only changes which programs run together: head blocks inner or queries inner give
+    the same bits, with several queries, head blocks and parts of the selected rows."""
+    ql, qr, pool, table, idx = _case(9, 3, 2, 48, 32, 16, 8, 32, [35, 21, 40], jnp.float32)
+    kw = dict(scale=0.1, impl="pallas", precision="ieee", interpret=True, block_h=16, block_k=8, splits=2)
+    if fp8:
+        values, scales = quantize_kv_fp8(pool[..., :32], 16)
+        pool, kw = values, dict(kw, latent_scales=scales, rope_pages=pool[..., 32:])
+    a = sparse_mla(ql, qr, pool, table, idx, **kw)
+    b = sparse_mla(ql, qr, pool, table, idx, heads_inner=False, **kw)
+    ref = sparse_mla(ql, qr, pool, table, idx, **{**kw, "impl": "reference"})
+    for x, y, r in zip(a, b, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_allclose(np.asarray(x), np.asarray(r), rtol=2e-5, atol=2e-5)
 
 
 def test_sparse_mla_default_tiles_follow_the_measured_rule():

@@ -141,6 +141,7 @@ def sparse_mla(
     interpret: bool | None = None,
     latent_scales=None,
     rope_pages=None,
+    heads_inner: bool = True,
 ):
     """Absorbed-form MLA over selected positions.
 
@@ -166,6 +167,8 @@ def sparse_mla(
     rows in the kernel, the reference dequantizes the pool first — and so does the Pallas path at prefill
     (query rows x selected rows >= POOL_DEQUANT_MIN_RATIO x the pool's rows), to bfloat16 (float32 for "ieee"),
     then runs the BF16-row kernel.
+    `heads_inner` orders the kernel's grid with the head blocks of a query next to each other (they start
+    together and share the query's gathered rows through L2); False puts the queries inner, as before.
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_mla: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -212,6 +215,7 @@ def sparse_mla(
     kw = dict(
         scale=float(scale), block_h=block_h, block_k=block_k, precision=precision, num_warps=num_warps,
         num_stages=num_stages, interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+        heads_inner=heads_inner,
     )  # fmt: skip
     ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
     qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)

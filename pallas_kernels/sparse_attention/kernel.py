@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._pallas import triton_params
 
 # static arguments of both kernels' entry points
-_KNOBS = ("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages")
+_KNOBS = ("scale", "block_h", "block_k", "precision", "interpret", "num_warps", "num_stages", "heads_inner")
 
 
 def _check_splits(name, q_latent, slots, q_splits):
@@ -32,6 +32,17 @@ def _check_splits(name, q_latent, slots, q_splits):
         raise ValueError(
             f"{name}: {slots.shape[0]} slot rows for {q_latent.shape[0]} queries in q_splits={q_splits} parts"
         )
+
+
+def _grid(queries: int, head_blocks: int, heads_inner: bool):
+    """(grid, wrap): the launch grid and a wrapper giving index maps written as (query i, head block h) the
+    grid's argument order. heads_inner: the head blocks of one query are neighbouring programs, which the
+    GPU starts together, so they gather the query's rows while L2 still holds them (queries inner: the first
+    wave of programs covers every query's first head blocks and the later waves read the same rows again,
+    from HBM once they outgrow L2)."""
+    if heads_inner:
+        return (head_blocks, queries), lambda f: lambda h, i: f(i, h)
+    return (queries, head_blocks), lambda f: f
 
 
 def _kernel(
@@ -135,7 +146,7 @@ def _kernel_fp8(
 @functools.partial(jax.jit, static_argnames=(*_KNOBS, "q_splits"))
 def sparse_mla_fp8_pallas(
     q_latent, q_rope, slots, lat_rows, lat_scales, rope_rows, *, scale, block_h, block_k, precision, interpret,
-    num_warps=4, num_stages=2, q_splits=1,
+    num_warps=4, num_stages=2, q_splits=1, heads_inner=True,
 ):  # fmt: skip
     """As `sparse_mla_pallas` with the latent rows in FP8: lat_rows [rows, L] E4M3, lat_scales [rows, L / tile]
     float32, rope_rows [rows, R]."""
@@ -149,19 +160,20 @@ def sparse_mla_fp8_pallas(
     kernel = functools.partial(
         _kernel_fp8, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, tile=tile, precision=precision
     )
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0, 0))  # noqa: E731
+    grid, at = _grid(nq, n // block_h, heads_inner)
+    whole = lambda x: pl.BlockSpec(x.shape, at(lambda i, h: (0, 0)))  # noqa: E731
     return pl.pallas_call(
         kernel,
-        grid=(nq, n // block_h),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec((None, block_h, lat), lambda i, h: (i // q_splits, h, 0)),
-            pl.BlockSpec((None, block_h, rope), lambda i, h: (i // q_splits, h, 0)),
-            pl.BlockSpec((None, k), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i // q_splits, h, 0))),
+            pl.BlockSpec((None, block_h, rope), at(lambda i, h: (i // q_splits, h, 0))),
+            pl.BlockSpec((None, k), at(lambda i, h: (i, 0))),
             whole(lat_rows), whole(lat_scales), whole(rope_rows),
         ],
         out_specs=[
-            pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
-            pl.BlockSpec((None, block_h), lambda i, h: (i, h)),
+            pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i, h, 0))),
+            pl.BlockSpec((None, block_h), at(lambda i, h: (i, h))),
         ],
         out_shape=[jax.ShapeDtypeStruct((nq, n, lat), q_latent.dtype), jax.ShapeDtypeStruct((nq, n), jnp.float32)],
         interpret=interpret,
@@ -173,7 +185,7 @@ def sparse_mla_fp8_pallas(
 @functools.partial(jax.jit, static_argnames=(*_KNOBS, "q_splits"))
 def sparse_mla_pallas(
     q_latent, q_rope, slots, kv_rows, rope_rows=None, *, scale, block_h, block_k, precision, interpret, num_warps=4,
-    num_stages=2, q_splits=1,
+    num_stages=2, q_splits=1, heads_inner=True,
 ):  # fmt: skip
     """q_latent [Q, N, L], q_rope [Q, N, R] (N a multiple of block_h), slots [Q·S, K] int32 pool rows (-1 =
     none; K a multiple of block_k; S = q_splits parts of each query's rows, row r of slots for query r // S,
@@ -193,19 +205,20 @@ def sparse_mla_pallas(
         _kernel, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, rope=rope, rope_off=rope_off,
         precision=precision,
     )  # fmt: skip
+    grid, at = _grid(nq, n // block_h, heads_inner)
     return pl.pallas_call(
         kernel,
-        grid=(nq, n // block_h),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec((None, block_h, lat), lambda i, h: (i // q_splits, h, 0)),
-            pl.BlockSpec((None, block_h, rope), lambda i, h: (i // q_splits, h, 0)),
-            pl.BlockSpec((None, k), lambda i, h: (i, 0)),
-            pl.BlockSpec(kv_rows.shape, lambda i, h: (0, 0)),
-            pl.BlockSpec(rope_rows.shape, lambda i, h: (0, 0)),
+            pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i // q_splits, h, 0))),
+            pl.BlockSpec((None, block_h, rope), at(lambda i, h: (i // q_splits, h, 0))),
+            pl.BlockSpec((None, k), at(lambda i, h: (i, 0))),
+            pl.BlockSpec(kv_rows.shape, at(lambda i, h: (0, 0))),
+            pl.BlockSpec(rope_rows.shape, at(lambda i, h: (0, 0))),
         ],
         out_specs=[
-            pl.BlockSpec((None, block_h, lat), lambda i, h: (i, h, 0)),
-            pl.BlockSpec((None, block_h), lambda i, h: (i, h)),
+            pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i, h, 0))),
+            pl.BlockSpec((None, block_h), at(lambda i, h: (i, h))),
         ],
         out_shape=[jax.ShapeDtypeStruct((nq, n, lat), q_latent.dtype), jax.ShapeDtypeStruct((nq, n), jnp.float32)],
         interpret=interpret,
