@@ -64,15 +64,33 @@ def _wrap(v: int) -> int:
 _NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 with its low 31 bits flipped
 
 
-def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bits):
+def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bits, resident=False):
     """The row's Top-K among the first `limit` scores of x_ref, written to vals_ref / idx_ref. pos_ref: the
-    position of each score (a prefiltered row's candidates), or None (the score's own index)."""
-    n_chunks = (limit + chunk - 1) // chunk
+    position of each score (a prefiltered row's candidates), or None (the score's own index).
+    resident: the caller guarantees limit <= chunk; the one chunk is loaded once and every digit pass and the
+    compaction work on it in registers, where each pass would otherwise re-read it and wait for the load
+    (the candidates of a split or prefiltered row: k to 2k scores)."""
+    # (resident: one chunk, as a traced value: a select between two constants gets a boolean type in the
+    # Triton lowering)
+    n_chunks = limit * 0 + 1 if resident else (limit + chunk - 1) // chunk
     lane = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
-    def keys(c):  # the last chunk may run past `limit`: those scores are -inf by the caller's contract
+    def load(c):  # the last chunk may run past `limit`: those scores are -inf by the caller's contract
         pos = c * chunk + lane if pos_ref is None else pos_ref[pl.ds(c * chunk, chunk)]
-        return order_key(x_ref[pl.ds(c * chunk, chunk)]), pos
+        return x_ref[pl.ds(c * chunk, chunk)], pos
+
+    if resident:
+        x0, pos0 = load(0)
+        key0 = order_key(x0)
+
+    def keys(c):
+        if resident:
+            return key0, pos0
+        x, pos = load(c)
+        return order_key(x), pos
+
+    def values(c):
+        return x0 if resident else x_ref[pl.ds(c * chunk, chunk)]
 
     radix = 1 << digit_bits
 
@@ -136,7 +154,7 @@ def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bit
             chosen_i = chosen.astype(jnp.int32)
             slot = jnp.where(chosen, base + jnp.cumsum(chosen_i) - 1, k)  # k: out of the row, never stored
             pltriton.store(idx_ref.at[slot], pos, mask=chosen)
-            pltriton.store(vals_ref.at[slot], x_ref[pl.ds(c * chunk, chunk)], mask=chosen)
+            pltriton.store(vals_ref.at[slot], values(c), mask=chosen)
             return base + jnp.sum(chosen_i), ties_seen
 
         return lambda n: jax.lax.fori_loop(0, n, body, (n * 0, n * 0))[0]
@@ -168,9 +186,21 @@ def _kernel_prefiltered(limit_ref, count_ref, x_ref, cand_ref, cand_pos_ref, val
     count = count_ref[0]
     jax.lax.cond(
         count >= 0,
-        lambda n: _select_row(cand_ref, cand_pos_ref, n, vals_ref, idx_ref, **kw),
+        lambda n: select_candidates(cand_ref, cand_pos_ref, n, vals_ref, idx_ref, **kw),
         lambda n: _select_row(x_ref, None, limit_ref[0] + n * 0, vals_ref, idx_ref, **kw),
         count,
+    )
+
+
+def select_candidates(cand_ref, pos_ref, n, vals_ref, idx_ref, *, k, chunk, digit_bits):
+    """`_select_row` over n compacted candidates (-inf past n for at least one chunk): in registers when they
+    fit one chunk (`resident`), else chunk by chunk."""
+    kw = dict(k=k, chunk=chunk, digit_bits=digit_bits)
+    return jax.lax.cond(
+        n <= chunk,
+        lambda m: _select_row(cand_ref, pos_ref, m, vals_ref, idx_ref, resident=True, **kw),
+        lambda m: _select_row(cand_ref, pos_ref, m, vals_ref, idx_ref, **kw),
+        n,
     )
 
 

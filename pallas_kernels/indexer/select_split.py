@@ -37,7 +37,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import pow2, triton_params
-from pallas_kernels.indexer.select_kernel import _normal_quantile, _select_row, finite_stats_init, finite_stats_step
+from pallas_kernels.indexer.select_kernel import (
+    _normal_quantile,
+    finite_stats_init,
+    finite_stats_step,
+    select_candidates,
+)
 
 # Bounds counted per row: x k scores at or above where a normal distribution would put them (below 1: a
 # right tail heavier than normal puts more there than the normal predicts) ...
@@ -168,7 +173,7 @@ def _compact_kernel(limit_ref, counts_ref, bounds_ref, x_ref, cand_ref, pos_ref,
 
 
 def _select_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
-    _select_row(cand_ref, pos_ref, n_ref[0], vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
+    select_candidates(cand_ref, pos_ref, n_ref[0], vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "chunk", "seg", "interpret", "num_warps", "select_warps"))
