@@ -6,14 +6,15 @@ call: a tile past the 232,448 bytes of shared memory a block may have on an H100
 (RESOURCE_EXHAUSTED), and only for the widths and dtypes that pick it. Found that way on the H200: the FP8-row
 sparse MLA tile with float32 queries (acb2fd9) and the MoE prefill tiles with float32 operands (96843e1). Here
 the model is lowered for an abstract H200 with the GPU defaults (`impl="auto"` as on a GPU: an abstract model
-and cache, nothing allocated), the Triton IR of each kernel is taken as Pallas hands it to XLA, and the
+and cache, nothing allocated), the Triton IR of each kernel is taken as Pallas hands it to XLA, run through
+Triton's TTIR passes (as a compiler handed that IR does; from 2026-12-01 15:00, see `_with_ttir_passes`), and the
 `triton` package compiles it for sm_90 with the kernel's warps and stages (in the `test` extra on Linux
 x86-64, else `pip install triton`; its bundled `ptxas -v` gives registers and spills). XLA compiles the same
 IR with its own copy of Triton, which may allocate differently. Compared with the H200's error messages: equal
 to the byte for two sparse-MLA variants (295,168 and 286,976 bytes), higher for two kernels (294,912 against
 262,144 for the MoE prefill tiles in float32, 353,536 against 238,848 for the FP8-row sparse MLA tile with
-float32 queries). Read the figures as upper bounds (in the four cases compared none read lower than the
-GPU's): over the limit here may still fit there.
+float32 queries) — those comparisons predate the TTIR passes. Read the figures as upper bounds (in the four
+cases compared none read lower than the GPU's): over the limit here may still fit there.
 
     python -m benchmarks.kernel_resources                               # every preset, bf16 and float32
     python -m benchmarks.kernel_resources --presets deepseek_v32 --dtypes float32 --quant none hierarchical
@@ -81,6 +82,27 @@ def triton_kernels(fn, *args) -> list[dict]:
     return list(found.values())
 
 
+def _with_ttir_passes(path: Path, target, options: dict) -> Path:
+    """The Triton IR at `path` after Triton's own TTIR passes (inlining, canonicalisation, `combine`, ...),
+    written beside it. `triton.compile` starts an IR file past those passes, while a compiler handed the
+    IR (XLA) runs them: without them `acc * alpha + dot(p, v)` keeps the product's zero accumulator and a
+    second accumulator-sized tensor (combine folds the add into the dot), which overstated registers and
+    spills (the 32-head sparse MLA decode tile: 944 bytes of spills without the passes, 152 with them)."""
+    from triton._C.libtriton import ir
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    backend = CUDABackend(target)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = ir.parse_mlir_module(str(path), context)
+    module.context = context  # make_ttir reads it; a parsed module does not carry it
+    module = backend.make_ttir(module, {}, backend.parse_options(options), target.arch)
+    out = path.with_suffix(".passes.ttir")
+    out.write_text(str(module))
+    return out
+
+
 def compile_for_hopper(kernel: dict, workdir: Path) -> dict:
     """{smem, regs, spills} of one kernel compiled by the `triton` package for sm_90."""
     import triton
@@ -90,8 +112,10 @@ def compile_for_hopper(kernel: dict, workdir: Path) -> dict:
     path = workdir / f"{kernel['name']}_{hashlib.sha1(kernel['ttir'].encode()).hexdigest()[:10]}.ttir"
     path.write_text(kernel["ttir"])
     options = dict(num_warps=kernel["num_warps"], num_stages=kernel["num_stages"])
+    target = GPUTarget("cuda", 90, 32)
     try:
-        compiled = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=options)
+        path = _with_ttir_passes(path, target, options)
+        compiled = triton.compile(str(path), target=target, options=options)
     except Exception as e:  # noqa: BLE001 — e.g. Triton's own out-of-resources check: a result here
         return dict(smem=None, regs=None, spills=None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
     ptx = path.with_suffix(".ptx")
