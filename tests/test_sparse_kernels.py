@@ -556,15 +556,3 @@ def test_sparse_mla_fp8_pool_at_prefill_runs_the_bf16_row_kernel_on_the_dequanti
     assert kernels(qlb, qrb, values, table, idx, **kw) == (True, False)  # now the FP8-row kernel
     of, _ = sparse_mla(qlb, qrb, values, table, idx, **kw)
     assert rel_err(ob, ref_o) < 2e-2 and rel_err(ob, of) < 5e-3
-
-
-def test_paired_sums_match_plain_sums():
-    """Two 0/1 lane sets per int32 sum (the resident selection's digit passes) give each set's own total,
-    odd counts of sets included, up to the largest chunk the pairing is used for."""
-    from pallas_kernels.indexer.select_kernel import PAIRED_SUM_MAX, _paired_sums
-
-    rng = np.random.default_rng(3)
-    for n_sets, size in ((3, 4096), (2, PAIRED_SUM_MAX // 2), (7, 64)):
-        lanes = [jnp.asarray((rng.random(size) < p).astype(np.int32)) for p in np.linspace(0.1, 1.0, n_sets)]
-        got = [int(c) for c in _paired_sums(lanes)]
-        assert got == [int(jnp.sum(x)) for x in lanes]

@@ -64,24 +64,6 @@ def _wrap(v: int) -> int:
 _NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 with its low 31 bits flipped
 
 
-# Chunks below this size count at most 2^15 - 1 per lane set, so two counts share one int32 sum.
-PAIRED_SUM_MAX = 1 << 15
-
-
-def _paired_sums(lanes):
-    """Block-wide sums of 0/1 int32 lanes (each total < 2^15), two per reduction: the low and high 16 bits of
-    one int32 sum. A block-wide sum (warp shuffles, shared memory, a barrier) is what a resident digit pass
-    pays for; the comparisons are nearly free."""
-    out = []
-    for i in range(0, len(lanes), 2):
-        if i + 1 == len(lanes):
-            out.append(jnp.sum(lanes[i]))
-            continue
-        both = jnp.sum(lanes[i] + (lanes[i + 1] << 16))
-        out += [both & 0xFFFF, both >> 16]
-    return out
-
-
 def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bits, resident=False):
     """The row's Top-K among the first `limit` scores of x_ref, written to vals_ref / idx_ref. pos_ref: the
     position of each score (a prefiltered row's candidates), or None (the score's own index).
@@ -127,13 +109,9 @@ def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bit
             key, _ = keys(c)
             return tuple(n + (key >= cand).astype(jnp.int32) for n, cand in zip(counts, cands, strict=True))
 
-        if resident:  # the one chunk is in registers: count it directly, two counts per block-wide sum
-            lanes = tuple(jnp.where(done, 0, (key0 >= cand).astype(jnp.int32)) for cand in cands)
-            counts = _paired_sums(lanes) if chunk < PAIRED_SUM_MAX else [jnp.sum(n) for n in lanes]
-        else:
-            scan = jnp.where(done, 0, n_chunks)
-            lanes = jax.lax.fori_loop(0, scan, body, (jnp.zeros((chunk,), jnp.int32),) * (radix - 1))
-            counts = [jnp.sum(n) for n in lanes]
+        scan = jnp.where(done, 0, n_chunks)
+        lanes = jax.lax.fori_loop(0, scan, body, (jnp.zeros((chunk,), jnp.int32),) * (radix - 1))
+        counts = [jnp.sum(n) for n in lanes]
         best = sum((n >= k).astype(jnp.int32) for n in counts)  # counts fall with the digit
         # keys at or above digit best + 1 now lie above the open range (unchanged when best is the top digit)
         new_above = sum(jnp.where(best == d - 1, n, 0) for d, n in enumerate(counts, start=1)) + jnp.where(
