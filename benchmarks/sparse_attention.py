@@ -3,6 +3,8 @@ Pallas against the jnp reference (materialised scores + `lax.top_k`; gathered ro
 
 Decode rows are timed as CHAIN calls in one executable (`common.chained_ms`), per call: inside a compiled
 decode step there is no host dispatch per op (~0.1-0.2 ms on the H200, more than the B=1 kernels take).
+The executable's own launch and wait (~0.2 ms) is still spread over its calls: ~20 us a call at the default
+10, which at B=1 is a fifth of a call; `--chain 40` spreads it thinner.
 
 Floors: bytes that must move over the measured copy bandwidth and FLOPs over the measured bf16 matmul rate
 (the larger). Indexer: the key cache read once (BF16, or MXFP8 values + E8M0 scales) plus the queries;
@@ -11,7 +13,7 @@ FLOPs 2·N·H per query-key pair. Sparse MLA: the selected rows [c | k_rope] rea
 
     python -m benchmarks.sparse_attention [--contexts 32768 131072] [--batches 1 16 64] [--only indexer|mla]
         [--indexer-variants 128:1024:bf16 ...] [--prefill-variants 64:128:kernel ...] [--no-prefill-reference]
-        [--no-record]
+        [--chain 10] [--no-record]
 """
 
 from __future__ import annotations
@@ -86,8 +88,10 @@ def _prefill_variant(text: str) -> dict:
 def indexer_rows(
     bw, rate, contexts, batches, heads, dim, topk, prefill_len, variants=INDEXER_VARIANTS,
     prefill_variants=PREFILL_VARIANTS, prefill_reference=True, select_variants=(), decode_selects=DECODE_SELECTS,
+    chain=CHAIN,
 ) -> list[dict]:  # fmt: skip
     rows = []
+    chained = functools.partial(chained_ms, n=chain)
     for s in contexts:
         for b in batches:
             ks = jax.random.split(jax.random.key(s + b), 3)
@@ -98,10 +102,10 @@ def indexer_rows(
             lens = jnp.full((b,), s, jnp.int32)
             kw = dict(q_positions=pos, kv_lengths=lens, topk=topk, scale=dim**-0.5)
             flops = 2 * b * s * heads * dim
-            shape = f"decode B={b} S={s} heads={heads}x{dim} top-{topk}, {CHAIN} chained calls"
+            shape = f"decode B={b} S={s} heads={heads}x{dim} top-{topk}, {chain} chained calls"
             ref = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="reference", **kw))
             ref_i, _ = ref(q, w, pool, table)
-            ms = chained_ms(ref, q, w, pool, table)
+            ms = chained(ref, q, w, pool, table)
             rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
             for variant in variants:
                 for spec in decode_selects:
@@ -111,7 +115,7 @@ def indexer_rows(
                     vk = dict(_indexer_variant(variant), select=select, select_segments=int(segs or 1))
                     fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
                     got_i, _ = fn(q, w, pool, table)
-                    ms = chained_ms(fn, q, w, pool, table)
+                    ms = chained(fn, q, w, pool, table)
                     check = _same_topk(got_i, ref_i)
                     how = {"top_k": "lax.top_k", "split": "split selection (row passes over many programs)"}.get(
                         select, f"selection kernel, {vk['select_segments']} segments"
@@ -125,7 +129,7 @@ def indexer_rows(
             # the selection alone, on scores of the same shape: how much of the time the Top-K takes
             scores = jax.random.normal(ks[2], (b, s), jnp.float32)
             topk_only = jax.jit(lambda x: jax.lax.top_k(x, topk))
-            ms = chained_ms(topk_only, scores)
+            ms = chained(topk_only, scores)
             rows.append(row("indexer", shape, "lax.top_k alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
             sel_only = jax.jit(
                 lambda x, s=s: top_k_rows_pallas(
@@ -136,7 +140,7 @@ def indexer_rows(
                     interpret=jax.default_backend() == "cpu",
                 )
             )
-            ms = chained_ms(sel_only, scores)
+            ms = chained(sel_only, scores)
             rows.append(row("indexer", shape, "selection kernel alone on [B, S]", ms, 0, scores.nbytes, bw, rate))
             split_only = jax.jit(
                 lambda x, s=s: top_k_split(
@@ -144,11 +148,11 @@ def indexer_rows(
                     interpret=jax.default_backend() == "cpu",
                 )
             )  # fmt: skip
-            ms = chained_ms(split_only, scores)
+            ms = chained(split_only, scores)
             rows.append(row("indexer", shape, "split selection alone on [B, S]", ms, 0, scores.nbytes, bw, rate))
             values, scales = quantize_mxfp8(pool)
             fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
-            ms = chained_ms(fn8, q, w, values, scales, table)
+            ms = chained(fn8, q, w, values, scales, table)
             mx_bytes = values.nbytes + scales.nbytes
             check = _same_topk(fn8(q, w, values, scales, table)[0], ref_i)
             impl = "pallas scores (MXFP8 pool) + default selection"
@@ -243,7 +247,18 @@ def _mla_variant(text: str) -> tuple:
 
 
 def sparse_mla_rows(
-    bw, rate, batch, heads, lat, rope, topk, context, prefill_len, decode_variants=None, prefill_heads=()
+    bw,
+    rate,
+    batch,
+    heads,
+    lat,
+    rope,
+    topk,
+    context,
+    prefill_len,
+    decode_variants=None,
+    prefill_heads=(),
+    chain=CHAIN,
 ) -> list[dict]:
     """Decode at `batch` x `heads`, prefill of `prefill_len` at `heads` and at each of `prefill_heads` (the
     latter: the default tiles and the old default only)."""
@@ -268,8 +283,8 @@ def sparse_mla_rows(
         flops = 2 * b * t * heads * topk * (2 * lat + rope)
         nbytes = b * t * topk * (lat + rope) * 2
         shape = f"B={b} T={t} heads={heads} L={lat} R={rope} top-{topk}"
-        shape += f", {CHAIN} chained calls" if t == 1 else ""
-        timer = chained_ms if t == 1 else functools.partial(_single_ms, iters=5)
+        shape += f", {chain} chained calls" if t == 1 else ""
+        timer = functools.partial(chained_ms, n=chain) if t == 1 else functools.partial(_single_ms, iters=5)
         ref = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="reference"))
         ref_o, _ = ref(ql, qr, pool, table, idx)
         if extra:
@@ -374,6 +389,12 @@ def main() -> None:
     p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")
     p.add_argument("--mla-decode-variants", nargs="*", default=None, help="BH:BK:PREC:SPLITS(-):WARPS:STAGES")
     p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")
+    p.add_argument(
+        "--chain",
+        type=int,
+        default=CHAIN,
+        help="decode calls per executable: the executable's own launch and wait (~0.2 ms) is spread over them",
+    )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
@@ -383,12 +404,12 @@ def main() -> None:
         rows += indexer_rows(
             bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
             tuple(args.indexer_variants), tuple(args.prefill_variants), not args.no_prefill_reference,
-            tuple(args.select_variants), tuple(args.decode_selects),
+            tuple(args.select_variants), tuple(args.decode_selects), args.chain,
         )  # fmt: skip
     if args.only != "indexer":
         rows += sparse_mla_rows(
             bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill,
-            args.mla_decode_variants, tuple(args.mla_prefill_heads),
+            args.mla_decode_variants, tuple(args.mla_prefill_heads), args.chain,
         )  # fmt: skip
     title = (
         f"Sparse-attention kernels; ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
