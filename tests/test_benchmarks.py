@@ -302,6 +302,8 @@ def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, caps
     queries-inner grid, one explicit tile, FP8 rows), with `--chain` in the row labels; none fails."""
     from benchmarks import sparse_attention
 
+    # the script took `ceilings` by name: patch its own reference too (the real ones take minutes here)
+    monkeypatch.setattr(sparse_attention, "ceilings", benchmarks.common.ceilings)
     argv = ["sparse_attention", "--contexts", "2048", "--batches", "1", "--index-heads", "16", "--index-dim", "32",
             "--topk", "256", "--indexer-prefill", "0", "--mla-batch", "2", "--mla-heads", "16", "--mla-context", "512",
             "--mla-prefill", "0", "--mla-decode-variants", "16:32:bf16:-:4:2", "--decode-selects", "default",
