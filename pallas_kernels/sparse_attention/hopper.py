@@ -1,0 +1,380 @@
+"""Sparse MLA decode for Hopper in Pallas Mosaic GPU: warp-specialized, one 64-head block per CTA.
+
+Why a second kernel: the Triton-lowered kernel (`kernel.py`) reached 25% of the tensor bound at decode
+(H200, B=64 x 128 heads, top-2048); its products alone ran at 39% (`benchmarks/sparse_mla_bound.py`). Here
+the roles run on separate warpgroups, as in FlashMLA's Hopper design:
+
+- producer (warpgroup 2): gathers the selected rows of the latent pool into shared memory with `cp.async`,
+  16 bytes per thread per copy, written straight into the swizzled (8, 64) tiles `wgmma` reads. (One TMA
+  copy per row and 64-column tile moved 0.5 TB/s on the H200: too slow for a gather.)
+- consumer 0: S = Q K^T over the full 576 columns (latent + rope), the online softmax, P (bf16) handed to
+  consumer 1 through shared memory, and O[:, :256] += P V[:, :256].
+- consumer 1: O[:, 256:] += P V[:, 256:], rescaled by consumer 0's correction factors.
+
+Per 64-row block the tensor work is S (64x64x576) and P V (64x64x512) once each: no product is repeated.
+
+    logit[n, s] = scale * (q_latent[n] . c_s + q_rope[n] . k_rope_s),  s in the selected rows
+    out[n] = sum_s softmax(logit[n])_s c_s,   lse[n] = log sum_s exp(logit[n, s])
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+BLOCK_H = 64  # heads per CTA: the M of one wgmma
+BLOCK_K = 64  # selected rows per step
+TILE = 64  # bf16 columns per 128-byte swizzled tile
+STAGES = 2  # gathered blocks in flight: Q + 2 stages + P fill the H200's 227 KiB of shared memory
+WG = 128  # threads per warpgroup
+LOG2E = math.log2(math.e)
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def _tiled():
+    plgpu = _plgpu()
+    return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
+
+
+def _gather_fn(lat: int, rope: int, split_rope: bool):
+    """A warpgroup-wide gather of BLOCK_K selected rows into one (BLOCK_K, lat + rope) swizzled stage.
+
+    Eight threads share a row: thread t copies 16-byte piece t % 8 of every 64-column tile of rows
+    t // 8, t // 8 + 16, ... — each warp instruction reads whole 128-byte lines of 4 rows. A thread's
+    swizzled column (piece ^ row % 8) is then the same for all its rows, so after one index load per row
+    every copy address is the row's base plus a constant. Unused slots (-1) copy row 0; consumer 0 masks
+    them. The copies are committed as one `cp.async` group.
+    """
+    plgpu = _plgpu()
+    TILED = _tiled()  # noqa: N806
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    width = lat + rope
+    tiles = width // TILE
+    lanes = 8  # threads per row: 8 x 16 bytes = one 64-column tile row
+    row_groups = WG // lanes  # rows copied at once by the warpgroup
+    assert BLOCK_K % row_groups == 0 and row_groups % 8 == 0
+
+    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(TILED), plgpu.RefType())
+    arg_types += (plgpu.RefType(),) if split_rope else ()
+
+    @plgpu.inline_mgpu(arg_types=arg_types)
+    def gather(ctx, idx_ref, idx_copy_ref, dst_ref, lat_ref, *rope_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        i8 = ir.IntegerType.get_signless(8)
+        index = ir.IndexType.get()
+        c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+        lane = arith.remui(mu.thread_idx(), c32(WG))
+        piece = arith.andi(lane, c32(lanes - 1))
+        group = arith.shrui(lane, c32(3))  # 0..15: rows group, group + 16, ...
+        r8 = arith.andi(group, c32(7))  # row % 8 of every row this thread copies
+        # (8, 64) tiles row-tile-major, 1,024 bytes each; 128-byte swizzle: piece ^= row % 8
+        dst_base = arith.addi(
+            arith.muli(arith.shrui(group, c32(3)), c32(tiles * 1024)),
+            arith.addi(arith.muli(r8, c32(128)), arith.shli(arith.xori(piece, r8), c32(4))),
+        )
+        dst = mu.getelementptr(mu.memref_ptr(dst_ref), [dst_base], i8)
+        piece_bytes = arith.extui(i64, arith.shli(piece, c32(4)))
+        global_ptr = llvm.PointerType.get(address_space=1)
+        src_lat = llvm.addrspacecast(global_ptr, mu.memref_ptr(lat_ref))
+        if split_rope:
+            src_rope = llvm.addrspacecast(global_ptr, mu.memref_ptr(rope_ref[0]))
+        for rr in range(BLOCK_K // row_groups):
+            row = arith.addi(group, c32(rr * row_groups))
+            slot = memref.load(idx_ref, [arith.index_cast(index, row)])
+            # the block's slots for consumer 0's mask: the row's 8 threads store the same value
+            memref.store(slot, idx_copy_ref, [arith.index_cast(index, row)])
+            slot = arith.maxsi(slot, c32(0))
+            slot64 = arith.extui(i64, slot)
+            row_stride = lat * 2 if split_rope else width * 2
+            lat_row = mu.getelementptr(
+                src_lat, [arith.addi(arith.muli(slot64, arith.constant(i64, row_stride)), piece_bytes)], i8
+            )
+            if split_rope:
+                rope_row = mu.getelementptr(
+                    src_rope, [arith.addi(arith.muli(slot64, arith.constant(i64, rope * 2)), piece_bytes)], i8
+                )
+            row_dst = (rr * row_groups // 8) * tiles * 1024
+            for ct in range(tiles):
+                dptr = mu.getelementptr(dst, [row_dst + ct * 1024], i8)
+                if split_rope and ct >= lat // TILE:
+                    sptr = mu.getelementptr(rope_row, [(ct - lat // TILE) * TILE * 2], i8)
+                else:
+                    sptr = mu.getelementptr(lat_row, [ct * TILE * 2], i8)
+                nvvm.cp_async_shared_global(dptr, sptr, 16, nvvm.LoadCacheModifierKind.CG)
+        nvvm.cp_async_commit_group()
+
+    return gather
+
+
+def _wait_fn(pending: int):
+    """Waits until at most `pending` of this thread's `cp.async` groups are in flight, then makes the landed
+    bytes visible to `wgmma` (async proxy) across the warpgroup."""
+    plgpu = _plgpu()
+    from jax._src.lib.mlir.dialects import nvvm
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        del ctx
+        nvvm.cp_async_wait_group(pending)
+        mu.commit_shared()  # fence.proxy.async + warpgroup barrier
+
+    return wait
+
+
+def _store_out(acc, l_use, q_smem, o_ref, start, width):
+    """acc / l -> bf16 through Q's shared tiles start/64 ... (Q is no longer read) -> o_ref[:, start:start+width]."""
+    plgpu = _plgpu()
+    out = (acc / lax.broadcast_in_dim(l_use, acc.shape, [0])).astype(q_smem.dtype)
+    for c in range(width // TILE):
+        q_smem[start // TILE + c] = out[:, c * TILE : (c + 1) * TILE]
+    plgpu.commit_smem()
+    for c in range(width // TILE):
+        plgpu.copy_smem_to_gmem(q_smem.at[start // TILE + c], o_ref.at[:, pl.ds(start + c * TILE, TILE)])
+
+
+def _kernel(
+    ql_ref,
+    qr_ref,
+    idx_ref,
+    lat_ref,
+    rope_ref,
+    o_ref,
+    lse_ref,
+    scratch,
+    *,
+    lat,
+    rope,
+    nb,
+    scale,
+    q_splits,
+    split_rope,
+    probe,
+):
+    plgpu = _plgpu()
+    q_smem, kv_smem, p_smem, vecs, idx_smem, bars = scratch
+    vec_smem, lse_smem = vecs.at[0], vecs.at[1]
+    ready, consumed, q_bar, p_ready, p_free, fin = bars
+    h = lax.axis_index("h")
+    r = lax.axis_index("r")
+    wg = lax.axis_index("wg")
+    query = lax.div(r, q_splits)
+    half = lat // 2
+    tiles = (lat + rope) // TILE
+    heads = pl.ds(h * BLOCK_H, BLOCK_H)
+    c2 = scale * LOG2E  # logits in base 2
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        gather = _gather_fn(lat, rope, split_rope)
+        rows = (lat_ref, rope_ref) if split_rope else (lat_ref,)
+
+        def issue(i):
+            block = idx_ref.at[r, pl.ds(i * BLOCK_K, BLOCK_K)]
+            if "nogather" not in probe:
+                # also copies the slots to shared memory, where consumer 0 reads its mask (vector loads from
+                # GMEM are not lowered); a TMA copy of them added its latency to every block's hand-off
+                gather(block, idx_smem.at[i % STAGES], kv_smem.at[i % STAGES], *rows)
+
+        landed = _wait_fn(0)
+
+        @pl.loop(0, nb)
+        def _(i):
+            @pl.when(i >= STAGES)
+            def _():
+                plgpu.barrier_wait(consumed.at[i % STAGES])
+
+            issue(i)
+            # Signal each block as soon as it lands: signalling block i only after issuing block i + 1
+            # (which waits for block i - 1 to be consumed) ran the stages in lockstep, 58 of 125 us.
+            landed()
+            plgpu.barrier_arrive(ready.at[i % STAGES])
+
+    @pl.when(wg == 0)
+    def _softmax_wg():
+        plgpu.set_max_registers(232, action="increase")
+        for c in range(lat // TILE):
+            plgpu.copy_gmem_to_smem(ql_ref.at[query, heads, pl.ds(c * TILE, TILE)], q_smem.at[c], q_bar)
+        plgpu.copy_gmem_to_smem(qr_ref.at[query, heads], q_smem.at[lat // TILE], q_bar)
+        plgpu.barrier_wait(q_bar)
+        wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+        m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), wgmma_rows)
+        l = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), wgmma_rows)
+        acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(i, carry):
+            acc, m, l = carry
+            slot = i % STAGES
+            plgpu.barrier_wait(ready.at[slot])
+
+            def qk(s_ref):
+                for c in range(tiles):  # Q is stored tile-major (TMA wants whole tiles), K row-tile-major
+                    k_tile = kv_smem.at[slot, :, pl.ds(c * TILE, TILE)]
+                    plgpu.wgmma(s_ref, q_smem.at[c], k_tile.transpose((1, 0)))
+                return s_ref[...]
+
+            if "nomma" in probe:
+                s = plgpu.layout_cast(jnp.zeros((BLOCK_H, BLOCK_K), jnp.float32), plgpu.Layout.WGMMA)
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
+            idx = plgpu.load(idx_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
+            s = jnp.where(valid, s * c2, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: keep p = 0, no NaN
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            p16 = p.astype(jnp.bfloat16)
+
+            @pl.when(i > 0)
+            def _():
+                plgpu.barrier_wait(p_free)
+
+            p_smem[...] = p16
+            vec_smem[...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, :, pl.ds(0, half)])
+
+            if "nomma" not in probe:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m_new, l
+
+        acc, m, l = lax.fori_loop(0, nb, step, (acc, m, l))
+        l_use = jnp.where(l == 0.0, 1.0, l)
+        plgpu.barrier_wait(p_free)  # consumer 1 has read the last alpha
+        vec_smem[...] = l_use
+        lse_smem[...] = jnp.where(l == 0.0, -jnp.inf, (m + jnp.log2(l_use)) / LOG2E)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(fin)
+        _store_out(acc, l_use, q_smem, o_ref.at[r, heads], 0, half)
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[r, heads])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _value_wg():
+        plgpu.set_max_registers(232, action="increase")
+        wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+        acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(i, acc):
+            slot = i % STAGES
+            plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_wait(p_ready)
+            alpha = plgpu.load(vec_smem, layout=wgmma_rows)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, kv_smem.at[slot, :, pl.ds(half, half)])
+
+            if "nomma" not in probe:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(p_free)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc
+
+        acc = lax.fori_loop(0, nb, step, acc)
+        plgpu.barrier_wait(fin)
+        l_use = plgpu.load(vec_smem, layout=wgmma_rows)
+        _store_out(acc, l_use, q_smem, o_ref.at[r, heads], half, half)
+        plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "q_splits", "probe"))
+def sparse_mla_hopper(
+    q_latent, q_rope, slots, lat_rows, rope_rows=None, *, scale: float, q_splits: int = 1, probe: str = ""
+):
+    """q_latent [Q,N,L] and q_rope [Q,N,R] bf16, slots [Q*q_splits, K] int32 pool rows (-1 unused),
+    lat_rows [rows, L] (+ rope_rows [rows, R]) or lat_rows [rows, L+R] bf16 ->
+    (out [Q*q_splits, N, L] bf16, softmax-normalised over each part's rows; lse [Q*q_splits, N] float32).
+
+    Needs N % 64 == 0, K % 64 == 0, R == 64 and L a multiple of 128 (each consumer takes L/2 output columns).
+    `probe` is for timing the loop taken apart only (wrong results): "nogather" skips the row copies,
+    "nomma" the products; both may be given.
+    """
+    plgpu = _plgpu()
+    nq, n, lat = q_latent.shape
+    rope = q_rope.shape[-1]
+    rows_total, k = slots.shape
+    split_rope = rope_rows is not None
+    if n % BLOCK_H or k % BLOCK_K or rope != TILE or lat % (2 * TILE) or rows_total != nq * q_splits:
+        raise ValueError(
+            f"sparse_mla_hopper: needs heads % {BLOCK_H} == 0 (got {n}), selected % {BLOCK_K} == 0 (got {k}), "
+            f"rope == {TILE} (got {rope}), latent % {2 * TILE} == 0 (got {lat}), {nq} x {q_splits} slot rows "
+            f"(got {rows_total})"
+        )
+    width = lat + rope
+    tiled = _tiled()
+    scratch = [
+        plgpu.SMEM((width // TILE, BLOCK_H, TILE), jnp.bfloat16, transforms=tiled),  # Q by tile, then the output
+        plgpu.SMEM((STAGES, BLOCK_K, width), jnp.bfloat16, transforms=tiled),  # gathered rows
+        plgpu.SMEM((BLOCK_H, BLOCK_K), jnp.bfloat16, transforms=tiled),  # P for consumer 1
+        # correction factors (then the final sums), log-sum-exp: one buffer, as every buffer takes 1 KiB
+        plgpu.SMEM((2, BLOCK_H), jnp.float32),
+        plgpu.SMEM((STAGES, BLOCK_K), jnp.int32),  # the selected slots of each stage
+    ]
+    barriers = (
+        plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # ready: the producer
+        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # consumed: both consumers
+        plgpu.Barrier(num_arrivals=width // TILE),  # Q: a TMA copy per tile
+        plgpu.Barrier(num_arrivals=1),  # P ready
+        plgpu.Barrier(num_arrivals=1),  # P read
+        plgpu.Barrier(num_arrivals=1),  # final sums
+    )
+    kernel = functools.partial(
+        _kernel,
+        lat=lat,
+        rope=rope,
+        nb=k // BLOCK_K,
+        scale=scale,
+        q_splits=q_splits,
+        split_rope=split_rope,
+        probe=probe,
+    )
+
+    def entry(ql, qr, idx, lr, rr, o, lse):
+        pl.run_scoped(
+            lambda *s: kernel(ql, qr, idx, lr, rr, o, lse, (*s[:5], s[5:])), *scratch, *barriers, collective_axes="wg"
+        )
+
+    def entry_joint(ql, qr, idx, lr, o, lse):
+        entry(ql, qr, idx, lr, None, o, lse)
+
+    out_type = (
+        jax.ShapeDtypeStruct((rows_total, n, lat), jnp.bfloat16),
+        jax.ShapeDtypeStruct((rows_total, n), jnp.float32),
+    )
+    call = plgpu.kernel(
+        entry if split_rope else entry_joint,
+        out_type=out_type,
+        grid=(n // BLOCK_H, rows_total),
+        grid_names=("h", "r"),
+        num_threads=3,
+        thread_name="wg",
+        # The row reductions of the WGMMA layout stay within a warp: no shared scratch for them, which
+        # keeps Q + two stages + P within the 227 KiB.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+    )
+    args = (q_latent, q_rope, slots, lat_rows) + ((rope_rows,) if split_rope else ())
+    return call(*args)

@@ -1,0 +1,103 @@
+"""The Hopper (Mosaic GPU) sparse MLA kernel: against the reference on an sm_90 GPU, its lowering for sm_90 on
+any machine that has the CUDA plugin's Python files, and its clear refusals everywhere."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrid_jax.quant.formats import quantize_kv_fp8
+from pallas_kernels.sparse_attention import sparse_mla
+from pallas_kernels.sparse_attention.api import _is_hopper, hopper_unsupported, prefers_hopper
+from tests.conftest import rel_err
+from tests.test_sparse_kernels import _case
+
+on_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (run on the H200)")
+
+
+@on_hopper
+@pytest.mark.parametrize(
+    "seed, b, t, n, topk, lengths, split_pool",
+    [
+        # 128 heads (two CTAs a query), top-k not a multiple of 64, short rows (-1 slots), a query with none
+        (0, 3, 1, 128, 300, [700, 90, 1], False),
+        # 16 heads padded to 64, two query rows each, the rows split into parts merged by LSE, split pools
+        (1, 2, 2, 16, 256, [500, 260], True),
+        # decode-sized: 64 queries x 128 heads, top-2048 of 4096, every slot used
+        (2, 64, 1, 128, 2048, [4096] * 64, False),
+    ],
+)
+def test_hopper_matches_reference(seed, b, t, n, topk, lengths, split_pool):
+    ql, qr, pool, table, idx = _case(seed, b, t, n, 512, 64, 64, topk, lengths, jnp.bfloat16)
+    if seed == 2:  # all slots used (the generic case draws how many)
+        rng = np.random.default_rng(seed)
+        idx = jnp.asarray(np.stack([rng.permutation(4096)[:topk] for _ in range(b)])[:, None].astype(np.int32))
+    ql, qr = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
+    kw = dict(rope_pages=pool[..., 512:]) if split_pool else {}
+    pages = pool[..., :512] if split_pool else pool
+    ref_o, ref_lse = sparse_mla(ql, qr, pool, table, idx, scale=0.07, impl="reference")
+    o, lse = sparse_mla(ql, qr, pages, table, idx, scale=0.07, impl="hopper", **kw)
+    auto_o, _ = sparse_mla(ql, qr, pages, table, idx, scale=0.07, **kw)  # "auto" picks it at decode from 64 heads
+    if n >= 64 and b * t < 1024:
+        np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
+    empty = np.asarray(idx < 0).all(-1)
+    assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-4, atol=1e-4)
+    # bf16 probabilities and output, as the Triton kernel's bf16 products
+    assert rel_err(o.astype(jnp.float32), ref_o.astype(jnp.float32)) < 1e-2
+
+
+def test_hopper_refusals_name_the_reason():
+    ql, qr, pool, table, idx = _case(3, 1, 1, 64, 512, 64, 64, 64, [100], jnp.bfloat16)
+    ql, qr = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
+    if not _is_hopper():
+        with pytest.raises(ValueError, match="needs a Hopper"):
+            sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="hopper")
+    with pytest.raises(ValueError, match="rope 32"):
+        sparse_mla(ql, qr[..., :32], pool[..., :544], table, idx, scale=0.1, impl="hopper")
+    with pytest.raises(ValueError, match="float32 queries"):
+        sparse_mla(ql.astype(jnp.float32), qr, pool, table, idx, scale=0.1, impl="hopper")
+    values, scales = quantize_kv_fp8(pool[..., :512].astype(jnp.float32), 128)
+    with pytest.raises(ValueError, match="FP8 latent pool"):
+        sparse_mla(
+            ql, qr, values, table, idx, scale=0.1, impl="hopper", latent_scales=scales, rope_pages=pool[..., 512:]
+        )
+    assert hopper_unsupported(512, 64, jnp.bfloat16, jnp.bfloat16, False, "bf16") is None
+    assert "float32 pool" in hopper_unsupported(512, 64, jnp.bfloat16, jnp.float32, False, "bf16")
+    # "auto" never picks it off a Hopper GPU, nor for prefill or fewer than 64 heads
+    assert prefers_hopper(128, 64) == _is_hopper()
+    assert not prefers_hopper(128, 4096) and not prefers_hopper(16, 64)
+
+
+_LOWER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp
+from pallas_kernels.sparse_attention.hopper import sparse_mla_hopper
+S = jax.ShapeDtypeStruct
+for split in (False, True):
+    pools = (S((4096, 512), jnp.bfloat16), S((4096, 64), jnp.bfloat16)) if split else (S((4096, 576), jnp.bfloat16),)
+    args = (S((3, 128, 512), jnp.bfloat16), S((3, 128, 64), jnp.bfloat16), S((6, 256), jnp.int32), *pools)
+    text = sparse_mla_hopper.trace(*args, scale=0.1, q_splits=2).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, text[:2000]
+print("lowered")
+"""
+
+
+def test_hopper_kernel_lowers_for_sm90():
+    """Python-side lowering of the Mosaic GPU kernel (layouts, shared memory budget, inline cp.async) for an
+    sm_90 target, on a machine without a GPU: needs the jax-cuda13-plugin wheel's files, unpacked, at
+    $HYBRID_JAX_CUDA_PLUGIN_DIR (`pip download --no-deps jax-cuda13-plugin==<jax version>` and unzip)."""
+    where = os.environ.get("HYBRID_JAX_CUDA_PLUGIN_DIR")
+    if not where or not os.path.isdir(os.path.join(where, "jax_cuda13_plugin")):
+        pytest.skip("HYBRID_JAX_CUDA_PLUGIN_DIR does not hold an unpacked jax-cuda13-plugin wheel")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+    res = subprocess.run(
+        [sys.executable, "-c", _LOWER, where], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert res.returncode == 0 and "lowered" in res.stdout, res.stderr[-3000:]
+    assert jax.__version__ == "0.11.2"  # the plugin must match: the lowering above used its Mosaic GPU bindings
