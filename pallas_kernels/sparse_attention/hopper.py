@@ -12,6 +12,10 @@ the roles run on separate warpgroups, as in FlashMLA's Hopper design:
 - consumer 1: O[:, 256:] += P V[:, 256:], rescaled by consumer 0's correction factors.
 
 Per 64-row block the tensor work is S (64x64x576) and P V (64x64x512) once each: no product is repeated.
+Measured (H200, b1ef719, B=64 x 128 heads, top-2048 of 8192 rows): 0.096 ms a call with 40 chained calls, 51%
+of the bf16 tensor bound; the Triton kernel 0.190 ms. Taken apart (40 chained calls): no row copies 0.089-0.094
+ms, no products 0.091-0.094, neither 0.047-0.051 — the hand-offs between the warpgroups, not the gather or the
+tensor cores, are the largest single cost left.
 
     logit[n, s] = scale * (q_latent[n] . c_s + q_rope[n] . k_rope_s),  s in the selected rows
     out[n] = sum_s softmax(logit[n])_s c_s,   lse[n] = log sum_s exp(logit[n, s])
