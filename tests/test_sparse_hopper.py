@@ -27,6 +27,8 @@ on_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (run
         (0, 3, 1, 128, 300, [700, 90, 1], False),
         # 16 heads padded to 64, two query rows each, the rows split into parts merged by LSE, split pools
         (1, 2, 2, 16, 256, [500, 260], True),
+        # prefill-like: 40 query rows of one sequence, 128 heads, split pools
+        (3, 1, 40, 128, 256, [300], True),
         # decode-sized: 64 queries x 128 heads, top-2048 of 4096, every slot used
         (2, 64, 1, 128, 2048, [4096] * 64, False),
     ],
@@ -42,7 +44,7 @@ def test_hopper_matches_reference(seed, b, t, n, topk, lengths, split_pool):
     ref_o, ref_lse = sparse_mla(ql, qr, pool, table, idx, scale=0.07, impl="reference")
     o, lse = sparse_mla(ql, qr, pages, table, idx, scale=0.07, impl="hopper", **kw)
     auto_o, _ = sparse_mla(ql, qr, pages, table, idx, scale=0.07, **kw)  # "auto" picks it at decode from 64 heads
-    if n >= 64 and b * t < 1024:
+    if n >= 64:
         np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
     empty = np.asarray(idx < 0).all(-1)
     assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
@@ -68,9 +70,9 @@ def test_hopper_refusals_name_the_reason():
         )
     assert hopper_unsupported(512, 64, jnp.bfloat16, jnp.bfloat16, False, "bf16") is None
     assert "float32 pool" in hopper_unsupported(512, 64, jnp.bfloat16, jnp.float32, False, "bf16")
-    # "auto" never picks it off a Hopper GPU, nor for prefill or fewer than 64 heads
-    assert prefers_hopper(128, 64) == _is_hopper()
-    assert not prefers_hopper(128, 4096) and not prefers_hopper(16, 64)
+    # "auto" never picks it off a Hopper GPU, nor for fewer than 64 heads
+    assert prefers_hopper(128, 64) == prefers_hopper(128, 4096) == _is_hopper()
+    assert not prefers_hopper(16, 64)
 
 
 _LOWER = """
