@@ -43,7 +43,7 @@ def test_hopper_matches_reference(seed, b, t, n, topk, lengths, split_pool):
     pages = pool[..., :512] if split_pool else pool
     ref_o, ref_lse = sparse_mla(ql, qr, pool, table, idx, scale=0.07, impl="reference")
     o, lse = sparse_mla(ql, qr, pages, table, idx, scale=0.07, impl="hopper", **kw)
-    auto_o, _ = sparse_mla(ql, qr, pages, table, idx, scale=0.07, **kw)  # "auto" picks it at decode from 64 heads
+    auto_o, _ = sparse_mla(ql, qr, pages, table, idx, scale=0.07, **kw)  # "auto" picks it from 64 heads
     if n >= 64:
         np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
     empty = np.asarray(idx < 0).all(-1)

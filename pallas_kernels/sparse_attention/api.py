@@ -222,8 +222,8 @@ def sparse_mla(
     default on CPU; `splits` parts of the selected rows run as separate programs and are merged by LSE —
     default `num_splits`: more than one only when the grid would be small, i.e. decode at a small batch), or
     "hopper" (`hopper.sparse_mla_hopper`, Pallas Mosaic GPU for sm_90: a `cp.async` gather warpgroup and two
-    `wgmma` warpgroups, 64 heads a CTA, 64 selected rows a step; bf16 queries and BF16 pool(s), R == 64, L a
-    multiple of 128; tile knobs do not apply; `splits` as above; a clear error otherwise) or
+    `wgmma` warpgroups, 64 heads a CTA, 64 selected rows a step, at decode and prefill; bf16 queries and BF16
+    pool(s), R == 64, L a multiple of 128; tile knobs do not apply; `splits` as above; a clear error otherwise) or
     "auto" (Pallas on GPU when L and R are powers of two with R >= 16 — 4-12x the reference on the H200,
     BENCHMARKS.md — and there "hopper" where `prefers_hopper` and no tile knob is given; else the reference).
     Split pools: pass `kv_pages` = the latent pool [P,G,L] and `rope_pages` [P,G,R] (the model's cache keeps
