@@ -1,4 +1,4 @@
-"""Sparse MLA decode for Hopper in Pallas Mosaic GPU: warp-specialized, one 64-head block per CTA.
+"""Sparse MLA for Hopper in Pallas Mosaic GPU: warp-specialized, one 64-head block of one query row per CTA.
 
 Why a second kernel: the Triton-lowered kernel (`kernel.py`) reached 25% of the tensor bound at decode
 (H200, B=64 x 128 heads, top-2048); its products alone ran at 39% (`benchmarks/sparse_mla_bound.py`). Here
@@ -13,9 +13,10 @@ the roles run on separate warpgroups, as in FlashMLA's Hopper design:
 
 Per 64-row block the tensor work is S (64x64x576) and P V (64x64x512) once each: no product is repeated.
 Measured (H200, b1ef719, B=64 x 128 heads, top-2048 of 8192 rows): 0.096 ms a call with 40 chained calls, 51%
-of the bf16 tensor bound; the Triton kernel 0.190 ms. Taken apart (40 chained calls): no row copies 0.089-0.094
-ms, no products 0.091-0.094, neither 0.047-0.051 — the hand-offs between the warpgroups, not the gather or the
-tensor cores, are the largest single cost left.
+of the bf16 tensor bound; the Triton kernel 0.190 ms. Prefill T=4096 x 128 heads: 7.24 ms against 11.60
+(dd438f2). Taken apart (`probe`, 40 chained calls, BENCHMARKS.md notes): the gather alone 0.091 ms, the products
+alone 0.064, an empty pipeline 0.030, and no softmax or P hand-off saves nothing: the row gather bounds it, with
+about one stage in flight per CTA while the other is read.
 
     logit[n, s] = scale * (q_latent[n] . c_s + q_rope[n] . k_rope_s),  s in the selected rows
     out[n] = sum_s softmax(logit[n])_s c_s,   lse[n] = log sum_s exp(logit[n, s])
