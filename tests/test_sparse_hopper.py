@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,8 +70,8 @@ def test_hopper_refusals_name_the_reason():
     assert hopper_unsupported(512, 64, jnp.bfloat16, jnp.bfloat16, False, "bf16") is None
     assert "float32 pool" in hopper_unsupported(512, 64, jnp.bfloat16, jnp.float32, False, "bf16")
     # "auto" never picks it off a Hopper GPU, nor for fewer than 64 heads
-    assert prefers_hopper(128, 64) == prefers_hopper(128, 4096) == _is_hopper()
-    assert not prefers_hopper(16, 64)
+    assert prefers_hopper(128) == prefers_hopper(64) == _is_hopper()
+    assert not prefers_hopper(16)
 
 
 _LOWER = """
@@ -102,4 +101,3 @@ def test_hopper_kernel_lowers_for_sm90():
         [sys.executable, "-c", _LOWER, where], env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert res.returncode == 0 and "lowered" in res.stdout, res.stderr[-3000:]
-    assert jax.__version__ == "0.11.2"  # the plugin must match: the lowering above used its Mosaic GPU bindings

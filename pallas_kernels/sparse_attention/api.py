@@ -69,13 +69,11 @@ def hopper_unsupported(lat: int, rope: int, q_dtype, pool_dtype, fp8: bool, prec
     return None
 
 
-def prefers_hopper(n: int, query_rows: int) -> bool:
+def prefers_hopper(n: int) -> bool:
     """Whether `impl="auto"` runs the Hopper kernel (when it can and the GPU is a Hopper): from 64 heads, at
     decode and prefill. Measured on the H200: decode B=64 x 128 heads, top-2048 of 8192, 40 chained calls:
     0.096-0.104 ms against 0.184-0.212 for the Triton kernel's defaults (b1ef719); prefill T=4096, top-2048:
-    6.88 ms against 11.49 at 128 heads, 4.30 against 6.19 at 64 heads (6703d2d). `query_rows` does not matter
-    today; it stays in the signature for the choice's callers."""
-    del query_rows
+    7.24 ms against 11.60 at 128 heads (dd438f2); at 16 heads, padded to 64, it was slower (4.08 vs 2.47 ms)."""
     return n >= hopper.BLOCK_H and _is_hopper()
 
 
@@ -160,29 +158,45 @@ def _pool_slots(page_table, indices, page_size: int, kp: int):
     return jnp.pad(slots.reshape(b * t, k), [(0, 0), (0, kp - k)], constant_values=-1).astype(jnp.int32)
 
 
-def _sparse_mla_hopper(q_latent, q_rope, kv_pages, page_table, indices, scale, rope_pages, splits):
-    """`hopper.sparse_mla_hopper` over the pool: heads padded to 64, selected rows to a multiple of 64, the
-    rows split into parts merged by LSE when the grid would leave SMs idle (`num_splits`)."""
-    b, t, n, lat = q_latent.shape
-    rope = q_rope.shape[-1]
-    k = indices.shape[-1]
-    bh, bk = hopper.BLOCK_H, hopper.BLOCK_K
-    kp, np_ = -(-k // bk) * bk, -(-n // bh) * bh
-    slots = _pool_slots(page_table, indices, kv_pages.shape[1], kp)
-    sp = num_splits(b * t * (np_ // bh), kp, bk) if splits is None else splits
-    if sp < 1 or kp % (sp * bk):
-        raise ValueError(f"sparse_mla: splits={sp} must divide the {kp // bk} blocks of {bk} selected rows")
+def _flat_queries(q_latent, q_rope, np_: int):
+    """[B,T,N,L] and [B,T,N,R] -> [B*T, np_, L] and [B*T, np_, R], heads zero-padded to np_ (a whole number
+    of the kernel's head blocks)."""
+    b, t, n = q_latent.shape[:3]
     heads = [(0, 0), (0, np_ - n), (0, 0)]
-    ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
-    qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)
-    pools = (kv_pages.reshape(-1, kv_pages.shape[-1]),)
-    pools += () if rope_pages is None else (rope_pages.reshape(-1, rope),)
-    slots = slots.reshape(b * t * sp, kp // sp)
-    out, lse = hopper.sparse_mla_hopper(ql, qr, slots, *pools, scale=float(scale), q_splits=sp)
+    return tuple(jnp.pad(q.reshape(b * t, n, q.shape[-1]), heads) for q in (q_latent, q_rope))
+
+
+def _check_splits(sp: int, kp: int, block_k: int) -> int:
+    if sp < 1 or kp % (sp * block_k):
+        raise ValueError(f"sparse_mla: splits={sp} must divide the {kp // block_k} blocks of {block_k} selected rows")
+    return sp
+
+
+def _unflat(out, lse, sp: int, q_latent):
+    """The kernel's [B*T*sp, np_, L] / [B*T*sp, np_] -> [B,T,N,L] / [B,T,N]: parts merged by LSE, heads unpadded."""
+    b, t, n, lat = q_latent.shape
+    np_ = out.shape[1]
     if sp > 1:
         out, lse = merge_splits(out.reshape(b * t, sp, np_, lat), lse.reshape(b * t, sp, np_))
         out = out.astype(q_latent.dtype)
     return out[:, :n].reshape(b, t, n, lat), lse[:, :n].reshape(b, t, n)
+
+
+def _sparse_mla_hopper(q_latent, q_rope, kv_pages, page_table, indices, scale, rope_pages, splits):
+    """`hopper.sparse_mla_hopper` over the pool: heads padded to 64, selected rows to a multiple of 64, the
+    rows split into parts merged by LSE when the grid would leave SMs idle (`num_splits`)."""
+    b, t, n = q_latent.shape[:3]
+    k = indices.shape[-1]
+    bh, bk = hopper.BLOCK_H, hopper.BLOCK_K
+    kp, np_ = -(-k // bk) * bk, -(-n // bh) * bh
+    slots = _pool_slots(page_table, indices, kv_pages.shape[1], kp)
+    sp = _check_splits(num_splits(b * t * (np_ // bh), kp, bk) if splits is None else splits, kp, bk)
+    ql, qr = _flat_queries(q_latent, q_rope, np_)
+    pools = (kv_pages.reshape(-1, kv_pages.shape[-1]),)
+    pools += () if rope_pages is None else (rope_pages.reshape(-1, rope_pages.shape[-1]),)
+    slots = slots.reshape(b * t * sp, kp // sp)
+    out, lse = hopper.sparse_mla_hopper(ql, qr, slots, *pools, scale=float(scale), q_splits=sp)
+    return _unflat(out, lse, sp, q_latent)
 
 
 def sparse_mla(
@@ -255,7 +269,7 @@ def sparse_mla(
     if impl == "auto":
         impl = "pallas" if auto_impl("sparse_mla", supported) else "reference"
         tiles_given = any(v is not None for v in (block_h, block_k, num_warps, num_stages))
-        if impl == "pallas" and why_not_hopper is None and not tiles_given and prefers_hopper(n, b * t):
+        if impl == "pallas" and why_not_hopper is None and not tiles_given and prefers_hopper(n):
             impl = "hopper"
     if impl == "hopper":
         if why_not_hopper is not None:
@@ -289,19 +303,16 @@ def sparse_mla(
     kp = -(-k // block_k) * block_k
     np_ = -(-n // block_h) * block_h
     slots = _pool_slots(page_table, indices, kv_pages.shape[1], kp)
-    heads = [(0, 0), (0, np_ - n), (0, 0)]
     kw = dict(
         scale=float(scale), block_h=block_h, block_k=block_k, precision=precision, num_warps=num_warps,
         num_stages=num_stages, interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
         heads_inner=heads_inner,
     )  # fmt: skip
-    ql = jnp.pad(q_latent.reshape(b * t, n, lat), heads)
-    qr = jnp.pad(q_rope.reshape(b * t, n, rope), heads)
+    ql, qr = _flat_queries(q_latent, q_rope, np_)
     wide = block_h <= 16 and latent_scales is None and WIDE_DECODE_ROWS <= b * t < MANY_ROWS
     target = SMALL_BLOCK_TARGET_PROGRAMS if wide else TARGET_PROGRAMS
     sp = num_splits(b * t * (np_ // block_h), kp, block_k, target) if splits is None else splits
-    if sp < 1 or kp % (sp * block_k):
-        raise ValueError(f"sparse_mla: splits={sp} must divide the {kp // block_k} blocks of {block_k} selected rows")
+    sp = _check_splits(sp, kp, block_k)
     if sp > 1:  # a program per query and part, each part with its own rows (the kernel reads query r // sp)
         slots = slots.reshape(b * t * sp, kp // sp)
     kw["q_splits"] = sp
@@ -315,7 +326,4 @@ def sparse_mla(
             ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, lat),
             latent_scales.reshape(-1, latent_scales.shape[-1]).astype(jnp.float32), rope_pages.reshape(-1, rope), **kw,
         )  # fmt: skip
-    if sp > 1:
-        out, lse = merge_splits(out.reshape(b * t, sp, np_, lat), lse.reshape(b * t, sp, np_))
-        out = out.astype(q_latent.dtype)
-    return out[:, :n].reshape(b, t, n, lat), lse[:, :n].reshape(b, t, n)
+    return _unflat(out, lse, sp, q_latent)
