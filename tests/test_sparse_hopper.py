@@ -85,6 +85,18 @@ for split in (False, True):
     args = (S((3, 128, 512), jnp.bfloat16), S((3, 128, 64), jnp.bfloat16), S((6, 256), jnp.int32), *pools)
     text = sparse_mla_hopper.trace(*args, scale=0.1, q_splits=2).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text, text[:2000]
+# the public wrapper on awkward shapes (100 heads padded to 128, top-300 padded to 320, parts merged by LSE),
+# as on a Hopper GPU
+import pallas_kernels.sparse_attention.api as api
+api._is_hopper = lambda: True
+for split, t in ((False, 1), (True, 3)):
+    kw = dict(rope_pages=S((40, 64, 64), jnp.bfloat16)) if split else {}
+    f = jax.jit(lambda *a, **kw: api.sparse_mla(*a, scale=0.1, impl="hopper", **kw))
+    args = (S((2, t, 100, 512), jnp.bfloat16), S((2, t, 100, 64), jnp.bfloat16),
+            S((40, 64, 512 if split else 576), jnp.bfloat16), S((2, 20), jnp.int32), S((2, t, 300), jnp.int32))
+    traced = f.trace(*args, **kw)
+    assert [o.shape for o in traced.out_info] == [(2, t, 100, 512), (2, t, 100)], traced.out_info
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 print("lowered")
 """
 
