@@ -159,8 +159,11 @@ def test_attention_kernel_lowers(dims):
 
 
 @pytest.mark.parametrize("pool_format", ["bf16", "mxfp8"])
-@pytest.mark.parametrize(("t", "keys_per_program"), [(1, None), (1, 256), (64, None)])  # 64: the tiled kernel
-def test_indexer_kernel_lowers(pool_format, t, keys_per_program):
+@pytest.mark.parametrize(
+    ("t", "keys_per_program", "select"),
+    [(1, None, "kernel"), (1, 256, "kernel"), (64, None, "kernel"), (1, 256, "split")],  # 64: the tiled kernel
+)
+def test_indexer_kernel_lowers(pool_format, t, keys_per_program, select):
     from pallas_kernels.indexer import indexer_topk
 
     b, n, h, page, pages = 2, 16, 128, 64, 8
@@ -176,10 +179,12 @@ def test_indexer_kernel_lowers(pool_format, t, keys_per_program):
         k_scales = None if scales is None else jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
         return indexer_topk(
             q, w, pool, table, q_positions=pos, kv_lengths=kv, topk=64, scale=0.1, impl="pallas", k_scales=k_scales,
-            keys_per_program=keys_per_program, select="kernel", interpret=False,
+            keys_per_program=keys_per_program, select=select, interpret=False,
         )  # fmt: skip
 
-    assert _lowered_for_h200(run, q, w, pool, table, pos, kv).count("xla.gpu.triton") == 2  # scores, selection
+    # scores, then the selection kernel; or the scores with their statistics, then count, compact, select, rank
+    launches = 2 if select == "kernel" else 5
+    assert _lowered_for_h200(run, q, w, pool, table, pos, kv).count("xla.gpu.triton") == launches
 
 
 def test_prefiltered_selection_lowers():
@@ -193,17 +198,20 @@ def test_prefiltered_selection_lowers():
     assert _lowered_for_h200(run, x, jnp.full((4,), 8000, jnp.int32)).count("xla.gpu.triton") == 2
 
 
-def test_split_selection_lowers():
+@pytest.mark.parametrize("best_first", [False, True])
+def test_split_selection_lowers(best_first):
     """The split selection's four kernels at a decode shape (one 128K row: 128 programs on each pass), and
-    the reductions of its bound choice (an iota-masked whole-tile sum fails to lower under an explicit mesh)."""
+    the reductions of its bound choice (an iota-masked whole-tile sum fails to lower under an explicit mesh);
+    best first, a fifth: the candidates' ranking."""
     from pallas_kernels.indexer.select_split import top_k_split
 
     x = jnp.ones((1, 131072), jnp.float32)
 
     def run(x, limits):
-        return top_k_split(x, limits, k=2048, chunk=4096)
+        return top_k_split(x, limits, k=2048, chunk=4096, best_first=best_first)
 
-    assert _lowered_for_h200(run, x, jnp.full((1,), 131000, jnp.int32)).count("xla.gpu.triton") == 4
+    text = _lowered_for_h200(run, x, jnp.full((1,), 131000, jnp.int32))
+    assert text.count("xla.gpu.triton") == 4 + best_first
 
 
 @pytest.mark.parametrize("knobs", [{}, {"block_h": 32, "num_warps": 8}])

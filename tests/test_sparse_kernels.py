@@ -397,6 +397,17 @@ def test_split_selection_equals_row_selection(kind):
         got = select_split.top_k_split.__wrapped__(xs, ls, k=k, chunk=128, seg=64, interpret=True)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # best first: the candidates ranked against each other (rows with more than 2k of them — ties, a
+    # constant row — cut to k by the one-program selection first), in lax.top_k's order
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(select_split, "PASS_CHUNK", 32)
+        mp.setattr(select_split, "RANK_STEP", 16)  # several steps per ranking program
+        vals, idx = select_split.top_k_split.__wrapped__(
+            xs, ls, k=k, chunk=128, seg=64, best_first=True, interpret=True
+        )
+    top_v, top_i = jax.lax.top_k(xs, k)
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(top_v))
+    np.testing.assert_array_equal(np.asarray(idx), np.where(np.isneginf(top_v), -1, np.asarray(top_i)))
     if kind == "normal":  # the default segment size, and the shape errors
         got = select_split.top_k_split(xs, ls, k=k, chunk=128, interpret=True)
         for a, b in zip(want, got, strict=True):
@@ -405,6 +416,72 @@ def test_split_selection_equals_row_selection(kind):
             select_split.top_k_split(xs, ls, k=k, chunk=128, seg=48, interpret=True)
         with pytest.raises(ValueError, match="chunk=96"):
             select_split.top_k_split(xs, ls, k=k, chunk=96, interpret=True)
+
+
+def test_split_selection_from_given_statistics():
+    """Statistics from elsewhere (the score kernel's, one entry per program, the rows past `stats_parts`
+    garbage) replace the first pass: the same result as the split's own statistics; a mis-shaped stats array
+    or a bad part count is an error naming it."""
+    from pallas_kernels.indexer.select_split import STATS, top_k_split
+
+    rng = np.random.default_rng(11)
+    r, s, k = 2, 256, 12
+    x = rng.standard_normal((r, s)).astype(np.float32) ** 3
+    limits = np.array([256, 170], np.int32)
+    x[np.arange(s)[None, :] >= limits[:, None]] = -np.inf
+    stats = np.full((r, 4, STATS), np.nan, np.float32)  # 3 unequal parts, then an unwritten row
+    for i, (a, e) in enumerate([(0, 40), (40, 200), (200, 256)]):
+        part = x[:, a:e]
+        fin = np.isfinite(part)
+        z = np.where(fin, part, 0.0)
+        stats[:, i, :5] = np.stack(
+            [fin.sum(1), z.sum(1), (z * z).sum(1), np.where(fin, part, np.inf).min(1), part.max(1)], axis=1
+        )
+    xs, ls = jnp.asarray(x), jnp.asarray(limits)
+    kw = dict(k=k, chunk=128, seg=64, best_first=True, interpret=True)
+    want = top_k_split(xs, ls, **kw)
+    got = top_k_split(xs, ls, stats=jnp.asarray(stats), stats_parts=3, **kw)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"stats.shape=\(2, 3, 8\)"):
+        top_k_split(xs, ls, stats=jnp.asarray(stats[:, :3]), stats_parts=3, **kw)
+    with pytest.raises(ValueError, match="stats_parts=5"):
+        top_k_split(xs, ls, stats=jnp.asarray(stats), stats_parts=5, **kw)
+
+
+def test_indexer_split_path_matches_reference():
+    """The decode path with the split selection: score kernels of 2 blocks each that also write their
+    statistics, the selection's counting and compaction from them, the candidates ranked best first — the
+    reference's positions and order, ragged lengths, scattered pages, -1 pads past a short row, with and
+    without `sort`."""
+    q, w, pool, table, pos, kv = _indexer_case(21, 2, 2, 16, 32, 8, [150, 9])
+    kw = dict(q_positions=pos, kv_lengths=kv, topk=24, scale=32**-0.5)
+    ref_i, ref_v = indexer_topk(q, w, pool, table, impl="reference", **kw)
+    for sort in (True, False):
+        got_i, got_v = indexer_topk(
+            q, w, pool, table, impl="pallas", precision="ieee", interpret=True, block_s=16, keys_per_program=32,
+            select="split", sort=sort, **kw,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))
+        np.testing.assert_allclose(np.asarray(got_v), np.asarray(ref_v), rtol=1e-5, atol=1e-5)
+    assert (np.asarray(ref_i)[1] == -1).any() and (np.asarray(ref_i)[0] >= 0).all()
+    # the statistics the score kernel hands over: those of its own scores, per program of 32 keys (3 of 4
+    # rows written: 96 slots), -inf (masked) scores left out
+    from pallas_kernels.indexer.kernel import indexer_scores_pallas
+    from pallas_kernels.paged import slot_index
+
+    slots = slot_index(table, jnp.broadcast_to(jnp.arange(96, dtype=jnp.int32), (2, 96)), 8)
+    slots = jnp.where(jnp.arange(96) < 72, slots, -1)  # 9 pages of 8
+    scores, stats = indexer_scores_pallas(
+        q, w, pos, kv, slots, pool.reshape(-1, 32), None, scale=0.2, block_s=16, steps=2, precision="ieee",
+        interpret=True, stats=True,
+    )  # fmt: skip
+    x = np.asarray(scores).reshape(2, 2, 3, 32)
+    fin = np.isfinite(x)
+    z = np.where(fin, x, 0.0)
+    want = np.stack([fin.sum(-1), z.sum(-1), (z * z).sum(-1), np.where(fin, x, np.inf).min(-1), x.max(-1)], -1)
+    assert stats.shape == (2, 2, 4, 8) and fin.any() and not fin.all()
+    np.testing.assert_allclose(np.asarray(stats)[:, :, :3, :5], want, rtol=1e-5, atol=1e-5)
 
 
 def test_split_segment_size():

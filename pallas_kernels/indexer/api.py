@@ -97,9 +97,11 @@ def indexer_topk(
     (`select.top_k_radix`), the same result; None: `default_selection` (measured on the H200).
     `sort=False` lets the selection kernel return each query's chosen positions in ascending position order
     (the same set, -1 / -inf pads last) without the final sort of K per query: for callers that, like
-    sparse attention, do not depend on the order. `select_segments` > 1 cuts each score row into that
-    many pieces selected in parallel, then selects among their candidates (`select_kernel.top_k_segmented`:
-    for a few long rows, as in decode; None: `default_selection`, 1 for an explicit `select`).
+    sparse attention, do not depend on the order. The split selection ranks its candidates best first in its
+    own kernels (`top_k_split(best_first=True)`), so it returns the sorted order either way.
+    `select_segments` > 1 cuts each score row into that many pieces selected in parallel, then selects among
+    their candidates (`select_kernel.top_k_segmented`: for a few long rows, as in decode; None:
+    `default_selection`, 1 for an explicit `select`).
     """
     if impl not in IMPLS:
         raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
@@ -181,16 +183,25 @@ def indexer_topk(
                 *args, scale=float(scale), block_q=block_q, block_k=block_s, precision=precision, interpret=interp
             )
         else:
+            # the split selection starts from the statistics the score kernel takes of its own scores
             scores = indexer_scores_pallas(
                 *args, scale=float(scale), block_s=block_s, steps=span // block_s, precision=precision,
-                interpret=interp,
+                interpret=interp, stats=select == "split",
             )  # fmt: skip
+        stats = None
+        if isinstance(scores, tuple):
+            scores, stats = scores
+            stats = stats.reshape(-1, *stats.shape[2:])
         if select in ("kernel", "split"):
             limits = jnp.clip(jnp.minimum(pb + 1, kv_lengths[:, None]), 0, s_len)  # [B, Tb]
             flat, lim = scores.reshape(-1, s_pad), limits.reshape(-1)
-            if select == "split":
-                vals, idx = top_k_split(flat, lim, k=topk, chunk=chunk, interpret=interp)
-            elif select_segments > 1:
+            if select == "split":  # ranked best first by the kernels: no sort afterwards
+                vals, idx = top_k_split(
+                    flat, lim, k=topk, chunk=chunk, best_first=True, stats=stats,
+                    stats_parts=None if stats is None else s_pad // span, interpret=interp,
+                )  # fmt: skip
+                return idx.reshape(b, -1, topk), vals.reshape(b, -1, topk)
+            if select_segments > 1:
                 vals, idx = top_k_segmented(flat, lim, k=topk, segments=select_segments, chunk=chunk, interpret=interp)
             else:
                 vals, idx = top_k_rows_pallas(flat, lim, k=topk, chunk=chunk, interpret=interp)

@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas import triton_params
+from pallas_kernels._pallas import pow2, triton_params
+from pallas_kernels.indexer.select_kernel import finite_stats_init, finite_stats_step
+from pallas_kernels.indexer.select_split import STATS
 
 MX_BLOCK = 32
 _CONTRACT = (((1,), (1,)), ((), ()))  # [M, H] x [N, H] -> [M, N]
@@ -50,11 +52,12 @@ def _with_pool(in_specs, args, kv_rows, kv_scales):
     return in_specs + specs, args + pools
 
 
-def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, head_dim, mx, precision):
-    if mx:
-        ks_ref, out_ref = rest
-    else:
-        (out_ref,) = rest
+def _kernel(
+    q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, head_dim, mx, precision, stats
+):  # fmt: skip
+    ks_ref = rest[0] if mx else None
+    out_ref = rest[int(mx)]
+    stats_ref = rest[-1] if stats else None
     prec, cdt = _products(precision)
     # the query's heads, read once for all of this program's key blocks: [N, H], or [N, 32] pieces (one per
     # MXFP8 scale block)
@@ -87,8 +90,9 @@ def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, blo
         score = jnp.sum(w[:, None] * jnp.maximum(s * scale, 0.0), axis=0)  # [BS]
         pos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
         ok = valid_row & (pos <= pos_ref[...]) & (pos < len_ref[...])
-        out_ref[pl.ds(i * block_s, block_s)] = jnp.where(ok, score, -jnp.inf)
-        return carry
+        score = jnp.where(ok, score, -jnp.inf)
+        out_ref[pl.ds(i * block_s, block_s)] = score
+        return finite_stats_step(carry, score) if stats else carry
 
     def masked(i, carry):
         out_ref[pl.ds(i * block_s, block_s)] = jnp.full((block_s,), -jnp.inf, jnp.float32)
@@ -98,26 +102,39 @@ def _kernel(q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, blo
     # gathered or scored, only written as -inf.
     last = jnp.minimum(pos_ref[0], len_ref[0] - 1)  # the last key position this query sees
     n_vis = jnp.clip(jnp.where(last < 0, 0, last // block_s + 1) - first, 0, steps)
-    jax.lax.fori_loop(0, n_vis, block, 0)
+    acc = jax.lax.fori_loop(0, n_vis, block, finite_stats_init(block_s, jnp.float32) if stats else 0)
     jax.lax.fori_loop(n_vis, steps, masked, 0)
+    if stats:  # the split selection's first pass, from the scores still in registers
+        vals = (jnp.sum(acc[0]), jnp.sum(acc[1]), jnp.sum(acc[2]), jnp.min(acc[3]), jnp.max(acc[4]))
+        lane = jax.lax.broadcasted_iota(jnp.int32, (STATS,), 0)
+        out = jnp.zeros((STATS,), jnp.float32)
+        for i, v in enumerate(vals):
+            out = jnp.where(lane == i, v, out)
+        stats_ref[...] = out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_s", "steps", "precision", "interpret", "num_warps"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_s", "steps", "precision", "interpret", "num_warps", "num_stages", "stats"),
+)
 def indexer_scores_pallas(
     q, w, q_positions, kv_lengths, slots, kv_rows, kv_scales, *, scale, block_s, precision, interpret, steps=1,
-    num_warps=4,
+    num_warps=4, num_stages=2, stats=False,
 ):  # fmt: skip
     """q [B, T, N, H] (N >= 16), w [B, T, N], q_positions [B, T], kv_lengths [B], slots [B, S] int32 pool row
     of each position (-1 = none; S a multiple of block_s * steps), kv_rows [rows, H] (dense, or E4M3 values
     with kv_scales [rows, H/32] uint8 E8M0 bits) -> scores [B, T, S] float32, -inf where masked. Each program
-    scores `steps` consecutive blocks of block_s keys."""
+    scores `steps` consecutive blocks of block_s keys.
+    stats: also return the statistics `select_split.top_k_split(stats=...)` starts from, [B, T, P, STATS]:
+    count, sum, sum of squares, min and max of the finite scores of each program's keys (P: the programs per
+    query rounded up to a power of two; rows from S / (block_s * steps) on are left unwritten)."""
     b, t, n, h = q.shape
     s_len = slots.shape[1]
     span = block_s * steps
     if s_len % span:
         raise ValueError(f"indexer_scores_pallas: {s_len} key slots are not a multiple of block_s * steps = {span}")
     mx = kv_scales is not None
-    params = triton_params(interpret, num_warps, 2)
+    params = triton_params(interpret, num_warps, num_stages)
     in_specs = [
         pl.BlockSpec((None, None, n, h), lambda i, tt, j: (i, tt, 0, 0)),
         pl.BlockSpec((None, None, n), lambda i, tt, j: (i, tt, 0)),
@@ -129,18 +146,24 @@ def indexer_scores_pallas(
         in_specs, [q, w, q_positions[..., None], kv_lengths[:, None], slots], kv_rows, kv_scales
     )
     kernel = functools.partial(
-        _kernel, scale=scale, block_s=block_s, steps=steps, head_dim=h, mx=mx, precision=precision
+        _kernel, scale=scale, block_s=block_s, steps=steps, head_dim=h, mx=mx, precision=precision, stats=stats
     )
-    return pl.pallas_call(
+    out_specs = [pl.BlockSpec((None, None, span), lambda i, tt, j: (i, tt, j))]
+    out_shape = [jax.ShapeDtypeStruct((b, t, s_len), jnp.float32)]
+    if stats:
+        out_specs.append(pl.BlockSpec((None, None, None, STATS), lambda i, tt, j: (i, tt, j, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, t, pow2(s_len // span), STATS), jnp.float32))
+    out = pl.pallas_call(
         kernel,
         grid=(b, t, s_len // span),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, span), lambda i, tt, j: (i, tt, j)),
-        out_shape=jax.ShapeDtypeStruct((b, t, s_len), jnp.float32),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         name="indexer_scores",
         **params,
     )(*args)
+    return tuple(out) if stats else out[0]
 
 
 def _tile_kernel(

@@ -41,6 +41,7 @@ from pallas_kernels.indexer.select_kernel import (
     _normal_quantile,
     finite_stats_init,
     finite_stats_step,
+    order_key,
     select_candidates,
 )
 
@@ -60,6 +61,12 @@ STATS = 8  # count, sum, sum of squares, min, max, then zeros (a power-of-two bl
 TARGET_PROGRAMS = 128
 MIN_SEGMENT = 256
 PASS_CHUNK = 1024  # scores per step of a pass
+# best_first: candidates ranked by comparison up to RANK_MAX_PER_K x k of them (every candidate against every
+# other: O(n^2) compares, spread over n / RANK_BLOCK programs; the bounds leave 1.04-2.1 k on the
+# distributions tried); a row with more is first cut to its k by the one-program selection, then ranked.
+RANK_MAX_PER_K = 2
+RANK_BLOCK = 128  # candidates ranked per program
+RANK_STEP = 256  # candidates compared against them per step
 
 
 def segment_size(rows: int, s: int, chunk: int) -> int:
@@ -117,7 +124,8 @@ def _bounds(stats, segments, k):
 
 def _count_kernel(limit_ref, stats_ref, x_ref, counts_ref, bounds_ref, *, k, seg, chunk, segments):
     """counts_ref [NUM_BOUNDS]: this segment's scores at or above each of the row's bounds; bounds_ref: the
-    bounds (every program of the row writes the same values, from the same statistics)."""
+    bounds (every program of the row writes the same values, from the same statistics: the first `segments`
+    rows of stats_ref)."""
     bounds = _bounds(stats_ref[...], segments, k)
     n = jnp.clip(limit_ref[0] - pl.program_id(1) * seg, 0, seg)
 
@@ -172,17 +180,93 @@ def _compact_kernel(limit_ref, counts_ref, bounds_ref, x_ref, cand_ref, pos_ref,
     n_ref[0] = n_cand
 
 
-def _select_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
-    select_candidates(cand_ref, pos_ref, n_ref[0], vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
+def _select_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, chunk, digit_bits, above=None):
+    """The row's Top-K among its candidates, in position order; with `above`, only a row with more than that
+    many candidates (the others are ranked whole by `_rank_kernel`)."""
+    n = n_ref[0]
+
+    def run():
+        select_candidates(cand_ref, pos_ref, n, vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
+
+    if above is None:
+        run()
+    else:
+        pl.when(n > above)(run)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "chunk", "seg", "interpret", "num_warps", "select_warps"))
-def top_k_split(x, limits, *, k, chunk=4096, seg=None, interpret=False, num_warps=4, select_warps=8):
+def _rank_kernel(n_ref, cand_ref, pos_ref, sel_ref, sel_pos_ref, vals_ref, idx_ref, *, k, cap, block, step):
+    """Best first: candidate i goes to slot rank(i) = #{j: v_j > v_i} + #{j: v_j = v_i, pos_j < pos_i} when
+    that is below k (the Top-K, ties to the lower position, in `lax.top_k`'s order). The candidates are the
+    row's n compacted ones when n <= cap, else the k that `_select_kernel` kept. Program p ranks candidates
+    p·block ... and writes -inf / -1 to the slots of its stripe past the candidates."""
+    p = pl.program_id(1)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+    mine = p * block + lane
+    n = n_ref[0]
+    m = jnp.where(n > cap, k, n)  # candidates ranked
+
+    def rank(v_ref, q_ref):
+        width = v_ref.shape[0]  # gathered by clipped index: a slice past the end would be clamped in interpret mode
+        ok = mine < m
+        at = jnp.minimum(mine, width - 1)
+        key, pos = order_key(v_ref[at]), q_ref[at]
+
+        def body(c, cnt):
+            j = c * step + jax.lax.broadcasted_iota(jnp.int32, (step,), 0)
+            jj = jnp.minimum(j, width - 1)
+            key_j, pos_j = order_key(v_ref[jj]), q_ref[jj]
+            beats = (key_j[None, :] > key[:, None]) | (
+                (key_j[None, :] == key[:, None]) & (pos_j[None, :] < pos[:, None])
+            )
+            return cnt + jnp.sum((beats & (j < m)[None, :]).astype(jnp.int32), axis=1)
+
+        cnt = jax.lax.fori_loop(0, (m + step - 1) // step, body, jnp.zeros((block,), jnp.int32))
+        chosen = ok & (cnt < k)
+        slot = jnp.where(chosen, cnt, k)  # k: past the row, never stored (no lane may share a stored slot)
+        pltriton.store(vals_ref.at[slot], v_ref[at], mask=chosen)
+        pltriton.store(idx_ref.at[slot], pos, mask=chosen)
+        return m * 0
+
+    # (each branch computes from its operand: a bare constant yields no value in the Triton lowering of cond)
+    jax.lax.cond(
+        p * block < m,
+        lambda _: jax.lax.cond(n > cap, lambda _: rank(sel_ref, sel_pos_ref), lambda _: rank(cand_ref, pos_ref), m),
+        lambda x: x * 0,
+        m,
+    )
+    empty = (mine >= jnp.minimum(m, k)) & (mine < k)  # ranks 0 .. min(m, k) - 1 are all taken, once each
+    slot = jnp.where(empty, mine, k)
+    pltriton.store(vals_ref.at[slot], jnp.full((block,), -jnp.inf, jnp.float32), mask=empty)
+    pltriton.store(idx_ref.at[slot], jnp.full((block,), -1, jnp.int32), mask=empty)
+
+
+def rank_width(k: int) -> tuple[int, int]:
+    """(cap, block) of the best-first ranking for k: rows with up to cap candidates are ranked whole, by
+    cap / block programs of block candidates (cap >= k: the programs also cover the k output slots)."""
+    block = min(RANK_BLOCK, pow2(k))
+    cap = -(-RANK_MAX_PER_K * k // block) * block
+    return cap, block
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("k", "chunk", "seg", "best_first", "stats_parts", "interpret", "num_warps", "select_warps"),
+)
+def top_k_split(
+    x, limits, *, k, chunk=4096, seg=None, best_first=False, stats=None, stats_parts=None, interpret=False,
+    num_warps=4, select_warps=8,
+):  # fmt: skip
     """x [R, S] float32 scores (S a multiple of `chunk`, a power of two; -inf = not a candidate), limits [R]
     int32 with the same contract as `select_kernel.top_k_rows_pallas` (the scores past limits[r] are -inf)
     -> (values [R, k] float32, positions [R, k] int32): the row's k largest finite scores in ascending
     position order (ties at the K-th value: the lowest positions), then -inf / -1 — the same result as
-    `top_k_rows_pallas`. seg: scores per program of the passes (None: `segment_size`)."""
+    `top_k_rows_pallas`. seg: scores per program of the passes (None: `segment_size`).
+    best_first: the same pairs best first, ties to the lower position, -inf / -1 pads last (`lax.top_k`'s
+    order): the candidates are ranked against each other by many programs (`_rank_kernel`) instead of
+    selected by one and sorted afterwards.
+    stats [R, P, STATS]: the rows' statistics from whoever wrote the scores (`kernel.indexer_scores_pallas(
+    stats=True)`: count, sum, sum of squares, min, max of the finite scores of any partition of the row
+    into its first `stats_parts` of P entries, P a power of two), in place of the first pass."""
     r, s = x.shape
     if s % chunk or chunk & (chunk - 1):
         raise ValueError(f"top_k_split: chunk={chunk} must be a power of two dividing the row length {s}")
@@ -201,19 +285,25 @@ def top_k_split(x, limits, *, k, chunk=4096, seg=None, interpret=False, num_warp
     per_row = lambda *n: pl.BlockSpec((None, *n), lambda i, p: (i,) + (0,) * len(n))  # noqa: E731
     grid = (r, segments)
     f32, i32 = jnp.float32, jnp.int32
-    stats = pl.pallas_call(
-        functools.partial(_stats_kernel, seg=seg, chunk=step),
-        grid=grid,
-        in_specs=[limit_spec, seg_spec],
-        out_specs=per_seg(STATS),
-        out_shape=jax.ShapeDtypeStruct((r, p_pad, STATS), f32),
-        name="indexer_split_stats",
-        **kw,
-    )(limits, x)
+    if stats is None:
+        stats_parts = segments
+        stats = pl.pallas_call(
+            functools.partial(_stats_kernel, seg=seg, chunk=step),
+            grid=grid,
+            in_specs=[limit_spec, seg_spec],
+            out_specs=per_seg(STATS),
+            out_shape=jax.ShapeDtypeStruct((r, p_pad, STATS), f32),
+            name="indexer_split_stats",
+            **kw,
+        )(limits, x)
+    elif stats.shape[0] != r or stats.shape[2] != STATS or stats.shape[1] != pow2(stats.shape[1]):
+        raise ValueError(f"top_k_split: stats.shape={stats.shape}, expected ({r}, a power of two, {STATS})")
+    elif stats_parts is None or not 0 < stats_parts <= stats.shape[1]:
+        raise ValueError(f"top_k_split: stats_parts={stats_parts} must be in [1, {stats.shape[1]}] with stats")
     counts, bounds = pl.pallas_call(
-        functools.partial(_count_kernel, k=k, seg=seg, chunk=step, segments=segments),
+        functools.partial(_count_kernel, k=k, seg=seg, chunk=step, segments=stats_parts),
         grid=grid,
-        in_specs=[limit_spec, per_row(p_pad, STATS), seg_spec],
+        in_specs=[limit_spec, per_row(stats.shape[1], STATS), seg_spec],
         out_specs=[per_seg(NUM_BOUNDS), per_row(NUM_BOUNDS)],
         out_shape=[jax.ShapeDtypeStruct((r, p_pad, NUM_BOUNDS), i32), jax.ShapeDtypeStruct((r, NUM_BOUNDS), f32)],
         name="indexer_split_count",
@@ -233,8 +323,9 @@ def top_k_split(x, limits, *, k, chunk=4096, seg=None, interpret=False, num_warp
         **kw,
     )(limits, counts, bounds, x)
     row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2),
+    cap, block = rank_width(k)
+    selected = pl.pallas_call(
+        functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2, above=cap if best_first else None),
         grid=(r,),
         in_specs=[row(1), row(s), row(s)],
         out_specs=[row(k), row(k)],
@@ -243,3 +334,16 @@ def top_k_split(x, limits, *, k, chunk=4096, seg=None, interpret=False, num_warp
         name="indexer_split_select",
         **triton_params(interpret, select_warps, 2),
     )(n_cand, cand, cand_pos)
+    if not best_first:
+        return selected
+    # rows with at most cap candidates (all, unless a heavy tail or ties left more): the select above exits
+    # at once and the ranking reads the candidates
+    return pl.pallas_call(
+        functools.partial(_rank_kernel, k=k, cap=cap, block=block, step=RANK_STEP),
+        grid=(r, cap // block),
+        in_specs=[per_row(1), per_row(s), per_row(s), per_row(k), per_row(k)],
+        out_specs=[per_row(k), per_row(k)],
+        out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
+        name="indexer_split_rank",
+        **kw,
+    )(n_cand, cand, cand_pos, *selected)
