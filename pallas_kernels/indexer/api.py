@@ -40,6 +40,10 @@ SPLIT_MIN_KEYS_PER_K = 8
 # the kernel 9.2 us, profile_stage at c8ddf8f): the kernel takes a row of <= topk scores whole in one
 # compaction pass and otherwise stops its radix search within a few passes over one or two chunks.
 NEAR_FULL_KEYS_PER_K = 2
+# Up to this many rows the split selection ranks its candidates best first in its own kernels (one program
+# per 16 candidates: O(candidates^2) compares, wide at B=1) instead of one selection program per row and XLA's
+# sort of the K chosen afterwards (a few rows: ~23 us of kernels at B=1, c154445 profile).
+RANK_MAX_ROWS = 16
 
 
 def default_selection(rows: int, keys: int, topk: int) -> tuple[str, int]:
@@ -97,8 +101,8 @@ def indexer_topk(
     (`select.top_k_radix`), the same result; None: `default_selection` (measured on the H200).
     `sort=False` lets the selection kernel return each query's chosen positions in ascending position order
     (the same set, -1 / -inf pads last) without the final sort of K per query: for callers that, like
-    sparse attention, do not depend on the order. The split selection ranks its candidates best first in its
-    own kernels (`top_k_split(best_first=True)`), so it returns the sorted order either way.
+    sparse attention, do not depend on the order. The split selection of up to RANK_MAX_ROWS rows ranks its
+    candidates best first in its own kernels (`top_k_split(best_first=True)`): the sorted order either way.
     `select_segments` > 1 cuts each score row into that many pieces selected in parallel, then selects among
     their candidates (`select_kernel.top_k_segmented`: for a few long rows, as in decode; None:
     `default_selection`, 1 for an explicit `select`).
@@ -186,7 +190,7 @@ def indexer_topk(
             # the split selection starts from the statistics the score kernel takes of its own scores
             scores = indexer_scores_pallas(
                 *args, scale=float(scale), block_s=block_s, steps=span // block_s, precision=precision,
-                interpret=interp, stats=select == "split",
+                interpret=interp, stats=select == "split", keys_major=True,
             )  # fmt: skip
         stats = None
         if isinstance(scores, tuple):
@@ -195,17 +199,17 @@ def indexer_topk(
         if select in ("kernel", "split"):
             limits = jnp.clip(jnp.minimum(pb + 1, kv_lengths[:, None]), 0, s_len)  # [B, Tb]
             flat, lim = scores.reshape(-1, s_pad), limits.reshape(-1)
-            if select == "split":  # ranked best first by the kernels: no sort afterwards
+            ranked = select == "split" and flat.shape[0] <= RANK_MAX_ROWS
+            if select == "split":
                 vals, idx = top_k_split(
-                    flat, lim, k=topk, chunk=chunk, best_first=True, stats=stats,
+                    flat, lim, k=topk, chunk=chunk, best_first=ranked, stats=stats,
                     stats_parts=None if stats is None else s_pad // span, interpret=interp,
                 )  # fmt: skip
-                return idx.reshape(b, -1, topk), vals.reshape(b, -1, topk)
-            if select_segments > 1:
+            elif select_segments > 1:
                 vals, idx = top_k_segmented(flat, lim, k=topk, segments=select_segments, chunk=chunk, interpret=interp)
             else:
                 vals, idx = top_k_rows_pallas(flat, lim, k=topk, chunk=chunk, interpret=interp)
-            if sort:  # ascending positions -> best first, ties to the lower position; empty slots (+inf) last
+            if sort and not ranked:  # ascending positions -> best first, ties to the lower position; pads last
                 neg, idx = jax.lax.sort((-vals, idx), dimension=-1, num_keys=2)
                 vals = -neg
             return idx.reshape(b, -1, topk), vals.reshape(b, -1, topk)

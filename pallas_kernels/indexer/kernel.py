@@ -53,7 +53,8 @@ def _with_pool(in_specs, args, kv_rows, kv_scales):
 
 
 def _kernel(
-    q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, head_dim, mx, precision, stats
+    q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, head_dim, mx, precision, stats,
+    keys_major,
 ):  # fmt: skip
     ks_ref = rest[0] if mx else None
     out_ref = rest[int(mx)]
@@ -73,21 +74,23 @@ def _kernel(
         rows = slots_ref[pl.ds(j * block_s, block_s)]  # [BS] pool rows of positions j*BS ...
         valid_row = rows >= 0
         rows = jnp.maximum(rows, 0)
+        # keys_major: [BS, N] products, so the sum over heads stays within a warp's lanes; else [N, BS]
+        prod = lambda a, k: jax.lax.dot_general(  # noqa: E731
+            *((k, a) if keys_major else (a, k)), _CONTRACT, precision=prec, preferred_element_type=jnp.float32
+        )
         if mx:
             s = None
             for c, qc in enumerate(q_parts):  # one scale per 32 values: scale the block's partial product
-                part = jax.lax.dot_general(
-                    qc, kv_ref[rows, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt), _CONTRACT,
-                    precision=prec, preferred_element_type=jnp.float32,
-                )  # fmt: skip
-                e = ks_ref[rows, c].astype(jnp.float32)  # [BS] E8M0 bits
-                part = part * jnp.exp2(e - 127.0)[None, :]
+                part = prod(qc, kv_ref[rows, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt))
+                e = jnp.exp2(ks_ref[rows, c].astype(jnp.float32) - 127.0)  # [BS] from E8M0 bits
+                part = part * (e[:, None] if keys_major else e[None, :])
                 s = part if s is None else s + part
         else:
-            s = jax.lax.dot_general(
-                q, kv_ref[rows, :].astype(cdt), _CONTRACT, precision=prec, preferred_element_type=jnp.float32
-            )
-        score = jnp.sum(w[:, None] * jnp.maximum(s * scale, 0.0), axis=0)  # [BS]
+            s = prod(q, kv_ref[rows, :].astype(cdt))
+        if keys_major:
+            score = jnp.sum(w[None, :] * jnp.maximum(s * scale, 0.0), axis=1)  # [BS]
+        else:
+            score = jnp.sum(w[:, None] * jnp.maximum(s * scale, 0.0), axis=0)
         pos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
         ok = valid_row & (pos <= pos_ref[...]) & (pos < len_ref[...])
         score = jnp.where(ok, score, -jnp.inf)
@@ -115,11 +118,13 @@ def _kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "block_s", "steps", "precision", "interpret", "num_warps", "num_stages", "stats"),
-)
+    static_argnames=(
+        "scale", "block_s", "steps", "precision", "interpret", "num_warps", "num_stages", "stats", "keys_major"
+    ),
+)  # fmt: skip
 def indexer_scores_pallas(
     q, w, q_positions, kv_lengths, slots, kv_rows, kv_scales, *, scale, block_s, precision, interpret, steps=1,
-    num_warps=4, num_stages=2, stats=False,
+    num_warps=4, num_stages=2, stats=False, keys_major=False,
 ):  # fmt: skip
     """q [B, T, N, H] (N >= 16), w [B, T, N], q_positions [B, T], kv_lengths [B], slots [B, S] int32 pool row
     of each position (-1 = none; S a multiple of block_s * steps), kv_rows [rows, H] (dense, or E4M3 values
@@ -146,8 +151,9 @@ def indexer_scores_pallas(
         in_specs, [q, w, q_positions[..., None], kv_lengths[:, None], slots], kv_rows, kv_scales
     )
     kernel = functools.partial(
-        _kernel, scale=scale, block_s=block_s, steps=steps, head_dim=h, mx=mx, precision=precision, stats=stats
-    )
+        _kernel, scale=scale, block_s=block_s, steps=steps, head_dim=h, mx=mx, precision=precision, stats=stats,
+        keys_major=keys_major,
+    )  # fmt: skip
     out_specs = [pl.BlockSpec((None, None, span), lambda i, tt, j: (i, tt, j))]
     out_shape = [jax.ShapeDtypeStruct((b, t, s_len), jnp.float32)]
     if stats:

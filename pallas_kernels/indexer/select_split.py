@@ -65,8 +65,8 @@ PASS_CHUNK = 1024  # scores per step of a pass
 # other: O(n^2) compares, spread over n / RANK_BLOCK programs; the bounds leave 1.04-2.1 k on the
 # distributions tried); a row with more is first cut to its k by the one-program selection, then ranked.
 RANK_MAX_PER_K = 2
-RANK_BLOCK = 128  # candidates ranked per program
-RANK_STEP = 256  # candidates compared against them per step
+RANK_BLOCK = 16  # candidates ranked per program
+RANK_STEP = 1024  # candidates compared against them per step
 
 
 def segment_size(rows: int, s: int, chunk: int) -> int:
