@@ -29,7 +29,7 @@ from benchmarks.common import CHAIN, ceilings, chained_ms, median_ms, rel_err, r
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
-from pallas_kernels.indexer.api import default_selection
+from pallas_kernels.indexer.api import default_keys_per_program, default_selection
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.indexer.select_split import top_k_split
 from pallas_kernels.sparse_attention import sparse_mla
@@ -68,7 +68,7 @@ def _same_topk(got, ref) -> str:
 
 # Indexer score-kernel variants "block_s:keys_per_program:precision"; 64:64:tf32 is the kernel as it was
 # until 8be418f (one 64-key block per program, float32 products); 128:1024:bf16 the default since 32f2129+.
-INDEXER_VARIANTS = ("128:1024:bf16",)
+INDEXER_VARIANTS = ("128:auto:bf16",)  # auto: `indexer.api.default_keys_per_program`
 # Decode selections "select[:segments]" timed after each score variant.
 DECODE_SELECTS = ("default", "top_k")  # "default": `indexer.default_selection`
 # Prefill variants "block_q:block_s:select" (block_q 0: the one-query kernel, as before the tiled one).
@@ -77,7 +77,7 @@ PREFILL_VARIANTS = ("0:128:top_k", "64:128:top_k", "64:128:kernel", "128:128:ker
 
 def _indexer_variant(text: str) -> dict:
     bs, kpp, prec = text.split(":")
-    return dict(block_s=int(bs), keys_per_program=int(kpp), precision=prec)
+    return dict(block_s=int(bs), keys_per_program=kpp if kpp == "auto" else int(kpp), precision=prec)
 
 
 def _prefill_variant(text: str) -> dict:
@@ -121,8 +121,10 @@ def indexer_rows(
                         select, f"selection kernel, {vk['select_segments']} segments"
                     )
                     how += " (the default)" if spec == "default" else ""
+                    kpp = vk["keys_per_program"]
+                    kpp = default_keys_per_program(b, s)[0] if kpp == "auto" else kpp
                     impl = (
-                        f"pallas scores (bf16 pool, block_s={vk['block_s']}, {vk['keys_per_program']} keys/program, "
+                        f"pallas scores (bf16 pool, block_s={vk['block_s']}, {kpp} keys/program, "
                         f"{vk['precision']} products) + {how}"
                     )
                     rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))

@@ -56,6 +56,15 @@ def default_selection(rows: int, keys: int, topk: int) -> tuple[str, int]:
 
 
 PRECISIONS = ("bf16", "tf32", "ieee")
+# Keys per program of the one-query score kernel: 1024 (32f2129+), or 512 with 3 pipeline stages when that
+# gives fewer than FEW_SCORE_PROGRAMS programs (B=1 at 128K: 128 programs for 132 SMs, each latency-bound;
+# H200 at 4cf71f9, the kernel alone with its statistics, 40 chained calls: 20.7 vs 26.3 us).
+FEW_SCORE_PROGRAMS = 264
+
+
+def default_keys_per_program(queries: int, keys: int) -> tuple[int, int]:
+    """(keys per program, pipeline stages) of the one-query score kernel for `queries` rows of `keys` keys."""
+    return (512, 3) if queries * -(-keys // 1024) < FEW_SCORE_PROGRAMS else (1024, 2)
 
 
 def indexer_topk(
@@ -71,7 +80,7 @@ def indexer_topk(
     impl: str = "auto",
     k_scales=None,
     block_s: int = 128,
-    keys_per_program: int | None = 1024,
+    keys_per_program: int | str | None = "auto",
     block_q: int | None = None,
     select: str | None = None,
     sort: bool = True,
@@ -90,7 +99,8 @@ def indexer_topk(
     E8M0 the pool holds MXFP8 E4M3 values: the kernels dequantize the rows they read, the reference
     dequantizes the pool first.
     Kernel knobs: `block_s` keys per step, `keys_per_program` keys per program of the one-query kernel
-    (a multiple of block_s, or None for one block), `block_q` queries per program of the tiled kernel
+    (a multiple of block_s, None for one block, "auto" for `default_keys_per_program`), `block_q` queries per
+    program of the tiled kernel
     (`kernel.indexer_scores_tiled_pallas`, key tiles of block_s; None: TILED_BLOCK_Q from TILED_MIN_QUERIES on,
     else the one-query kernel; 0: always the one-query kernel), `precision` of the score products: "bf16"
     (q and keys in bfloat16, float32 accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32"
@@ -123,6 +133,11 @@ def indexer_topk(
         precision = "bf16" if jnp.dtype(q.dtype).itemsize == 2 else "tf32"
     if precision not in PRECISIONS:
         raise ValueError(f"indexer_topk: unknown precision={precision!r}; expected one of {PRECISIONS}")
+    stages = 2
+    if keys_per_program == "auto":
+        keys_per_program, stages = default_keys_per_program(
+            q.shape[0] * q.shape[1], page_table.shape[1] * k_pages.shape[1]
+        )
     span = block_s if keys_per_program is None else keys_per_program
     if block_s < 16 or block_s & (block_s - 1) or span % block_s:
         raise ValueError(
@@ -190,7 +205,7 @@ def indexer_topk(
             # the split selection starts from the statistics the score kernel takes of its own scores
             scores = indexer_scores_pallas(
                 *args, scale=float(scale), block_s=block_s, steps=span // block_s, precision=precision,
-                interpret=interp, stats=select == "split", keys_major=True,
+                interpret=interp, stats=select == "split", keys_major=True, num_stages=stages,
             )  # fmt: skip
         stats = None
         if isinstance(scores, tuple):
