@@ -472,10 +472,18 @@ def test_indexer_split_path_matches_reference():
 
     slots = slot_index(table, jnp.broadcast_to(jnp.arange(96, dtype=jnp.int32), (2, 96)), 8)
     slots = jnp.where(jnp.arange(96) < 72, slots, -1)  # 9 pages of 8
-    scores, stats = indexer_scores_pallas(
-        q, w, pos, kv, slots, pool.reshape(-1, 32), None, scale=0.2, block_s=16, steps=2, precision="ieee",
-        interpret=True, stats=True,
-    )  # fmt: skip
+    kw = dict(scale=0.2, block_s=16, steps=2, precision="ieee", interpret=True, stats=True)
+    scores, stats, limits = indexer_scores_pallas(q, w, pos, kv, slots, pool.reshape(-1, 32), None, **kw)
+    # the same from the page table (9 pages: positions 72 .. 95 none), the rows found in the kernel
+    paged = indexer_scores_pallas(q, w, pos, kv, table[:, :9], pool.reshape(-1, 32), None, page_size=8, keys=96, **kw)
+    for a, b in zip((scores, stats[:, :, :3]), (paged[0], paged[1][:, :, :3]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the limits: the visible prefix within what the slots (96) or the 9 pages (72) cover
+    seen = np.minimum(np.asarray(pos) + 1, np.asarray(kv)[:, None])
+    assert np.asarray(limits)[..., 0].tolist() == np.minimum(seen, 96).tolist()
+    assert np.asarray(paged[2])[..., 0].tolist() == np.minimum(seen, 72).tolist() != seen.tolist()
+    with pytest.raises(ValueError, match="page_size=8 and keys=None"):
+        indexer_scores_pallas(q, w, pos, kv, table, pool.reshape(-1, 32), None, page_size=8, **kw)
     x = np.asarray(scores).reshape(2, 2, 3, 32)
     fin = np.isfinite(x)
     z = np.where(fin, x, 0.0)

@@ -42,8 +42,11 @@ SPLIT_MIN_KEYS_PER_K = 8
 NEAR_FULL_KEYS_PER_K = 2
 # Up to this many rows the split selection ranks its candidates best first in its own kernels (one program
 # per 16 candidates: O(candidates^2) compares, wide at B=1) instead of one selection program per row and XLA's
-# sort of the K chosen afterwards (a few rows: ~23 us of kernels at B=1, c154445 profile).
-RANK_MAX_ROWS = 16
+# sort of the K chosen afterwards (H200, one 128K row, 40 chained calls: the whole split selection 35-36 us
+# best first at 4cf71f9 / 19271fa, 71.7 us selected then sorted; 42 us selected alone at 9f0f6d1). The
+# ranking's work grows as rows x candidates^2: at 16 rows (~74 M compares) it has not been timed
+# against the per-row selection, so the rule keeps it to a few rows (timed at one).
+RANK_MAX_ROWS = 4
 
 
 def default_selection(rows: int, keys: int, topk: int) -> tuple[str, int]:
@@ -174,8 +177,11 @@ def indexer_topk(
     if select in ("kernel", "split"):
         unit = max(unit, select_segments * chunk)
     s_pad = -(-s_len // unit) * unit
-    slots = slot_index(page_table, jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (b, s_pad)), g)
-    slots = jnp.where(jnp.arange(s_pad)[None, :] < s_len, slots, -1)
+    slots = None
+    if block_q:  # the tiled kernel reads each key tile's pool rows from here
+        slots = slot_index(page_table, jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (b, s_pad)), g)
+        slots = jnp.where(jnp.arange(s_pad)[None, :] < s_len, slots, -1)
+    page_table = page_table.astype(jnp.int32)
     w = w.astype(jnp.float32)
     if block_q:  # padded queries: position -1 sees nothing
         t_pad = -(-t // block_q) * block_q
@@ -196,23 +202,26 @@ def indexer_topk(
 
     def block(qb, wb, pb):
         pb = pb.astype(jnp.int32)
-        args = (qb, wb, pb, kv_lengths, slots, rows, scales)
+        stats = limits = None
         if block_q:
             scores = indexer_scores_tiled_pallas(
-                *args, scale=float(scale), block_q=block_q, block_k=block_s, precision=precision, interpret=interp
-            )
-        else:
-            # the split selection starts from the statistics the score kernel takes of its own scores
-            scores = indexer_scores_pallas(
-                *args, scale=float(scale), block_s=block_s, steps=span // block_s, precision=precision,
-                interpret=interp, stats=select == "split", keys_major=True, num_stages=stages,
+                qb, wb, pb, kv_lengths, slots, rows, scales, scale=float(scale), block_q=block_q, block_k=block_s,
+                precision=precision, interpret=interp,
             )  # fmt: skip
-        stats = None
-        if isinstance(scores, tuple):
-            scores, stats = scores
-            stats = stats.reshape(-1, *stats.shape[2:])
+        else:
+            # the pool rows from the page table in the kernel; the split selection starts from the statistics
+            # and limits the kernel takes of its own scores (a decode step: no XLA kernel before or between)
+            scores = indexer_scores_pallas(
+                qb, wb, pb, kv_lengths, page_table, rows, scales, scale=float(scale), block_s=block_s,
+                steps=span // block_s, precision=precision, interpret=interp, stats=select == "split",
+                keys_major=True, num_stages=stages, page_size=g, keys=s_pad,
+            )  # fmt: skip
+            if select == "split":
+                scores, stats, limits = scores
+                stats, limits = stats.reshape(-1, *stats.shape[2:]), limits.reshape(-1)
         if select in ("kernel", "split"):
-            limits = jnp.clip(jnp.minimum(pb + 1, kv_lengths[:, None]), 0, s_len)  # [B, Tb]
+            if limits is None:
+                limits = jnp.clip(jnp.minimum(pb + 1, kv_lengths[:, None]), 0, s_len)  # [B, Tb]
             flat, lim = scores.reshape(-1, s_pad), limits.reshape(-1)
             ranked = select == "split" and flat.shape[0] <= RANK_MAX_ROWS
             if select == "split":

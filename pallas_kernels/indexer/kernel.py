@@ -8,9 +8,14 @@ scores all indexer heads on the tensor cores and reduces over heads with their w
 causal / length mask:
     I[t, s] = Σ_h w_h(t) ReLU(scale · q_h(t) · k(s))     (−inf where s > pos(t) or s ≥ kv_length)
 Key blocks wholly past the query's position or the sequence's length are written as -inf without being
-read. Only the head-weighted scores [B, T, S] leave the kernel (never the per-head [B, T, N, S]); the Top-K over
-them is chosen in `indexer_topk(impl="pallas")` (`select_kernel` or `lax.top_k`), block of queries by block
-of queries.
+read. The pool rows come from a [B, S] slot array, or (`page_size`, as `indexer_topk` calls it) straight from
+the page table, so no XLA kernel writes slots before it; with `stats` it also writes what the split selection
+starts from (each program's score statistics and the query's visible prefix), so a decode step's indexer is
+this kernel and the selection's own kernels, nothing between. The products are [keys, heads] tiles
+(`keys_major`, the API's choice) so the weighted sum over heads stays within a warp's lanes. Only the
+head-weighted scores [B, T, S] leave the kernel (never the per-head [B, T, N, S]); the Top-K over them is
+chosen in `indexer_topk(impl="pallas")` (`select_kernel`, `select_split` or `lax.top_k`), block of queries by
+block of queries.
 
 `indexer_scores_tiled_pallas` (prefill: many queries) computes the same scores one [BQ, BK] tile per program:
 the key tile is gathered (and MXFP8-dequantized) once and multiplied by each head's [BQ, H] queries, so a
@@ -54,11 +59,11 @@ def _with_pool(in_specs, args, kv_rows, kv_scales):
 
 def _kernel(
     q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, head_dim, mx, precision, stats,
-    keys_major,
+    keys_major, page_size,
 ):  # fmt: skip
     ks_ref = rest[0] if mx else None
     out_ref = rest[int(mx)]
-    stats_ref = rest[-1] if stats else None
+    stats_ref, limit_ref = rest[-2:] if stats else (None, None)
     prec, cdt = _products(precision)
     # the query's heads, read once for all of this program's key blocks: [N, H], or [N, 32] pieces (one per
     # MXFP8 scale block)
@@ -71,7 +76,13 @@ def _kernel(
 
     def block(i, carry):
         j = first + i
-        rows = slots_ref[pl.ds(j * block_s, block_s)]  # [BS] pool rows of positions j*BS ...
+        if page_size:  # slots_ref: the page table; the pool rows of positions j*BS ... from their pages
+            kpos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+            pages = slots_ref.shape[0]
+            page = slots_ref[jnp.minimum(kpos // page_size, pages - 1)]
+            rows = jnp.where(kpos < pages * page_size, page * page_size + kpos % page_size, -1)
+        else:
+            rows = slots_ref[pl.ds(j * block_s, block_s)]  # [BS] pool rows of positions j*BS ...
         valid_row = rows >= 0
         rows = jnp.maximum(rows, 0)
         # keys_major: [BS, N] products, so the sum over heads stays within a warp's lanes; else [N, BS]
@@ -114,27 +125,40 @@ def _kernel(
         for i, v in enumerate(vals):
             out = jnp.where(lane == i, v, out)
         stats_ref[...] = out
+        # and the row's visible prefix (every program of the query writes the same value): scores past it are -inf
+        seen = slots_ref.shape[0] * (page_size or 1)  # key positions the slots or pages cover
+        limit_ref[...] = jnp.full((1,), jnp.clip(jnp.minimum(pos_ref[0] + 1, len_ref[0]), 0, seen), jnp.int32)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "block_s", "steps", "precision", "interpret", "num_warps", "num_stages", "stats", "keys_major"
+        "scale", "block_s", "steps", "precision", "interpret", "num_warps", "num_stages", "stats", "keys_major",
+        "page_size", "keys",
     ),
 )  # fmt: skip
 def indexer_scores_pallas(
     q, w, q_positions, kv_lengths, slots, kv_rows, kv_scales, *, scale, block_s, precision, interpret, steps=1,
-    num_warps=4, num_stages=2, stats=False, keys_major=False,
+    num_warps=4, num_stages=2, stats=False, keys_major=False, page_size=None, keys=None,
 ):  # fmt: skip
     """q [B, T, N, H] (N >= 16), w [B, T, N], q_positions [B, T], kv_lengths [B], slots [B, S] int32 pool row
     of each position (-1 = none; S a multiple of block_s * steps), kv_rows [rows, H] (dense, or E4M3 values
     with kv_scales [rows, H/32] uint8 E8M0 bits) -> scores [B, T, S] float32, -inf where masked. Each program
     scores `steps` consecutive blocks of block_s keys.
+    page_size: `slots` is the page table [B, n] instead (pool row = page · page_size + offset, positions from
+    n · page_size on none), and `keys` the S of the output: the kernel finds the rows itself, with no [B, S]
+    slot array written before it.
     stats: also return the statistics `select_split.top_k_split(stats=...)` starts from, [B, T, P, STATS]:
     count, sum, sum of squares, min and max of the finite scores of each program's keys (P: the programs per
-    query rounded up to a power of two; rows from S / (block_s * steps) on are left unwritten)."""
+    query rounded up to a power of two; rows from S / (block_s * steps) on are left unwritten), and each
+    query's visible prefix [B, T, 1] int32, min(position + 1, kv_length) within the slots (or pages): the
+    split selection's limits.
+    keys_major: the products as [keys, heads] tiles, so the weighted sum over heads stays within a warp's
+    lanes (H200, 4cf71f9, B=1 x 128K keys: 26.0 vs 33.3 us; B=16 186.5 vs 243.4 us)."""
     b, t, n, h = q.shape
-    s_len = slots.shape[1]
+    if (page_size is None) != (keys is None):
+        raise ValueError(f"indexer_scores_pallas: page_size={page_size} and keys={keys} go together")
+    s_len = slots.shape[1] if keys is None else keys
     span = block_s * steps
     if s_len % span:
         raise ValueError(f"indexer_scores_pallas: {s_len} key slots are not a multiple of block_s * steps = {span}")
@@ -145,20 +169,22 @@ def indexer_scores_pallas(
         pl.BlockSpec((None, None, n), lambda i, tt, j: (i, tt, 0)),
         pl.BlockSpec((None, None, 1), lambda i, tt, j: (i, tt, 0)),
         pl.BlockSpec((None, 1), lambda i, tt, j: (i, 0)),
-        pl.BlockSpec((None, s_len), lambda i, tt, j: (i, 0)),
+        pl.BlockSpec((None, slots.shape[1]), lambda i, tt, j: (i, 0)),
     ]
     in_specs, args = _with_pool(
         in_specs, [q, w, q_positions[..., None], kv_lengths[:, None], slots], kv_rows, kv_scales
     )
     kernel = functools.partial(
         _kernel, scale=scale, block_s=block_s, steps=steps, head_dim=h, mx=mx, precision=precision, stats=stats,
-        keys_major=keys_major,
+        keys_major=keys_major, page_size=page_size,
     )  # fmt: skip
     out_specs = [pl.BlockSpec((None, None, span), lambda i, tt, j: (i, tt, j))]
     out_shape = [jax.ShapeDtypeStruct((b, t, s_len), jnp.float32)]
     if stats:
         out_specs.append(pl.BlockSpec((None, None, None, STATS), lambda i, tt, j: (i, tt, j, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, t, pow2(s_len // span), STATS), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, 1), lambda i, tt, j: (i, tt, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, t, 1), jnp.int32))
     out = pl.pallas_call(
         kernel,
         grid=(b, t, s_len // span),
