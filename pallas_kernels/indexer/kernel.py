@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import pow2, triton_params
 from pallas_kernels.indexer.select_kernel import finite_stats_init, finite_stats_step
-from pallas_kernels.indexer.select_split import STATS
+from pallas_kernels.indexer.select_split import STATS, stats_row
 
 MX_BLOCK = 32
 _CONTRACT = (((1,), (1,)), ((), ()))  # [M, H] x [N, H] -> [M, N]
@@ -119,12 +119,7 @@ def _kernel(
     acc = jax.lax.fori_loop(0, n_vis, block, finite_stats_init(block_s, jnp.float32) if stats else 0)
     jax.lax.fori_loop(n_vis, steps, masked, 0)
     if stats:  # the split selection's first pass, from the scores still in registers
-        vals = (jnp.sum(acc[0]), jnp.sum(acc[1]), jnp.sum(acc[2]), jnp.min(acc[3]), jnp.max(acc[4]))
-        lane = jax.lax.broadcasted_iota(jnp.int32, (STATS,), 0)
-        out = jnp.zeros((STATS,), jnp.float32)
-        for i, v in enumerate(vals):
-            out = jnp.where(lane == i, v, out)
-        stats_ref[...] = out
+        stats_ref[...] = stats_row(acc)
         # and the row's visible prefix (every program of the query writes the same value): scores past it are -inf
         seen = slots_ref.shape[0] * (page_size or 1)  # key positions the slots or pages cover
         limit_ref[...] = jnp.full((1,), jnp.clip(jnp.minimum(pos_ref[0] + 1, len_ref[0]), 0, seen), jnp.int32)

@@ -98,12 +98,17 @@ def _stats_kernel(limit_ref, x_ref, stats_ref, *, seg, chunk):
         0, (n + chunk - 1) // chunk, lambda c, acc: finite_stats_step(acc, x_ref[pl.ds(c * chunk, chunk)]),
         finite_stats_init(chunk, jnp.float32),
     )  # fmt: skip
+    stats_ref[...] = stats_row(acc)
+
+
+def stats_row(acc):
+    """The [STATS] row of per-lane `finite_stats_step` accumulators: count, sum, sum of squares, min, max."""
     vals = (jnp.sum(acc[0]), jnp.sum(acc[1]), jnp.sum(acc[2]), jnp.min(acc[3]), jnp.max(acc[4]))
     lane = jax.lax.broadcasted_iota(jnp.int32, (STATS,), 0)
     out = jnp.zeros((STATS,), jnp.float32)
     for i, v in enumerate(vals):
         out = jnp.where(lane == i, v, out)
-    stats_ref[...] = out
+    return out
 
 
 def _bounds(stats, segments, k):
