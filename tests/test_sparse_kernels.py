@@ -397,9 +397,8 @@ def test_split_selection_equals_row_selection(kind):
         got = select_split.top_k_split.__wrapped__(xs, ls, k=k, chunk=128, seg=64, interpret=True)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # best first: the candidates ranked against each other, in lax.top_k's order (rows with more than the
-    # programs' one block each — ties, a constant row — ranked a block after another, the blocks of
-    # candidates out of the Top-K stopped early)
+    # best first: the candidates ranked against each other (rows with more than 2k of them — ties, a
+    # constant row — cut to k by the one-program selection first), in lax.top_k's order
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(select_split, "PASS_CHUNK", 32)
         mp.setattr(select_split, "RANK_STEP", 16)  # several steps per ranking program

@@ -28,11 +28,9 @@ Best first (`best_first=True`, for the few rows of a decode step): instead of th
 row's candidates are ranked against each other — rank(i) = #{j: v_j > v_i} + #{j: v_j = v_i, pos_j < pos_i},
 and candidate i is written to slot rank(i) when that is below k — by one program per 16 candidates, which
 gives `lax.top_k`'s order with no sort afterwards. Its O(n²) compares (n ≈ 1.04-2.1 k) are cheap spread
-over ~n / 16 programs. A row with more than 2k candidates (ties, a heavy tail) gives each program several
-blocks of 16, and a block stops comparing once each of its candidates has k that beat it, so a constant
-row costs ~n·k compares, not n², with no one-program selection (an extra launch on every call, a kernel
-that would exit at once on almost every row). H200 (19271fa, one 128K row, 40 chained calls): 0.035 ms
-with the statistics pass, against 0.072 selected by one program and sorted by XLA.
+over ~n / 16 programs; a row with more than 2k candidates (ties, a heavy tail) is first cut to its k by the
+one-program selection, which otherwise exits at once. H200 (19271fa, one 128K row, 40 chained calls):
+0.035 ms with the statistics pass, against 0.072 selected by one program and sorted by XLA.
 
 Given statistics (`stats=`): the score kernel (`kernel.indexer_scores_pallas(stats=True)`) takes them of its
 own scores in registers, so the first pass and its launch go.
@@ -74,9 +72,9 @@ STATS = 8  # count, sum, sum of squares, min, max, then zeros (a power-of-two bl
 TARGET_PROGRAMS = 128
 MIN_SEGMENT = 256
 PASS_CHUNK = 1024  # scores per step of a pass
-# best_first: RANK_MAX_PER_K x k / RANK_BLOCK ranking programs per row, each ranking one block of RANK_BLOCK
-# candidates against all of them (O(n^2) compares; the bounds leave 1.04-2.1 k on the distributions tried);
-# a row with more candidates gives each program more blocks.
+# best_first: candidates ranked by comparison up to RANK_MAX_PER_K x k of them (every candidate against every
+# other: O(n^2) compares, spread over n / RANK_BLOCK programs; the bounds leave 1.04-2.1 k on the
+# distributions tried); a row with more is first cut to its k by the one-program selection, then ranked.
 RANK_MAX_PER_K = 2
 RANK_BLOCK = 16  # candidates ranked per program
 RANK_STEP = 1024  # candidates compared against them per step
@@ -198,66 +196,72 @@ def _compact_kernel(limit_ref, counts_ref, bounds_ref, x_ref, cand_ref, pos_ref,
     n_ref[0] = n_cand
 
 
-def _select_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
-    """The row's Top-K among its candidates, in position order."""
-    select_candidates(cand_ref, pos_ref, n_ref[0], vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
+def _select_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, chunk, digit_bits, above=None):
+    """The row's Top-K among its candidates, in position order; with `above`, only a row with more than that
+    many candidates (the others are ranked whole by `_rank_kernel`)."""
+    n = n_ref[0]
+
+    def run():
+        select_candidates(cand_ref, pos_ref, n, vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
+
+    if above is None:
+        run()
+    else:
+        pl.when(n > above)(run)
 
 
-def _rank_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, programs, block, step):
+def _rank_kernel(n_ref, cand_ref, pos_ref, sel_ref, sel_pos_ref, vals_ref, idx_ref, *, k, cap, block, step):
     """Best first: candidate i goes to slot rank(i) = #{j: v_j > v_i} + #{j: v_j = v_i, pos_j < pos_i} when
-    that is below k (the Top-K, ties to the lower position, in `lax.top_k`'s order). Program p ranks the
-    blocks of `block` candidates p, p + programs, ... (one block each unless ties or a heavy tail left more
-    than programs x block candidates), each against all n candidates a step at a time, and stops a block
-    once each of its candidates has k that beat it (out of the Top-K: in a constant row every candidate
-    past the first k stops after ~k compares). Program p also writes -inf / -1 to its stripe of the slots
-    past the candidates."""
+    that is below k (the Top-K, ties to the lower position, in `lax.top_k`'s order). The candidates are the
+    row's n compacted ones when n <= cap, else the k that `_select_kernel` kept. Program p ranks candidates
+    p·block ... and writes -inf / -1 to the slots of its stripe past the candidates."""
     p = pl.program_id(1)
     lane = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+    mine = p * block + lane
     n = n_ref[0]
-    width = cand_ref.shape[0]  # gathered by clipped index: a slice past the end would be clamped in interpret mode
-    steps = (n + step - 1) // step
+    m = jnp.where(n > cap, k, n)  # candidates ranked
 
-    def rank_block(c, carry):
-        mine = (p + c * programs) * block + lane
-        ok = mine < n
+    def rank(v_ref, q_ref):
+        width = v_ref.shape[0]  # gathered by clipped index: a slice past the end would be clamped in interpret mode
+        ok = mine < m
         at = jnp.minimum(mine, width - 1)
-        key, pos = order_key(cand_ref[at]), pos_ref[at]
+        key, pos = order_key(v_ref[at]), q_ref[at]
 
-        def more(state):
-            s, cnt = state
-            return (s < steps) & (jnp.min(jnp.where(ok, cnt, k)) < k)
-
-        def body(state):
-            s, cnt = state
-            j = s * step + jax.lax.broadcasted_iota(jnp.int32, (step,), 0)
+        def body(c, cnt):
+            j = c * step + jax.lax.broadcasted_iota(jnp.int32, (step,), 0)
             jj = jnp.minimum(j, width - 1)
-            key_j, pos_j = order_key(cand_ref[jj]), pos_ref[jj]
+            key_j, pos_j = order_key(v_ref[jj]), q_ref[jj]
             beats = (key_j[None, :] > key[:, None]) | (
                 (key_j[None, :] == key[:, None]) & (pos_j[None, :] < pos[:, None])
             )
-            return s + 1, cnt + jnp.sum((beats & (j < n)[None, :]).astype(jnp.int32), axis=1)
+            return cnt + jnp.sum((beats & (j < m)[None, :]).astype(jnp.int32), axis=1)
 
-        _, cnt = jax.lax.while_loop(more, body, (c * 0, jnp.zeros((block,), jnp.int32)))
+        cnt = jax.lax.fori_loop(0, (m + step - 1) // step, body, jnp.zeros((block,), jnp.int32))
         chosen = ok & (cnt < k)
         slot = jnp.where(chosen, cnt, k)  # k: past the row, never stored (no lane may share a stored slot)
-        pltriton.store(vals_ref.at[slot], cand_ref[at], mask=chosen)
+        pltriton.store(vals_ref.at[slot], v_ref[at], mask=chosen)
         pltriton.store(idx_ref.at[slot], pos, mask=chosen)
-        return carry
+        return m * 0
 
-    blocks = (n + block - 1) // block
-    jax.lax.fori_loop(0, jnp.maximum(blocks - p + programs - 1, 0) // programs, rank_block, n * 0)
-    mine = p * block + lane
-    empty = (mine >= jnp.minimum(n, k)) & (mine < k)  # ranks 0 .. min(n, k) - 1 are all taken, once each
+    # (each branch computes from its operand: a bare constant yields no value in the Triton lowering of cond)
+    jax.lax.cond(
+        p * block < m,
+        lambda _: jax.lax.cond(n > cap, lambda _: rank(sel_ref, sel_pos_ref), lambda _: rank(cand_ref, pos_ref), m),
+        lambda x: x * 0,
+        m,
+    )
+    empty = (mine >= jnp.minimum(m, k)) & (mine < k)  # ranks 0 .. min(m, k) - 1 are all taken, once each
     slot = jnp.where(empty, mine, k)
     pltriton.store(vals_ref.at[slot], jnp.full((block,), -jnp.inf, jnp.float32), mask=empty)
     pltriton.store(idx_ref.at[slot], jnp.full((block,), -1, jnp.int32), mask=empty)
 
 
 def rank_width(k: int) -> tuple[int, int]:
-    """(programs, block) of the best-first ranking for k: programs x block >= RANK_MAX_PER_K x k candidates
-    are ranked one block per program (and the programs cover the k output slots)."""
+    """(cap, block) of the best-first ranking for k: rows with up to cap candidates are ranked whole, by
+    cap / block programs of block candidates (cap >= k: the programs also cover the k output slots)."""
     block = min(RANK_BLOCK, pow2(k))
-    return -(-RANK_MAX_PER_K * k // block), block
+    cap = -(-RANK_MAX_PER_K * k // block) * block
+    return cap, block
 
 
 @functools.partial(
@@ -334,20 +338,10 @@ def top_k_split(
         name="indexer_split_compact",
         **kw,
     )(limits, counts, bounds, x)
-    if best_first:
-        programs, block = rank_width(k)
-        return pl.pallas_call(
-            functools.partial(_rank_kernel, k=k, programs=programs, block=block, step=RANK_STEP),
-            grid=(r, programs),
-            in_specs=[per_row(1), per_row(s), per_row(s)],
-            out_specs=[per_row(k), per_row(k)],
-            out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
-            name="indexer_split_rank",
-            **kw,
-        )(n_cand, cand, cand_pos)
     row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2),
+    cap, block = rank_width(k)
+    selected = pl.pallas_call(
+        functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2, above=cap if best_first else None),
         grid=(r,),
         in_specs=[row(1), row(s), row(s)],
         out_specs=[row(k), row(k)],
@@ -356,3 +350,16 @@ def top_k_split(
         name="indexer_split_select",
         **triton_params(interpret, select_warps, 2),
     )(n_cand, cand, cand_pos)
+    if not best_first:
+        return selected
+    # rows with at most cap candidates (all, unless a heavy tail or ties left more): the select above exits
+    # at once and the ranking reads the candidates
+    return pl.pallas_call(
+        functools.partial(_rank_kernel, k=k, cap=cap, block=block, step=RANK_STEP),
+        grid=(r, cap // block),
+        in_specs=[per_row(1), per_row(s), per_row(s), per_row(k), per_row(k)],
+        out_specs=[per_row(k), per_row(k)],
+        out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
+        name="indexer_split_rank",
+        **kw,
+    )(n_cand, cand, cand_pos, *selected)
