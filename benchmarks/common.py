@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gzip
+import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,12 +58,9 @@ def median_ms(fn, warmup: int = 3, iters: int = 20, calls: int = 1) -> float:
 CHAIN = 10
 
 
-def chained_ms(fn, *args, n: int = CHAIN, warmup: int = 1, iters: int = 10) -> float:
-    """Median ms per call of fn(*args) run n times in one executable, each call's first argument made to
-    depend on the previous call's output: what an op costs inside a compiled step, without the per-dispatch
-    host overhead (~0.1-0.2 ms on the H200, larger than a decode-sized kernel). The dependency is a zero
-    XLA cannot fold (an output element compared with a value it never takes) added to args[0]: one tiny
-    fusion per call, so it also keeps XLA from merging or hoisting the repeated calls."""
+def _chain(fn, n: int):
+    """fn run n times in one jitted function, each call's first argument made to depend on the previous
+    call's output (see `chained_ms`)."""
 
     def chain(first, *rest):
         for _ in range(n):
@@ -69,8 +69,51 @@ def chained_ms(fn, *args, n: int = CHAIN, warmup: int = 1, iters: int = 10) -> f
             first = first + (leaf == -1234567).astype(first.dtype)
         return first
 
-    chained = jax.jit(chain)
+    return jax.jit(chain)
+
+
+def chained_ms(fn, *args, n: int = CHAIN, warmup: int = 1, iters: int = 10) -> float:
+    """Median ms per call of fn(*args) run n times in one executable, each call's first argument made to
+    depend on the previous call's output: what an op costs inside a compiled step, without the per-dispatch
+    host overhead (~0.1-0.2 ms on the H200, larger than a decode-sized kernel). The dependency is a zero
+    XLA cannot fold (an output element compared with a value it never takes) added to args[0]: one tiny
+    fusion per call, so it also keeps XLA from merging or hoisting the repeated calls."""
+    chained = _chain(fn, n)
     return median_ms(lambda: chained(*args), warmup=warmup, iters=iters) / n
+
+
+def device_events(trace_dir: Path) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of the device-side events of the perfetto trace under trace_dir, by start."""
+    path = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    events = json.loads(gzip.decompress(path.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, n in names.items() if "GPU" in n or "device" in n.lower() and "host" not in n.lower()}
+    return sorted(
+        (float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") in device
+    )
+
+
+def chained_device_ms(fn, *args, n: int = CHAIN, reps: int = 3) -> float | None:
+    """Device ms per call of the `chained_ms` executable: from a profiler trace of one execution, its first
+    kernel's start to its last kernel's end, over n (median of `reps` executions, each traced alone). What
+    `chained_ms` times less the executable's launch and wait, which its n calls share (H200, the indexer's
+    B=1 decode at 40 calls: ~5 us a call, more than a tenth of it); the gaps between the calls' kernels stay
+    in. None where the trace has no device events (CPU)."""
+    chained = _chain(fn, n)
+    jax.block_until_ready(chained(*args))
+    spans = []
+    for _ in range(reps):
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                jax.block_until_ready(chained(*args))
+            events = device_events(Path(d))
+        if not events:
+            return None
+        spans.append((max(t + dur for t, dur, _ in events) - events[0][0]) / 1e3 / n)
+    return statistics.median(spans)
 
 
 def flat_module(module):

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import re
 import tempfile
 from pathlib import Path
@@ -29,22 +27,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import flat_module
+from benchmarks.common import device_events, flat_module
 from benchmarks.e2e import add_kimi_args, kimi_model
 from benchmarks.e2e_stages import _info
 
 
 def kernel_times(trace_dir: Path) -> dict[str, list[float]]:
     """Device-side events of a perfetto trace: kernel name -> durations (us)."""
-    path = next(trace_dir.rglob("perfetto_trace.json.gz"))
-    events = json.loads(gzip.decompress(path.read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = {pid for pid, n in names.items() if "GPU" in n or "device" in n.lower() and "host" not in n.lower()}
     out = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device:
-            out[e["name"]].append(float(e.get("dur", 0.0)))
+    for _, dur, name in device_events(trace_dir):
+        out[name].append(dur)
     return out
 
 

@@ -4,7 +4,10 @@ Pallas against the jnp reference (materialised scores + `lax.top_k`; gathered ro
 Decode rows are timed as CHAIN calls in one executable (`common.chained_ms`), per call: inside a compiled
 decode step there is no host dispatch per op (~0.1-0.2 ms on the H200, more than the B=1 kernels take).
 The executable's own launch and wait (~0.2 ms) is still spread over its calls: ~20 us a call at the default
-10, which at B=1 is a fifth of a call; `--chain 40` spreads it thinner.
+10, which at B=1 is a fifth of a call; `--chain 40` spreads it thinner. The indexer's decode rows (the
+reference and the full Pallas paths) also give the same chain's device time per call in their check
+column (`common.chained_device_ms`: one execution's kernels, first start to last end, from a profiler
+trace), which leaves that launch and wait out.
 
 Floors: bytes that must move over the measured copy bandwidth and FLOPs over the measured bf16 matmul rate
 (the larger). Indexer: the key cache read once (BF16, or MXFP8 values + E8M0 scales) plus the queries;
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import CHAIN, ceilings, chained_ms, median_ms, rel_err, report
+from benchmarks.common import CHAIN, ceilings, chained_device_ms, chained_ms, median_ms, rel_err, report
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
@@ -92,6 +95,11 @@ def indexer_rows(
 ) -> list[dict]:  # fmt: skip
     rows = []
     chained = functools.partial(chained_ms, n=chain)
+
+    def device_note(fn, *args) -> str:  # the same chain's device time, without the executable's launch and wait
+        ms = chained_device_ms(fn, *args, n=chain)
+        return "" if ms is None else f"device {ms:.4f} ms/call"
+
     for s in contexts:
         for b in batches:
             ks = jax.random.split(jax.random.key(s + b), 3)
@@ -106,7 +114,8 @@ def indexer_rows(
             ref = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="reference", **kw))
             ref_i, _ = ref(q, w, pool, table)
             ms = chained(ref, q, w, pool, table)
-            rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
+            note = device_note(ref, q, w, pool, table)
+            rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate, note))
             for variant in variants:
                 for spec in decode_selects:
                     select, _, segs = spec.partition(":")
@@ -116,7 +125,7 @@ def indexer_rows(
                     fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
                     got_i, _ = fn(q, w, pool, table)
                     ms = chained(fn, q, w, pool, table)
-                    check = _same_topk(got_i, ref_i)
+                    check = "; ".join(filter(None, [_same_topk(got_i, ref_i), device_note(fn, q, w, pool, table)]))
                     how = {"top_k": "lax.top_k", "split": "split selection (row passes over many programs)"}.get(
                         select, f"selection kernel, {vk['select_segments']} segments"
                     )
@@ -158,6 +167,7 @@ def indexer_rows(
             ms = chained(fn8, q, w, values, scales, table)
             mx_bytes = values.nbytes + scales.nbytes
             check = _same_topk(fn8(q, w, values, scales, table)[0], ref_i)
+            check = "; ".join(filter(None, [check, device_note(fn8, q, w, values, scales, table)]))
             impl = "pallas scores (MXFP8 pool) + default selection"
             rows.append(row("indexer", shape, impl, ms, flops, mx_bytes, bw, rate, check))
     if prefill_len:

@@ -114,6 +114,21 @@ def test_kernel_count_reads_compiled_hlo():
     assert not {"parameter", "constant", "tuple", "get-tuple-element"} & set(looped)
 
 
+def test_chained_device_time_is_the_traced_span_per_call(monkeypatch):
+    """`chained_device_ms`: one execution's first kernel start to last kernel end over the chain's calls
+    (median of the traced executions); None where the trace has no device events (this CPU)."""
+    import jax.numpy as jnp
+
+    from benchmarks import common
+
+    x = jnp.arange(8.0)
+    assert common.chained_device_ms(jnp.sin, x, n=2, reps=1) is None
+    spans = iter([[(10.0, 2.0, "a"), (13.0, 5.0, "b")], [(0.0, 1.0, "a"), (2.0, 2.0, "b")], [(5.0, 9.0, "a")]])
+    monkeypatch.setattr(common, "device_events", lambda _: next(spans))
+    # spans 8, 4 and 9 us over 2 calls: 4, 2, 4.5 us a call, median 4 us
+    assert common.chained_device_ms(jnp.sin, x, n=2, reps=3) == pytest.approx(0.004)
+
+
 def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatch, capsys):
     import gzip
     import json
@@ -133,6 +148,12 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     (trace / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
     times = profile_stage.kernel_times(tmp_path / "trace")
     assert dict(times) == {"fusion_1": [3.0, 5.0], "kda_decode_step": [2.5]}
+    # by start (these events have none: 0), host events left out
+    assert benchmarks.common.device_events(tmp_path / "trace") == [
+        (0.0, 2.5, "kda_decode_step"),
+        (0.0, 3.0, "fusion_1"),
+        (0.0, 5.0, "fusion_1"),
+    ]
     # the CPU has no device events to list, but the stage compiles, runs under the profiler and leaves its HLO
     argv = ["profile_stage", "--model", "tiny", "--stage", "kda", "--batch", "1", "--context", "16", "--calls", "2",
             "--out", str(tmp_path / "out"), "--quant", "hierarchical"]  # fmt: skip
