@@ -16,7 +16,7 @@ FLOPs 2·N·H per query-key pair. Sparse MLA: the selected rows [c | k_rope] rea
 
     python -m benchmarks.sparse_attention [--contexts 32768 131072] [--batches 1 16 64] [--only indexer|mla]
         [--indexer-variants 128:1024:bf16 ...] [--prefill-variants 64:128:kernel ...] [--no-prefill-reference]
-        [--chain 10] [--no-record]
+        [--chain 10] [--split-rows normal cauchy ties constant relu_zeros] [--no-record]
 """
 
 from __future__ import annotations
@@ -197,6 +197,52 @@ def indexer_rows(
             first = got_i if first is None else first
             rows.append(row("indexer", shape, label, ms, flops, q.nbytes + pool.nbytes, bw, rate, check))
         rows += _prefill_parts(bw, rate, q, w, pool, table, kw, flops, shape, select_variants)
+    return rows
+
+
+# Score rows for `--split-rows`: what the split selection's candidate bounds meet besides the indexer's
+# near-normal scores. Heavy tails and ties leave more than 2k candidates, which the best-first ranking cuts
+# to k itself (each program's own K-th key search).
+SPLIT_ROWS = {
+    "normal": lambda key, shape: jax.random.normal(key, shape),
+    "cauchy": lambda key, shape: jax.random.cauchy(key, shape),
+    "ties": lambda key, shape: jnp.round(jax.random.normal(key, shape) * 2) / 2,
+    "constant": lambda key, shape: jnp.ones(shape),
+    # ReLU'd scores: ~0.6% positive, the K-th value a zero shared by the rest of the row
+    "relu_zeros": lambda key, shape: jnp.maximum(jax.random.normal(key, shape) - 2.5, 0.0),
+}
+
+
+def split_rows(bw, rate, kinds, s, topk, chain=CHAIN) -> list[dict]:
+    """The split selection alone on one row of S scores of each kind: best first (the decode default at
+    few rows) and in position order (one selection program per row after the passes), against `lax.top_k`;
+    the best-first result is checked equal to `lax.top_k`'s (values and positions)."""
+    rows = []
+    chained = functools.partial(chained_ms, n=chain)
+    interpret = jax.default_backend() == "cpu"
+    limits = jnp.full((1,), s, jnp.int32)
+    for kind in kinds:
+        x = SPLIT_ROWS[kind](jax.random.key(s), (1, s)).astype(jnp.float32)
+        shape = f"one row of {s} {kind} scores, top-{topk}, {chain} chained calls"
+        top = jax.jit(lambda x: jax.lax.top_k(x, topk))
+        want_v, want_i = top(x)
+        rows.append(row("split rows", shape, "lax.top_k", chained(top, x), 0, x.nbytes, bw, rate))
+        for best_first in (True, False):
+            fn = jax.jit(
+                lambda x, b=best_first: top_k_split(
+                    x, limits, k=topk, chunk=min(4096, s), best_first=b, interpret=interpret
+                )
+            )  # fmt: skip
+            vals, idx = fn(x)
+            if best_first:
+                same = np.array_equal(np.asarray(vals), np.asarray(want_v)) and np.array_equal(
+                    np.asarray(idx), np.asarray(want_i)
+                )
+                check = "equal to lax.top_k" if same else "DIFFERS from lax.top_k"
+            else:
+                check = _same_topk(idx, want_i)
+            label = "split selection, best first" if best_first else "split selection, position order"
+            rows.append(row("split rows", shape, label, chained(fn, x), 0, x.nbytes, bw, rate, check))
     return rows
 
 
@@ -406,6 +452,10 @@ def main() -> None:
     p.add_argument(
         "--decode-selects", nargs="+", default=list(DECODE_SELECTS), help="default, top_k, split or kernel:SEGMENTS"
     )
+    p.add_argument(
+        "--split-rows", nargs="*", default=[], choices=sorted(SPLIT_ROWS),
+        help="the split selection alone on one row of each kind (the largest context's length)",
+    )  # fmt: skip
     p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")
     p.add_argument("--mla-decode-variants", nargs="*", default=None, help="BH:BK:PREC:SPLITS(-):WARPS:STAGES")
     p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")
@@ -426,6 +476,8 @@ def main() -> None:
             tuple(args.indexer_variants), tuple(args.prefill_variants), not args.no_prefill_reference,
             tuple(args.select_variants), tuple(args.decode_selects), args.chain,
         )  # fmt: skip
+        if args.split_rows:
+            rows += split_rows(bw, rate, args.split_rows, max(args.contexts or [131072]), args.topk, args.chain)
     if args.only != "indexer":
         rows += sparse_mla_rows(
             bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill,

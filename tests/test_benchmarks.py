@@ -320,7 +320,8 @@ def test_sparse_mla_bound_probes_compute_what_they_claim():
 def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     """The issue-6 benchmark end to end at toy sizes in interpret mode: indexer decode rows (the default
     selection against the jnp reference, the selections alone), sparse MLA decode rows (defaults, the
-    queries-inner grid, one explicit tile, FP8 rows), with `--chain` in the row labels; none fails."""
+    queries-inner grid, one explicit tile, FP8 rows), with `--chain` in the row labels, one `--split-rows`
+    kind; none fails."""
     from benchmarks import sparse_attention
 
     # the script took `ceilings` by name: patch its own reference too (the real ones take minutes here)
@@ -328,12 +329,15 @@ def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, caps
     argv = ["sparse_attention", "--contexts", "2048", "--batches", "1", "--index-heads", "16", "--index-dim", "32",
             "--topk", "256", "--indexer-prefill", "0", "--mla-batch", "2", "--mla-heads", "16", "--mla-context", "512",
             "--mla-prefill", "0", "--mla-decode-variants", "16:32:bf16:-:4:2", "--decode-selects", "default",
-            "--chain", "2", "--no-record"]  # fmt: skip
+            "--chain", "2", "--split-rows", "relu_zeros", "--no-record"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     sparse_attention.main()
     out = capsys.readouterr().out
     assert "| indexer | decode B=1 S=2048 heads=16x32 top-256, 2 chained calls | jnp reference" in out
     assert "split selection alone on [B, S]" in out and "Top-K overlap 1.0000" in out
+    # a row whose K-th value is a zero shared by most of it: more than 2k candidates, cut inside the ranking
+    split = [ln for ln in out.splitlines() if ln.startswith("| split rows | one row of 2048 relu_zeros")]
+    assert len(split) == 3 and "equal to lax.top_k" in split[1], split
     mla = [ln for ln in out.splitlines() if ln.startswith("| sparse MLA decode | B=2 T=1 heads=16")]
     assert any("queries-inner grid" in ln for ln in mla) and any("FP8 latent pool" in ln for ln in mla)
     assert "did not run" not in out

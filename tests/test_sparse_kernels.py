@@ -368,7 +368,18 @@ def test_segmented_selection_equals_one_pass():
         top_k_segmented(jnp.asarray(x), jnp.asarray(limits), k=24, segments=3, chunk=32, interpret=True)
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "cauchy", "mostly_neg_inf", "constant", "skewed"])
+def _tied_kth(rng, r, s):
+    """Rows whose K-th value (k = 20) is shared by 60 scores: 10 above it, and many more candidates than the
+    best-first ranking takes whole (2k), so it must choose which of the ties to keep."""
+    x = rng.standard_normal((r, s))
+    for row in x:
+        at = rng.permutation(s)
+        row[at[:10]] = 5 + rng.random(10)
+        row[at[10:70]] = 3.0
+    return x
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "cauchy", "mostly_neg_inf", "constant", "skewed", "tied_kth"])
 def test_split_selection_equals_row_selection(kind):
     """The split selection (each row's statistics, counting and compaction over many programs, then one
     selection among the candidates) returns what one program per row does — same positions in position
@@ -387,6 +398,7 @@ def test_split_selection_equals_row_selection(kind):
         "mostly_neg_inf": lambda: np.where(rng.random((r, s)) < 0.95, -np.inf, rng.standard_normal((r, s))),
         "constant": lambda: np.ones((r, s)),
         "skewed": lambda: rng.exponential(size=(r, s)) ** 3,
+        "tied_kth": lambda: _tied_kth(rng, r, s),
     }[kind]().astype(np.float32)
     limits = np.array([384, 200, 64, 19, 0, 321], np.int32)  # whole, mid-segment, one segment, < k, empty
     x[np.arange(s)[None, :] >= limits[:, None]] = -np.inf
@@ -398,10 +410,11 @@ def test_split_selection_equals_row_selection(kind):
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # best first: the candidates ranked against each other (rows with more than 2k of them — ties, a
-    # constant row — cut to k by the one-program selection first), in lax.top_k's order
+    # constant row, tied_kth — cut to k by each ranking program's own search), in lax.top_k's order
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(select_split, "PASS_CHUNK", 32)
         mp.setattr(select_split, "RANK_STEP", 16)  # several steps per ranking program
+        mp.setattr(select_split, "RANK_SEARCH_CHUNK", 32)  # several steps of the search and the gather
         vals, idx = select_split.top_k_split.__wrapped__(
             xs, ls, k=k, chunk=128, seg=64, best_first=True, interpret=True
         )

@@ -64,34 +64,11 @@ def _wrap(v: int) -> int:
 _NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 with its low 31 bits flipped
 
 
-def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bits, resident=False):
-    """The row's Top-K among the first `limit` scores of x_ref, written to vals_ref / idx_ref. pos_ref: the
-    position of each score (a prefiltered row's candidates), or None (the score's own index).
-    resident: the caller guarantees limit <= chunk; the one chunk is loaded once and every digit pass and the
-    compaction work on it in registers, where each pass would otherwise re-read it and wait for the load
-    (the candidates of a split or prefiltered row: k to 2k scores)."""
-    # (resident: one chunk, as a traced value: a select between two constants gets a boolean type in the
-    # Triton lowering)
-    n_chunks = limit * 0 + 1 if resident else (limit + chunk - 1) // chunk
-    lane = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-
-    def load(c):  # the last chunk may run past `limit`: those scores are -inf by the caller's contract
-        pos = c * chunk + lane if pos_ref is None else pos_ref[pl.ds(c * chunk, chunk)]
-        return x_ref[pl.ds(c * chunk, chunk)], pos
-
-    if resident:
-        x0, pos0 = load(0)
-        key0 = order_key(x0)
-
-    def keys(c):
-        if resident:
-            return key0, pos0
-        x, pos = load(c)
-        return order_key(x), pos
-
-    def values(c):
-        return x0 if resident else x_ref[pl.ds(c * chunk, chunk)]
-
+def search_threshold(keys, n_chunks, *, k, chunk, digit_bits):
+    """The K-th largest order key of a row of more than k scores, digit by digit (the module docstring's
+    steps 2-3). keys(c) -> ([chunk] int32 order keys, anything) of chunk c < n_chunks (-inf keys past the
+    row). Returns (thr, need): the Top-K are the keys > thr and the first `need` keys == thr in position
+    order (need = 0 when a pass found a bound with exactly k keys at or above it)."""
     radix = 1 << digit_bits
 
     def digit_pass(shift, carry):
@@ -126,20 +103,53 @@ def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bit
         keep = lambda old, new: jnp.where(done, old, new)  # noqa: E731
         return keep(tau, new_tau), keep(above, new_above), done | exact
 
-    def threshold(_):
-        carry = (jnp.int32(0), jnp.int32(0), jnp.bool_(False))
-        for shift in range(32 - digit_bits, -1, -digit_bits):
-            carry = digit_pass(shift, carry)
-        tau, above, done = carry
-        # done: take the keys >= c, i.e. strictly above c - 1 (the XOR with the sign bit commutes with -1
-        # modulo 2^32, and c > 0 as an unsigned image since its digit is >= 1), no ties
-        thr = jnp.where(done, (tau ^ _SIGN) - 1, tau ^ _SIGN)
-        # fewer than k finite scores in a long prefix: τ is -inf, and -inf is never taken
-        return thr, jnp.where(done | (thr == _NEG_INF_KEY), 0, k - above)
+    carry = (jnp.int32(0), jnp.int32(0), jnp.bool_(False))
+    for shift in range(32 - digit_bits, -1, -digit_bits):
+        carry = digit_pass(shift, carry)
+    tau, above, done = carry
+    # done: take the keys >= c, i.e. strictly above c - 1 (the XOR with the sign bit commutes with -1
+    # modulo 2^32, and c > 0 as an unsigned image since its digit is >= 1), no ties
+    thr = jnp.where(done, (tau ^ _SIGN) - 1, tau ^ _SIGN)
+    # fewer than k finite scores in a long prefix: τ is -inf, and -inf is never taken
+    return thr, jnp.where(done | (thr == _NEG_INF_KEY), 0, k - above)
+
+
+def _select_row(x_ref, pos_ref, limit, vals_ref, idx_ref, *, k, chunk, digit_bits, resident=False):
+    """The row's Top-K among the first `limit` scores of x_ref, written to vals_ref / idx_ref. pos_ref: the
+    position of each score (a prefiltered row's candidates), or None (the score's own index).
+    resident: the caller guarantees limit <= chunk; the one chunk is loaded once and every digit pass and the
+    compaction work on it in registers, where each pass would otherwise re-read it and wait for the load
+    (the candidates of a split or prefiltered row: k to 2k scores)."""
+    # (resident: one chunk, as a traced value: a select between two constants gets a boolean type in the
+    # Triton lowering)
+    n_chunks = limit * 0 + 1 if resident else (limit + chunk - 1) // chunk
+    lane = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    def load(c):  # the last chunk may run past `limit`: those scores are -inf by the caller's contract
+        pos = c * chunk + lane if pos_ref is None else pos_ref[pl.ds(c * chunk, chunk)]
+        return x_ref[pl.ds(c * chunk, chunk)], pos
+
+    if resident:
+        x0, pos0 = load(0)
+        key0 = order_key(x0)
+
+    def keys(c):
+        if resident:
+            return key0, pos0
+        x, pos = load(c)
+        return order_key(x), pos
+
+    def values(c):
+        return x0 if resident else x_ref[pl.ds(c * chunk, chunk)]
 
     # A prefix of at most k scores is taken whole: threshold -inf (strictly above it), no ties. (The second
     # branch computes from its operand: a bare constant yields no value in the Triton lowering of cond.)
-    thr, need = jax.lax.cond(limit > k, threshold, lambda n: (n * 0 + _NEG_INF_KEY, n * 0), limit)
+    thr, need = jax.lax.cond(
+        limit > k,
+        lambda n: search_threshold(keys, n_chunks + n * 0, k=k, chunk=chunk, digit_bits=digit_bits),
+        lambda n: (n * 0 + _NEG_INF_KEY, n * 0),
+        limit,
+    )
 
     def compact(with_ties):
         def body(c, carry):

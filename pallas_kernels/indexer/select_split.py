@@ -28,9 +28,11 @@ Best first (`best_first=True`, for the few rows of a decode step): instead of th
 row's candidates are ranked against each other — rank(i) = #{j: v_j > v_i} + #{j: v_j = v_i, pos_j < pos_i},
 and candidate i is written to slot rank(i) when that is below k — by one program per 16 candidates, which
 gives `lax.top_k`'s order with no sort afterwards. Its O(n²) compares (n ≈ 1.04-2.1 k) are cheap spread
-over ~n / 16 programs; a row with more than 2k candidates (ties, a heavy tail) is first cut to its k by the
-one-program selection, which otherwise exits at once. H200 (19271fa, one 128K row, 40 chained calls):
-0.035 ms with the statistics pass, against 0.072 selected by one program and sorted by XLA.
+over ~n / 16 programs. A row with more than 2k candidates (ties, a heavy tail) is cut to its k in the same
+kernel: each program finds the K-th key by the radix search over the candidates and ranks its 16 of the k
+chosen against them, so three kernels run per call (two with given statistics) and none of them is a
+one-program kernel. H200 (19271fa, one 128K row, 40 chained calls): 0.035 ms with the statistics pass,
+against 0.072 selected by one program and sorted by XLA.
 
 Given statistics (`stats=`): the score kernel (`kernel.indexer_scores_pallas(stats=True)`) takes them of its
 own scores in registers, so the first pass and its launch go.
@@ -49,10 +51,12 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import pow2, triton_params
 from pallas_kernels.indexer.select_kernel import (
+    _NEG_INF_KEY,
     _normal_quantile,
     finite_stats_init,
     finite_stats_step,
     order_key,
+    search_threshold,
     select_candidates,
 )
 
@@ -74,10 +78,13 @@ MIN_SEGMENT = 256
 PASS_CHUNK = 1024  # scores per step of a pass
 # best_first: candidates ranked by comparison up to RANK_MAX_PER_K x k of them (every candidate against every
 # other: O(n^2) compares, spread over n / RANK_BLOCK programs; the bounds leave 1.04-2.1 k on the
-# distributions tried); a row with more is first cut to its k by the one-program selection, then ranked.
+# distributions tried); a row with more has its k chosen by a radix search in every ranking program.
 RANK_MAX_PER_K = 2
 RANK_BLOCK = 16  # candidates ranked per program
 RANK_STEP = 1024  # candidates compared against them per step
+# Candidates per step of the K-th key search inside the ranking (rows with more than cap candidates). Small:
+# the search's per-lane counters share the ranking kernel's registers.
+RANK_SEARCH_CHUNK = 256
 
 
 def segment_size(rows: int, s: int, chunk: int) -> int:
@@ -196,61 +203,96 @@ def _compact_kernel(limit_ref, counts_ref, bounds_ref, x_ref, cand_ref, pos_ref,
     n_ref[0] = n_cand
 
 
-def _select_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, chunk, digit_bits, above=None):
-    """The row's Top-K among its candidates, in position order; with `above`, only a row with more than that
-    many candidates (the others are ranked whole by `_rank_kernel`)."""
-    n = n_ref[0]
-
-    def run():
-        select_candidates(cand_ref, pos_ref, n, vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
-
-    if above is None:
-        run()
-    else:
-        pl.when(n > above)(run)
+def _select_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, chunk, digit_bits):
+    """The row's Top-K among its candidates, in position order."""
+    select_candidates(cand_ref, pos_ref, n_ref[0], vals_ref, idx_ref, k=k, chunk=chunk, digit_bits=digit_bits)
 
 
-def _rank_kernel(n_ref, cand_ref, pos_ref, sel_ref, sel_pos_ref, vals_ref, idx_ref, *, k, cap, block, step):
+def _beats(key, pos, v_ref, q_ref, m, step):
+    """[block] counts: for each (key, pos), the first m candidates of v_ref / q_ref that come before it in
+    `lax.top_k`'s order (a larger value, or the same value at a lower position)."""
+    width = v_ref.shape[0]  # gathered by clipped index: a slice past the end would be clamped in interpret mode
+
+    def body(c, cnt):
+        j = c * step + jax.lax.broadcasted_iota(jnp.int32, (step,), 0)
+        jj = jnp.minimum(j, width - 1)
+        key_j, pos_j = order_key(v_ref[jj]), q_ref[jj]
+        beats = (key_j[None, :] > key[:, None]) | ((key_j[None, :] == key[:, None]) & (pos_j[None, :] < pos[:, None]))
+        return cnt + jnp.sum((beats & (j < m)[None, :]).astype(jnp.int32), axis=1)
+
+    return jax.lax.fori_loop(0, (m + step - 1) // step, body, jnp.zeros(key.shape, jnp.int32))
+
+
+def _rank_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, cap, block, step, chunk, digit_bits):
     """Best first: candidate i goes to slot rank(i) = #{j: v_j > v_i} + #{j: v_j = v_i, pos_j < pos_i} when
-    that is below k (the Top-K, ties to the lower position, in `lax.top_k`'s order). The candidates are the
-    row's n compacted ones when n <= cap, else the k that `_select_kernel` kept. Program p ranks candidates
-    p·block ... and writes -inf / -1 to the slots of its stripe past the candidates."""
+    that is below k (the Top-K, ties to the lower position, in `lax.top_k`'s order).
+    n <= cap candidates: program p ranks candidates p·block ... against the n, and writes -inf / -1 to the
+    slots of its stripe past them.
+    n > cap (ties or a heavy tail left more): every program p < k / block finds the row's K-th key itself
+    (`search_threshold` over the n, `chunk` at a time), takes the chosen candidates numbered p·block ... in
+    position order (a scan that stops once it has passed them), and ranks those against the n. Each program
+    repeats the search, where a one-program selection kernel before this one would cost its launch on every
+    call (~3 us on the H200, three times its own run time when it has nothing to do)."""
     p = pl.program_id(1)
     lane = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
     mine = p * block + lane
     n = n_ref[0]
-    m = jnp.where(n > cap, k, n)  # candidates ranked
+    width = cand_ref.shape[0]
 
-    def rank(v_ref, q_ref):
-        width = v_ref.shape[0]  # gathered by clipped index: a slice past the end would be clamped in interpret mode
-        ok = mine < m
-        at = jnp.minimum(mine, width - 1)
-        key, pos = order_key(v_ref[at]), q_ref[at]
-
-        def body(c, cnt):
-            j = c * step + jax.lax.broadcasted_iota(jnp.int32, (step,), 0)
-            jj = jnp.minimum(j, width - 1)
-            key_j, pos_j = order_key(v_ref[jj]), q_ref[jj]
-            beats = (key_j[None, :] > key[:, None]) | (
-                (key_j[None, :] == key[:, None]) & (pos_j[None, :] < pos[:, None])
-            )
-            return cnt + jnp.sum((beats & (j < m)[None, :]).astype(jnp.int32), axis=1)
-
-        cnt = jax.lax.fori_loop(0, (m + step - 1) // step, body, jnp.zeros((block,), jnp.int32))
+    def store(v, pos, cnt, ok):
         chosen = ok & (cnt < k)
         slot = jnp.where(chosen, cnt, k)  # k: past the row, never stored (no lane may share a stored slot)
-        pltriton.store(vals_ref.at[slot], v_ref[at], mask=chosen)
+        pltriton.store(vals_ref.at[slot], v, mask=chosen)
         pltriton.store(idx_ref.at[slot], pos, mask=chosen)
+
+    def rank_all(m):
+        at = jnp.minimum(mine, width - 1)
+        v, pos = cand_ref[at], pos_ref[at]
+        store(v, pos, _beats(order_key(v), pos, cand_ref, pos_ref, m, step), mine < m)
+        return m * 0
+
+    def rank_chosen(m):
+        step_lane = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+        def load(c):
+            j = c * chunk + step_lane
+            v = cand_ref[jnp.minimum(j, width - 1)]
+            return jnp.where(j < m, order_key(v), _NEG_INF_KEY), j
+
+        thr, need = search_threshold(load, (m + chunk - 1) // chunk, k=k, chunk=chunk, digit_bits=digit_bits)
+        first = p * block
+
+        def gather(carry):  # the chosen candidates numbered first ... first + block - 1, as candidate indices
+            c, seen, ties, at = carry
+            key, j = load(c)
+            tie = (key == thr).astype(jnp.int32)
+            chosen = (key > thr) | ((tie == 1) & (ties + jnp.cumsum(tie) <= need))
+            number = seen + jnp.cumsum(chosen.astype(jnp.int32)) - 1
+            hit = chosen[None, :] & (number[None, :] == first + lane[:, None])  # [block, chunk]
+            at = at + jnp.sum(jnp.where(hit, j[None, :] + 1, 0), axis=1)  # one hit per lane at most
+            return c + 1, seen + jnp.sum(chosen.astype(jnp.int32)), ties + jnp.sum(tie), at
+
+        n_chunks = (m + chunk - 1) // chunk
+        _, _, _, at = jax.lax.while_loop(
+            lambda carry: (carry[0] < n_chunks) & (carry[1] < first + block),
+            gather,
+            (m * 0, m * 0, m * 0, jnp.zeros((block,), jnp.int32)),
+        )
+        found = at > 0
+        at = jnp.maximum(at - 1, 0)
+        v, pos = cand_ref[at], pos_ref[at]
+        store(v, pos, _beats(order_key(v), pos, cand_ref, pos_ref, m, step), found)
         return m * 0
 
     # (each branch computes from its operand: a bare constant yields no value in the Triton lowering of cond)
     jax.lax.cond(
-        p * block < m,
-        lambda _: jax.lax.cond(n > cap, lambda _: rank(sel_ref, sel_pos_ref), lambda _: rank(cand_ref, pos_ref), m),
-        lambda x: x * 0,
-        m,
+        n > cap,
+        lambda m: jax.lax.cond(p * block < k, rank_chosen, lambda x: x * 0, m),
+        lambda m: jax.lax.cond(p * block < m, rank_all, lambda x: x * 0, m),
+        n,
     )
-    empty = (mine >= jnp.minimum(m, k)) & (mine < k)  # ranks 0 .. min(m, k) - 1 are all taken, once each
+    # ranks 0 .. min(n, k) - 1 are all taken, once each (n > cap >= k: all k)
+    empty = (mine >= jnp.minimum(n, k)) & (mine < k)
     slot = jnp.where(empty, mine, k)
     pltriton.store(vals_ref.at[slot], jnp.full((block,), -jnp.inf, jnp.float32), mask=empty)
     pltriton.store(idx_ref.at[slot], jnp.full((block,), -1, jnp.int32), mask=empty)
@@ -338,10 +380,24 @@ def top_k_split(
         name="indexer_split_compact",
         **kw,
     )(limits, counts, bounds, x)
-    row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
     cap, block = rank_width(k)
-    selected = pl.pallas_call(
-        functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2, above=cap if best_first else None),
+    if best_first:
+        # rows of at most cap candidates (all, unless a heavy tail or ties left more) are ranked whole; the
+        # others are cut to their k inside the same kernel
+        return pl.pallas_call(
+            functools.partial(
+                _rank_kernel, k=k, cap=cap, block=block, step=RANK_STEP, chunk=RANK_SEARCH_CHUNK, digit_bits=2
+            ),
+            grid=(r, cap // block),
+            in_specs=[per_row(1), per_row(s), per_row(s)],
+            out_specs=[per_row(k), per_row(k)],
+            out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
+            name="indexer_split_rank",
+            **kw,
+        )(n_cand, cand, cand_pos)
+    row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2),
         grid=(r,),
         in_specs=[row(1), row(s), row(s)],
         out_specs=[row(k), row(k)],
@@ -350,16 +406,3 @@ def top_k_split(
         name="indexer_split_select",
         **triton_params(interpret, select_warps, 2),
     )(n_cand, cand, cand_pos)
-    if not best_first:
-        return selected
-    # rows with at most cap candidates (all, unless a heavy tail or ties left more): the select above exits
-    # at once and the ranking reads the candidates
-    return pl.pallas_call(
-        functools.partial(_rank_kernel, k=k, cap=cap, block=block, step=RANK_STEP),
-        grid=(r, cap // block),
-        in_specs=[per_row(1), per_row(s), per_row(s), per_row(k), per_row(k)],
-        out_specs=[per_row(k), per_row(k)],
-        out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
-        name="indexer_split_rank",
-        **kw,
-    )(n_cand, cand, cand_pos, *selected)
