@@ -414,7 +414,8 @@ def test_split_selection_equals_row_selection(kind):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(select_split, "PASS_CHUNK", 32)
         mp.setattr(select_split, "RANK_STEP", 16)  # several steps per ranking program
-        mp.setattr(select_split, "RANK_SEARCH_CHUNK", 32)  # several steps of the search and the gather
+        mp.setattr(select_split, "RANK_SEARCH_CHUNK", 32)  # several steps of the search ...
+        mp.setattr(select_split, "RANK_GATHER_CHUNK", 16)  # ... and of the scan for the chosen
         vals, idx = select_split.top_k_split.__wrapped__(
             xs, ls, k=k, chunk=128, seg=64, best_first=True, interpret=True
         )

@@ -82,9 +82,13 @@ PASS_CHUNK = 1024  # scores per step of a pass
 RANK_MAX_PER_K = 2
 RANK_BLOCK = 16  # candidates ranked per program
 RANK_STEP = 1024  # candidates compared against them per step
-# Candidates per step of the K-th key search inside the ranking (rows with more than cap candidates). Small:
-# the search's per-lane counters share the ranking kernel's registers.
-RANK_SEARCH_CHUNK = 256
+# Rows with more than cap candidates: candidates per step of the K-th key search inside the ranking (its
+# loop waits on each step's loads: a long step keeps more of them in flight) and of the scan for a program's
+# chosen ones (a [RANK_BLOCK, step] match per step); the ranking's warps and pipeline stages.
+RANK_SEARCH_CHUNK = 4096
+RANK_GATHER_CHUNK = 1024
+RANK_WARPS = 8
+RANK_STAGES = 2
 
 
 def segment_size(rows: int, s: int, chunk: int) -> int:
@@ -223,14 +227,16 @@ def _beats(key, pos, v_ref, q_ref, m, step):
     return jax.lax.fori_loop(0, (m + step - 1) // step, body, jnp.zeros(key.shape, jnp.int32))
 
 
-def _rank_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, cap, block, step, chunk, digit_bits):
+def _rank_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, cap, block, step, chunk, gather_chunk,
+                 digit_bits):  # fmt: skip
     """Best first: candidate i goes to slot rank(i) = #{j: v_j > v_i} + #{j: v_j = v_i, pos_j < pos_i} when
     that is below k (the Top-K, ties to the lower position, in `lax.top_k`'s order).
     n <= cap candidates: program p ranks candidates p·block ... against the n, and writes -inf / -1 to the
     slots of its stripe past them.
     n > cap (ties or a heavy tail left more): every program p < k / block finds the row's K-th key itself
     (`search_threshold` over the n, `chunk` at a time), takes the chosen candidates numbered p·block ... in
-    position order (a scan that stops once it has passed them), and ranks those against the n. Each program
+    position order (a scan, `gather_chunk` at a time, that stops once it has passed them), and ranks those
+    above the K-th key against the n; the ties at it follow the k - need above it in position order. Each program
     repeats the search, where a one-program selection kernel before this one would cost its launch on every
     call (~3 us on the H200, three times its own run time when it has nothing to do)."""
     p = pl.program_id(1)
@@ -252,36 +258,49 @@ def _rank_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, cap, block, 
         return m * 0
 
     def rank_chosen(m):
-        step_lane = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-
-        def load(c):
-            j = c * chunk + step_lane
+        def load(c, width_c):
+            j = c * width_c + jax.lax.broadcasted_iota(jnp.int32, (width_c,), 0)
             v = cand_ref[jnp.minimum(j, width - 1)]
             return jnp.where(j < m, order_key(v), _NEG_INF_KEY), j
 
-        thr, need = search_threshold(load, (m + chunk - 1) // chunk, k=k, chunk=chunk, digit_bits=digit_bits)
+        search = functools.partial(load, width_c=chunk)
+        thr, need = search_threshold(search, (m + chunk - 1) // chunk, k=k, chunk=chunk, digit_bits=digit_bits)
         first = p * block
 
-        def gather(carry):  # the chosen candidates numbered first ... first + block - 1, as candidate indices
-            c, seen, ties, at = carry
-            key, j = load(c)
+        def gather(carry):
+            # the chosen candidates numbered first ... first + block - 1 (in position order), as candidate
+            # index + 1 (0: not found), and for a tie at the K-th key its number among those ties + 1
+            c, seen, ties, at, tie_no = carry
+            key, j = load(c, gather_chunk)
             tie = (key == thr).astype(jnp.int32)
-            chosen = (key > thr) | ((tie == 1) & (ties + jnp.cumsum(tie) <= need))
+            tie_rank = ties + jnp.cumsum(tie)  # 1-based
+            chosen = (key > thr) | ((tie == 1) & (tie_rank <= need))
             number = seen + jnp.cumsum(chosen.astype(jnp.int32)) - 1
-            hit = chosen[None, :] & (number[None, :] == first + lane[:, None])  # [block, chunk]
+            hit = chosen[None, :] & (number[None, :] == first + lane[:, None])  # [block, gather_chunk]
             at = at + jnp.sum(jnp.where(hit, j[None, :] + 1, 0), axis=1)  # one hit per lane at most
-            return c + 1, seen + jnp.sum(chosen.astype(jnp.int32)), ties + jnp.sum(tie), at
+            tie_no = tie_no + jnp.sum(jnp.where(hit & (tie == 1)[None, :], tie_rank[None, :], 0), axis=1)
+            return c + 1, seen + jnp.sum(chosen.astype(jnp.int32)), ties + jnp.sum(tie), at, tie_no
 
-        n_chunks = (m + chunk - 1) // chunk
-        _, _, _, at = jax.lax.while_loop(
-            lambda carry: (carry[0] < n_chunks) & (carry[1] < first + block),
+        n_gather = (m + gather_chunk - 1) // gather_chunk
+        zeros = jnp.zeros((block,), jnp.int32)
+        _, _, _, at, tie_no = jax.lax.while_loop(
+            lambda carry: (carry[0] < n_gather) & (carry[1] < first + block),
             gather,
-            (m * 0, m * 0, m * 0, jnp.zeros((block,), jnp.int32)),
+            (m * 0, m * 0, m * 0, zeros, zeros),
         )
         found = at > 0
         at = jnp.maximum(at - 1, 0)
         v, pos = cand_ref[at], pos_ref[at]
-        store(v, pos, _beats(order_key(v), pos, cand_ref, pos_ref, m, step), found)
+        # a tie at the K-th key comes after the k - need keys above it, in position order among the ties:
+        # no comparisons (a constant row is all ties); the others are ranked against the m
+        above = found & (tie_no == 0)
+        cnt = jax.lax.cond(
+            jnp.sum(above.astype(jnp.int32)) > 0,
+            lambda x: _beats(order_key(v), pos, cand_ref, pos_ref, x, step),
+            lambda x: zeros + x * 0,
+            m,
+        )
+        store(v, pos, jnp.where(above, cnt, k - need + tie_no - 1), found)
         return m * 0
 
     # (each branch computes from its operand: a bare constant yields no value in the Triton lowering of cond)
@@ -386,14 +405,22 @@ def top_k_split(
         # others are cut to their k inside the same kernel
         return pl.pallas_call(
             functools.partial(
-                _rank_kernel, k=k, cap=cap, block=block, step=RANK_STEP, chunk=RANK_SEARCH_CHUNK, digit_bits=2
-            ),
+                _rank_kernel,
+                k=k,
+                cap=cap,
+                block=block,
+                step=RANK_STEP,
+                chunk=RANK_SEARCH_CHUNK,
+                gather_chunk=RANK_GATHER_CHUNK,
+                digit_bits=2,
+            ),  # fmt: skip
             grid=(r, cap // block),
             in_specs=[per_row(1), per_row(s), per_row(s)],
             out_specs=[per_row(k), per_row(k)],
             out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
+            interpret=interpret,
             name="indexer_split_rank",
-            **kw,
+            **triton_params(interpret, RANK_WARPS, RANK_STAGES),
         )(n_cand, cand, cand_pos)
     row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
     return pl.pallas_call(
