@@ -84,11 +84,14 @@ RANK_BLOCK = 16  # candidates ranked per program
 RANK_STEP = 1024  # candidates compared against them per step
 # Rows with more than cap candidates: candidates per step of the K-th key search inside the ranking (its
 # loop waits on each step's loads: a long step keeps more of them in flight) and of the scan for a program's
-# chosen ones (a [RANK_BLOCK, step] match per step); the ranking's warps and pipeline stages.
+# chosen ones (a [RANK_BLOCK, step] match in the steps that hold them); the ranking's warps and pipeline
+# stages. H200 (15242e1, one 128K row): 8 warps cut a constant row to 0.34 ms from 0.52 at 4 (0.62 with the
+# one-program select); at B=1 decode 4 or 8 warps and 1 or 2 stages are within the noise (23.5-23.9 us of
+# kernels a call, 27.0 with the one-program select's launch).
 RANK_SEARCH_CHUNK = 4096
 RANK_GATHER_CHUNK = 1024
 RANK_WARPS = 8
-RANK_STAGES = 2
+RANK_STAGES = 1
 
 
 def segment_size(rows: int, s: int, chunk: int) -> int:
@@ -272,14 +275,24 @@ def _rank_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, cap, block, 
             # index + 1 (0: not found), and for a tie at the K-th key its number among those ties + 1
             c, seen, ties, at, tie_no = carry
             key, j = load(c, gather_chunk)
-            tie = (key == thr).astype(jnp.int32)
-            tie_rank = ties + jnp.cumsum(tie)  # 1-based
-            chosen = (key > thr) | ((tie == 1) & (tie_rank <= need))
-            number = seen + jnp.cumsum(chosen.astype(jnp.int32)) - 1
-            hit = chosen[None, :] & (number[None, :] == first + lane[:, None])  # [block, gather_chunk]
-            at = at + jnp.sum(jnp.where(hit, j[None, :] + 1, 0), axis=1)  # one hit per lane at most
-            tie_no = tie_no + jnp.sum(jnp.where(hit & (tie == 1)[None, :], tie_rank[None, :], 0), axis=1)
-            return c + 1, seen + jnp.sum(chosen.astype(jnp.int32)), ties + jnp.sum(tie), at, tie_no
+            tie = key == thr
+            n_tie = jnp.sum(tie.astype(jnp.int32))
+            # chosen in this step: the keys above and the ties still within need
+            n_chosen = jnp.sum((key > thr).astype(jnp.int32)) + jnp.clip(need - ties, 0, n_tie)
+
+            def match(x):  # only for the step that holds some of this program's numbers: two prefix sums
+                at, tie_no = x
+                tie_i = tie.astype(jnp.int32)
+                tie_rank = ties + jnp.cumsum(tie_i)  # 1-based
+                chosen = (key > thr) | (tie & (tie_rank <= need))
+                number = seen + jnp.cumsum(chosen.astype(jnp.int32)) - 1
+                hit = chosen[None, :] & (number[None, :] == first + lane[:, None])  # [block, gather_chunk]
+                at = at + jnp.sum(jnp.where(hit, j[None, :] + 1, 0), axis=1)  # one hit per lane at most
+                tie_no = tie_no + jnp.sum(jnp.where(hit & tie[None, :], tie_rank[None, :], 0), axis=1)
+                return at, tie_no
+
+            at, tie_no = jax.lax.cond(seen + n_chosen > first, match, lambda x: x, (at, tie_no))
+            return c + 1, seen + n_chosen, ties + n_tie, at, tie_no
 
         n_gather = (m + gather_chunk - 1) // gather_chunk
         zeros = jnp.zeros((block,), jnp.int32)
