@@ -416,33 +416,20 @@ def top_k_split(
     if best_first:
         # rows of at most cap candidates (all, unless a heavy tail or ties left more) are ranked whole; the
         # others are cut to their k inside the same kernel
-        return pl.pallas_call(
-            functools.partial(
-                _rank_kernel,
-                k=k,
-                cap=cap,
-                block=block,
-                step=RANK_STEP,
-                chunk=RANK_SEARCH_CHUNK,
-                gather_chunk=RANK_GATHER_CHUNK,
-                digit_bits=2,
-            ),  # fmt: skip
-            grid=(r, cap // block),
-            in_specs=[per_row(1), per_row(s), per_row(s)],
-            out_specs=[per_row(k), per_row(k)],
-            out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
-            interpret=interpret,
-            name="indexer_split_rank",
-            **triton_params(interpret, RANK_WARPS, RANK_STAGES),
-        )(n_cand, cand, cand_pos)
-    row = lambda n: pl.BlockSpec((None, n), lambda i: (i, 0))  # noqa: E731
+        kernel = functools.partial(_rank_kernel, k=k, cap=cap, block=block, step=RANK_STEP, chunk=RANK_SEARCH_CHUNK,
+                                   gather_chunk=RANK_GATHER_CHUNK, digit_bits=2)  # fmt: skip
+        grid, spec, name, params = (r, cap // block), per_row, "indexer_split_rank", (RANK_WARPS, RANK_STAGES)
+    else:
+        kernel = functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2)
+        spec = lambda *n: pl.BlockSpec((None, *n), lambda i: (i,) + (0,) * len(n))  # noqa: E731
+        grid, name, params = (r,), "indexer_split_select", (select_warps, 2)
     return pl.pallas_call(
-        functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2),
-        grid=(r,),
-        in_specs=[row(1), row(s), row(s)],
-        out_specs=[row(k), row(k)],
+        kernel,
+        grid=grid,
+        in_specs=[spec(1), spec(s), spec(s)],
+        out_specs=[spec(k), spec(k)],
         out_shape=[jax.ShapeDtypeStruct((r, k), f32), jax.ShapeDtypeStruct((r, k), i32)],
         interpret=interpret,
-        name="indexer_split_select",
-        **triton_params(interpret, select_warps, 2),
+        name=name,
+        **triton_params(interpret, *params),
     )(n_cand, cand, cand_pos)
