@@ -1,5 +1,5 @@
 """KDA kernels on one GPU: decode step and chunked prefill, against the jnp reference, flash-linear-attention
-and the roofline. One run prints one table (and appends it to BENCHMARKS.md).
+and the roofline. One run prints one table (its rows go to benchmarks/results/).
 
 Decode steps are timed 20 at a time: inside one jitted `fori_loop` for JAX, as one replayed CUDA graph for
 fla, so neither pays a host dispatch per step; prefill calls 5 at a time back to back (JAX: wall time of
@@ -263,7 +263,9 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
         nbytes = 4 * q.nbytes + g.nbytes + beta.nbytes
         flops = prefill_flops(t)
         shape = f"B=1 T={t} N={N} K={DK} V={DV}"
-        ref = jax.jit(lambda q, k, v, g, beta: kda(q, k, v, g, beta, impl="chunked", chunk_size=CHUNK))
+        ref = jax.jit(
+            lambda q, k, v, g, beta: kda(q, k, v, g, beta, impl="reference", form="chunked", chunk_size=CHUNK)
+        )
         ref_o, _ = ref(q, k, v, g, beta)
         ms = median_ms(lambda ref=ref, q=q, k=k, v=v, g=g, beta=beta: ref(q, k, v, g, beta), warmup=1, iters=3)
         rows.append(row("prefill", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))
@@ -310,7 +312,7 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8) -> list[dict]:
     flops = prefill_flops(total)
     shape = f"{seqs} seqs, {total} tokens (longest {int(np.diff(cu).max())}), N={N} K={DK} V={DV}"
     rows = []
-    ref = jax.jit(functools.partial(kda, impl="chunked", chunk_size=CHUNK, cu_seqlens=cu))
+    ref = jax.jit(functools.partial(kda, impl="reference", form="chunked", chunk_size=CHUNK, cu_seqlens=cu))
     ref_o, _ = ref(q, k, v, g, beta)
     ms = median_ms(functools.partial(ref, q, k, v, g, beta), warmup=1, iters=3)
     rows.append(row("prefill varlen", shape, "jnp reference (XLA, chunked)", ms, flops, nbytes, bw, rate))

@@ -1,7 +1,7 @@
 """MoE routed experts on one GPU: `lax.ragged_dot` (what XLA makes of it: a dense product over all experts)
 against the Pallas grouped matmul, for decode-sized and prefill-sized token counts (and, at decode sizes,
-the gathered-weights jnp form and the per-pair GEMV kernels). One table, appended to
-BENCHMARKS.md.
+the gathered-weights jnp form and the per-pair GEMV kernels). One table; rows go to
+benchmarks/results/.
 
 Floors: the weights of the experts the tokens touch (expected count under uniform routing) read once plus
 x and y, over the measured copy bandwidth; 2·3·D·F FLOPs per token-expert pair over the measured bf16
@@ -64,10 +64,10 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
     args = (x, idx, w, gate, up, down)
     variants = {"lax.ragged_dot (XLA)": dict(impl="reference")}
     if tokens * k <= 256:  # decode sizes: each pair's expert weights gathered / read in place (opt-in impls)
-        variants["gathered weights (XLA)"] = dict(impl="gather")
+        variants["gathered weights (XLA)"] = dict(impl="reference", form="gather")
         for bn, bk, sk in GEMV_BLOCKS:  # one Pallas program per pair, output tile and split
             name = f"pallas per-pair gemv, block_n={bn} k={bk} split {sk or 'auto'}"
-            variants[name] = dict(impl="gemv", block_n=bn, block_k=bk, split_k=sk)
+            variants[name] = dict(impl="pallas", form="gemv", block_n=bn, block_k=bk, split_k=sk)
     for bm, bn, bk, nw, ns in VARIANTS:
         variants[f"pallas grouped matmul, block_m={bm} n={bn} k={bk}, {nw} warps, {ns} stages"] = dict(
             impl="pallas", block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns

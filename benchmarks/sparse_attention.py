@@ -35,8 +35,9 @@ from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.indexer.api import default_keys_per_program, default_selection
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.indexer.select_split import top_k_split
+from pallas_kernels.registry import is_sm90
 from pallas_kernels.sparse_attention import sparse_mla
-from pallas_kernels.sparse_attention.api import _is_hopper, default_tiles, dequantizes_pool
+from pallas_kernels.sparse_attention.api import default_tiles, dequantizes_pool
 
 PAGE = 64
 
@@ -382,9 +383,9 @@ def sparse_mla_rows(
                 if err is not None:
                     ms = timer(fn, ql, qr, pool, table, idx)
                     rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
-                if _is_hopper():  # the Mosaic GPU kernel ("auto"'s choice here)
-                    label = "hopper (Mosaic GPU: cp.async gather warpgroup + 2 wgmma warpgroups, 64 heads)"
-                    fn = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="hopper"))
+                if is_sm90():  # the Mosaic GPU kernel ("auto"'s choice here)
+                    label = "mosaic (Mosaic GPU: cp.async gather warpgroup + 2 wgmma warpgroups, 64 heads)"
+                    fn = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="mosaic"))
                     err = _err_if_runs(fn, (ql, qr, pool, table, idx), ref_o, f"{case} | {shape} | {label}")
                     if err is not None:
                         ms = timer(fn, ql, qr, pool, table, idx)

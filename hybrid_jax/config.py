@@ -25,7 +25,7 @@ def _fail(field: str, value: Any, why: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
-    """YaRN RoPE scaling (DeepSeek-V3 style), ARCH_SPEC §3.2."""
+    """YaRN RoPE scaling (DeepSeek-V3 style; docs/architecture.md §5)."""
 
     factor: float
     original_max_position_embeddings: int
@@ -63,7 +63,7 @@ class HybridConfig:
     num_layers: int
     layer_types: tuple[str, ...]
     mlp_types: tuple[str, ...]
-    # KDA / Gated DeltaNet (ARCH_SPEC §1)
+    # KDA / Gated DeltaNet (docs/architecture.md §2)
     kda_num_heads: int = 0
     kda_head_dim: int = 0
     kda_conv_size: int = 4
@@ -72,7 +72,7 @@ class HybridConfig:
     kda_scalar_decay: bool = False  # True = Gated DeltaNet: one decay per head instead of per channel
     kda_gate_lower_bound: float | None = None  # "safe gate" g = lb * sigmoid(exp(A_log) * (f + dt_bias))
     kda_chunk_size: int = 64
-    # MLA (ARCH_SPEC §3)
+    # MLA (docs/architecture.md §5)
     num_heads: int = 0
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -85,13 +85,13 @@ class HybridConfig:
     rope_scaling: YarnScaling | None = None
     mla_output_gate: bool = False  # o = o * sigmoid(W_og x) before o_proj (Kimi K3 gated MLA)
     mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm use the module default, not rms_norm_eps
-    # Lightning indexer (ARCH_SPEC §4)
+    # Lightning indexer (docs/architecture.md §6)
     index_num_heads: int = 0
     index_head_dim: int = 0
     index_rope_dim: int = 0  # rotary dims at the *front* of each indexer head (half-split pairing)
     index_topk: int = 0
     index_norm_eps: float = 1e-6
-    # MoE (ARCH_SPEC §6)
+    # MoE (docs/architecture.md §8)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     num_shared_experts: int = 0
@@ -102,7 +102,7 @@ class HybridConfig:
     norm_topk_prob: bool = True
     moe_intermediate_size: int = 0
     intermediate_size: int = 0  # dense SwiGLU layers
-    # Block Attention Residuals (ARCH_SPEC §5.3): decoder layers per block; None = plain residuals
+    # Block Attention Residuals (docs/architecture.md §7): decoder layers per block; None = plain residuals
     attn_res_block_size: int | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
@@ -231,7 +231,7 @@ class HybridConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """MLA logit scale: qk_head_dim^-1/2, times YaRN mscale^2 when scaling is on (ARCH_SPEC §3.2)."""
+        """MLA logit scale: qk_head_dim^-1/2, times YaRN mscale^2 when scaling is on (docs/architecture.md §5)."""
         scale = self.qk_head_dim**-0.5
         rs = self.rope_scaling
         if rs is not None and rs.mscale_all_dim:
@@ -364,7 +364,7 @@ class HybridConfig:
 
     @classmethod
     def kimi_linear_48b(cls) -> HybridConfig:
-        """moonshotai/Kimi-Linear-48B-A3B (ARCH_SPEC §7.1): MLA at 3, 7, ..., 23, 26; KDA elsewhere."""
+        """moonshotai/Kimi-Linear-48B-A3B: MLA at 3, 7, ..., 23, 26; KDA elsewhere."""
         full = {3, 7, 11, 15, 19, 23, 26}
         return cls(
             vocab_size=163840,
@@ -404,7 +404,7 @@ class HybridConfig:
 
     @classmethod
     def deepseek_v32(cls) -> HybridConfig:
-        """deepseek-ai/DeepSeek-V3.2 (ARCH_SPEC §7.2), without the MTP layer: 61 sparse MLA layers."""
+        """deepseek-ai/DeepSeek-V3.2, without the MTP layer: 61 sparse MLA layers."""
         return cls(
             vocab_size=129280,
             hidden_size=7168,

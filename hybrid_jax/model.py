@@ -37,7 +37,8 @@ class DecoderLayer(nnx.Module):
     """One mixer (KDA or MLA) + one FFN (SwiGLU or MoE), pre-norm.
 
     Plain residuals:  h ← h + Mixer(RMSNorm(h));  h ← h + FFN(RMSNorm(h)).
-    Block AttnRes (HF-K3 order, layer i, block size S layers, `blocks` = completed block sums, b_0 = embedding):
+    Block AttnRes (the Kimi K3 reference's order; layer i, block size S layers, `blocks` = completed block
+    sums, b_0 = embedding):
         r = h;  if blocks: h = AR_pre(blocks, h);  if i % S == 0: blocks += [r], r = 0
         h = r + Mixer(RMSNorm(h));  r = h;  h = AR_post(blocks, h);  h = r + FFN(RMSNorm(h))
     """
@@ -130,7 +131,11 @@ class HybridLM(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def _run(self, input_ids: jax.Array, info: StepInfo, states, last_index: jax.Array | None):
+    def forward(self, input_ids: jax.Array, info: StepInfo, states=None, last_index: jax.Array | None = None):
+        """The decoder over one step's `StepInfo` (positions, validity, cache addresses, CP layout): ids [B, T],
+        per-layer cache states (None: no cache) -> (float32 logits [B, T, vocab], or [B, vocab] at
+        `last_index` [B]; the new states). What `__call__`, `prefill`, `decode_step` and the context-parallel
+        prefill (`sharding.context_parallel`) share; most callers want those instead."""
         h = constrain(self.embed_tokens(input_ids), RESIDUAL)
         blocks: list[jax.Array] = []
         new_states = []
@@ -156,7 +161,7 @@ class HybridLM(nnx.Module):
             kv_lengths=jnp.full((b,), t, jnp.int32),
             mode="prefill",
         )
-        logits, _ = self._run(input_ids, info, None, None)
+        logits, _ = self.forward(input_ids, info)
         return logits
 
     # ------------------------------------------------------------------ cache
@@ -236,7 +241,7 @@ class HybridLM(nnx.Module):
             positions=positions, valid=valid, n_new=n_new, page_table=cache.page_table, kv_lengths=kv_lengths, mode=mode
         )
         last = jnp.maximum(n_new - 1, 0) if last_only else None
-        logits, states = self._run(input_ids, info, cache.layers, last)
+        logits, states = self.forward(input_ids, info, cache.layers, last)
         logits = jnp.where(overflow.reshape((b,) + (1,) * (logits.ndim - 1)), jnp.nan, logits)
         new_cache = HybridCache(
             layers=states,

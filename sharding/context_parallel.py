@@ -46,7 +46,7 @@ def _compiled(mesh: Mesh, axis: str, layout: str, cp: int, b: int, t: int, last_
             cp=cpi,
         )
         last = jnp.full((b,), last_local, jnp.int32) if last_only else None
-        logits, new_layers = model._run(ids, info, layers, last)
+        logits, new_layers = model.forward(ids, info, layers, last)
         return (logits[None] if last_only else logits), new_layers
 
     seq = P(None, axis)

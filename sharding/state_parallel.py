@@ -2,7 +2,7 @@
 
 Each device (1) computes the state summary (M, E) of each sequence piece it holds, (2) `all_gather`s the
 summaries over `cp`, (3) folds the summaries of all earlier pieces into each piece's start state, and
-(4) runs its pieces from those states (ARCH_SPEC §2). Work and activation memory per device drop with cp;
+(4) runs its pieces from those states (docs/architecture.md §4). Work and activation memory per device drop with cp;
 the exchange is K*(K+V) float32 values per head and piece.
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.linear_attention.context_parallel import kda_sequence_parallel
+from pallas_kernels.linear_attention import kda_sequence_parallel
 from sharding.zigzag import piece_table
 
 

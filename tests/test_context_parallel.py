@@ -60,7 +60,7 @@ def test_state_parallel_kda_equals_single_device():
         g = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, n, d)))
         beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, n)))
         s0 = jax.random.normal(ks[5], (b, n, d, d))
-        ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=8)
+        ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="chunked", chunk_size=8)
         rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
         for cp in (2, 4, 8):
             for layout in ("sequential", "zigzag"):

@@ -106,8 +106,8 @@ def test_kda_decode_step_kernel_lowers():
     assert _lowered_for_h200(run, q, state).count("xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("impl,tokens", [("pallas", 40), ("gemv", 1)])
-def test_moe_kernels_lower(impl, tokens):
+@pytest.mark.parametrize("form,tokens", [("grouped", 40), ("gemv", 1)])
+def test_moe_kernels_lower(form, tokens):
     from pallas_kernels.moe import moe_experts
 
     e, d, f, k = 8, 256, 128, 2
@@ -118,7 +118,7 @@ def test_moe_kernels_lower(impl, tokens):
     down = jnp.ones((e, f, d), jnp.bfloat16)
 
     def run(x, idx, w, gate, down):
-        return moe_experts(x, idx, w, gate, gate, down, impl=impl, interpret=False)
+        return moe_experts(x, idx, w, gate, gate, down, impl="pallas", form=form, interpret=False)
 
     assert _lowered_for_h200(run, x, idx, w, gate, down).count("xla.gpu.triton") >= 1
 
@@ -276,7 +276,7 @@ def test_moe_gemv_with_shared_expert_lowers():
     shared = (jnp.ones((d, f), jnp.bfloat16),) * 2 + (jnp.ones((f, d), jnp.bfloat16),)
 
     def run(x, idx, w, gate, down):
-        return moe_experts(x, idx, w, gate, gate, down, impl="gemv", interpret=False, shared=shared)
+        return moe_experts(x, idx, w, gate, gate, down, impl="pallas", form="gemv", interpret=False, shared=shared)
 
     text = _lowered_for_h200(run, x, idx, w, gate, down)
     assert text.count("xla.gpu.triton") == 2

@@ -83,7 +83,7 @@ def _prefill_inputs(seed, b, t, n, dk, dv, scalar, dtype, with_state):
 )
 def test_chunked_prefill_kernel_matches_reference(seed, b, t, n, dk, dv, scalar, with_state, solve):
     args, s0 = _prefill_inputs(seed, b, t, n, dk, dv, scalar, jnp.float32, with_state)
-    ref_o, ref_s = kda(*args, initial_state=s0, impl="recurrent")
+    ref_o, ref_s = kda(*args, initial_state=s0, impl="reference", form="recurrent")
     o, s = kda(*args, initial_state=s0, impl="pallas", precision="ieee", interpret=True, block_v=16, solve=solve)
     assert o.shape == ref_o.shape and s.shape == ref_s.shape
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()  # every element written
@@ -96,7 +96,7 @@ def test_chunked_prefill_kernel_strong_gates_and_bf16(dk):
     args, s0 = _prefill_inputs(3, 1, 100, 2, dk, 16, False, jnp.bfloat16, True)
     q, k, v, g, beta = args
     g = g * 25.0
-    ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=16)
+    ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="chunked", chunk_size=16)
     for solve in ("neumann", "substitution"):
         o, s = kda(q, k, v, g, beta, initial_state=s0, impl="pallas", precision="ieee", interpret=True, solve=solve)
         assert o.dtype == jnp.bfloat16
@@ -143,7 +143,7 @@ def test_a_kernel_levels_match_exact_decays(gate_scale):
 def test_chunked_prefill_kernel_bf16_products():
     # fla-like precision: bfloat16 operands, float32 accumulation (and a float32 (I + A)^-1 chain)
     (q, k, v, g, beta), s0 = _prefill_inputs(5, 1, 90, 2, 32, 32, False, jnp.bfloat16, True)
-    ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="recurrent")
     o, s = kda(q, k, v, g, beta, initial_state=s0, impl="pallas", precision="bf16", interpret=True)
     assert rel_err(o, ref_o) < 2e-2 and rel_err(s, ref_s) < 2e-2
     with pytest.raises(ValueError, match="precision='fp8'"):
@@ -167,25 +167,28 @@ def test_state_summary_kernel_matches_reference(seed, t, dk, dv, scalar):
     m, e = kda_state_summary(k, v, g, beta, impl="pallas", precision="ieee", interpret=True)
     assert rel_err(m, ref_m) < 1e-5 and rel_err(e, ref_e) < 1e-5
     # the summary reproduces the shard's final state from any start state
-    _, s_end = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    _, s_end = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="recurrent")
     s_from_summary = jnp.einsum("bnkj,bnjv->bnkv", m, s0, precision="highest") + e
     assert rel_err(s_from_summary, s_end) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_variable_length_batch_equals_separate_sequences(impl):
     lengths = [5, 0, 70, 33, 64]  # an empty sequence too, one of whole chunks
     cu = np.concatenate([[0], np.cumsum(lengths)])
     (q, k, v, g, beta), _ = _prefill_inputs(11, 1, int(cu[-1]), 2, 16, 16, False, jnp.float32, False)
     s0 = jax.random.normal(jax.random.key(5), (len(lengths), 2, 16, 16))
     kw = dict(impl=impl, precision="ieee", interpret=True) if impl == "pallas" else dict(impl=impl, chunk_size=16)
+    kw = kw if impl == "pallas" else {**kw, "form": "chunked"}
     o, s = kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, **kw)
     assert o.shape == v.shape and s.shape == s0.shape
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if a == b:
             assert rel_err(s[i], s0[i]) == 0  # nothing to run: the state is unchanged
             continue
-        ref_o, ref_s = kda(*(x[:, a:b] for x in (q, k, v, g, beta)), initial_state=s0[i : i + 1], impl="recurrent")
+        ref_o, ref_s = kda(
+            *(x[:, a:b] for x in (q, k, v, g, beta)), initial_state=s0[i : i + 1], impl="reference", form="recurrent"
+        )
         assert rel_err(o[:, a:b], ref_o) < 1e-5 and rel_err(s[i : i + 1], ref_s) < 1e-5
     if impl == "pallas":  # chunk-aligned packing: 1 + 0 + 2 + 1 + 1 chunks, not 5 rows of the longest (70)
         jaxpr = str(jax.make_jaxpr(lambda *a: kda(*a, initial_state=s0, cu_seqlens=cu, **kw))(q, k, v, g, beta))

@@ -42,7 +42,7 @@ def _numpy_recurrence(q, k, v, g, beta, s0):
 @pytest.mark.parametrize("scalar", [False, True])
 def test_recurrent_matches_numpy(scalar):
     q, k, v, g, beta, s0 = _inputs(1, 2, 13, 3, 8, 5, scalar)
-    o, s = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    o, s = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="recurrent")
     o_ref, s_ref = _numpy_recurrence(q, k, v, g, beta, s0)
     assert rel_err(o, o_ref) < 1e-5
     assert rel_err(s, s_ref) < 1e-5
@@ -53,8 +53,8 @@ def test_recurrent_matches_numpy(scalar):
 )
 def test_chunked_matches_recurrent(t, chunk, scalar):
     q, k, v, g, beta, s0 = _inputs(t, 2, t, 3, 16, 8, scalar)
-    o_r, s_r = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
-    o_c, s_c = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=chunk)
+    o_r, s_r = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="recurrent")
+    o_c, s_c = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="chunked", chunk_size=chunk)
     assert rel_err(o_c, o_r) < 1e-5
     assert rel_err(s_c, s_r) < 1e-5
 
@@ -72,18 +72,28 @@ def test_chunked_matches_recurrent(t, chunk, scalar):
 )
 def test_chunked_matches_recurrent_random_shapes(b, t, n, dk, dv, chunk, scalar, seed):
     q, k, v, g, beta, s0 = _inputs(seed, b, t, n, dk, dv, scalar)
-    o_r, s_r = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
-    o_c, s_c = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=chunk)
+    o_r, s_r = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="recurrent")
+    o_c, s_c = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="chunked", chunk_size=chunk)
     assert rel_err(o_c, o_r) < 1e-5
     assert rel_err(s_c, s_r) < 1e-5
 
 
 def test_zero_initial_state_equals_none_and_split_sequences_compose():
     q, k, v, g, beta, _ = _inputs(3, 1, 30, 2, 8, 8)
-    o_full, s_full = kda(q, k, v, g, beta, impl="chunked", chunk_size=8)
-    o1, s1 = kda(q[:, :11], k[:, :11], v[:, :11], g[:, :11], beta[:, :11], impl="chunked", chunk_size=8)
+    o_full, s_full = kda(q, k, v, g, beta, impl="reference", form="chunked", chunk_size=8)
+    o1, s1 = kda(
+        q[:, :11], k[:, :11], v[:, :11], g[:, :11], beta[:, :11], impl="reference", form="chunked", chunk_size=8
+    )
     o2, s2 = kda(
-        q[:, 11:], k[:, 11:], v[:, 11:], g[:, 11:], beta[:, 11:], initial_state=s1, impl="chunked", chunk_size=8
+        q[:, 11:],
+        k[:, 11:],
+        v[:, 11:],
+        g[:, 11:],
+        beta[:, 11:],
+        initial_state=s1,
+        impl="reference",
+        form="chunked",
+        chunk_size=8,
     )
     assert rel_err(jnp.concatenate([o1, o2], 1), o_full) < 1e-5
     assert rel_err(s2, s_full) < 1e-5
@@ -91,7 +101,7 @@ def test_zero_initial_state_equals_none_and_split_sequences_compose():
 
 def test_bf16_inputs_keep_float32_state():
     q, k, v, g, beta, s0 = _inputs(4, 1, 20, 2, 8, 8, dtype=jnp.bfloat16)
-    o, s = kda(q, k, v, g, beta, initial_state=s0, impl="chunked", chunk_size=8)
+    o, s = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="chunked", chunk_size=8)
     o_ref, s_ref = _numpy_recurrence(q, k, v, g, beta, s0)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     assert rel_err(o, o_ref) < 1e-2
@@ -112,9 +122,9 @@ def test_state_summary_is_the_affine_map_of_the_shard(scalar):
 
     q, k, v, g, beta, s0 = _inputs(11, 2, 45, 2, 8, 6, scalar)
     m, e = kda_state_summary(k, v, g, beta, chunk_size=8)
-    _, s_end = kda(q, k, v, g, beta, initial_state=s0, impl="recurrent")
+    _, s_end = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="recurrent")
     assert rel_err(apply_summary((m, e), s0), s_end) < 1e-5
-    _, s_zero = kda(q, k, v, g, beta, impl="recurrent")
+    _, s_zero = kda(q, k, v, g, beta, impl="reference", form="recurrent")
     assert rel_err(e, s_zero) < 1e-5  # E is the final state from zero
     # Two shards composed equal the whole (the fold each CP rank does over the ranks before it).
     first = kda_state_summary(k[:, :20], v[:, :20], g[:, :20], beta[:, :20], chunk_size=8)

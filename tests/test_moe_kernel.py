@@ -74,35 +74,38 @@ def test_reference_in_token_blocks_equals_one_pass():
 
 
 def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
-    """On a GPU, "auto" runs the grouped kernel for prefill-sized calls (>= PALLAS_MIN_PAIRS token-expert pairs)
+    """On a GPU, "auto" runs the grouped kernel for prefill-sized calls (>= GROUPED_MIN_PAIRS token-expert pairs)
     or many experts, the GEMV kernels for one token's pairs, and XLA's ragged_dot for other decode-sized
     calls over few experts; on CPU always the reference."""
     from pallas_kernels.moe import api
+    from pallas_kernels.moe import tuning as t
+    from pallas_kernels.registry import resolve
 
     def traced(n, e=4):
         args = _case(0, n, 16, 16, e, 2, 0.0)
         return str(jax.make_jaxpr(lambda *a: moe_experts(*a, interpret=True))(*args))
 
-    big = api.PALLAS_MIN_PAIRS // 2  # x k=2 pairs: exactly at the threshold
+    big = t.GROUPED_MIN_PAIRS // 2  # x k=2 pairs: exactly at the threshold
     assert "pallas_call" not in traced(big)  # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert "name=moe_grouped_matmul" in traced(big)
     small = traced(big - 1)
     assert "pallas_call" not in small and "ragged_dot" in small
-    many = traced(5, e=api.DENSE_MAX_EXPERTS + 1)  # decode (10 pairs), but the dense product would read all experts
+    many = traced(5, e=t.DENSE_MAX_EXPERTS + 1)  # decode (10 pairs), but the dense product would read all experts
     assert "name=moe_grouped_matmul" in many
-    for e in (4, api.DENSE_MAX_EXPERTS + 1):  # one token's pairs (<= GEMV_MAX_PAIRS): per-pair GEMV kernels
-        one = traced(api.GEMV_MAX_PAIRS // 2, e=e)
+    for e in (4, t.DENSE_MAX_EXPERTS + 1):  # one token's pairs (<= GEMV_MAX_PAIRS): per-pair GEMV kernels
+        one = traced(t.GEMV_MAX_PAIRS // 2, e=e)
         assert "name=moe_gate_up_gemv" in one and "ragged_dot" not in one
-    assert "name=moe_gate_up_gemv" not in traced(api.GEMV_MAX_PAIRS // 2 + 1)
+    assert "name=moe_gate_up_gemv" not in traced(t.GEMV_MAX_PAIRS // 2 + 1)
     # grouped kernel rows: 16-row blocks until experts average 16 rows, and below SMALL_CALL_PAIRS
     assert api.auto_block_m(512, 256) == 16 and api.auto_block_m(16 * 256, 256) == 128
     assert api.auto_block_m(511, 4) == 16 and api.auto_block_m(512, 32) == 128
-    assert api.auto_choice(256, 32) == "pallas" and api.auto_block_m(256, 32) == 16  # hybrid_small, 64 tokens
+    grouped = resolve("moe", pairs=256, experts=32)  # hybrid_small, 64 tokens
+    assert (grouped.impl, grouped.form) == ("pallas", "grouped") and api.auto_block_m(256, 32) == 16
     from pallas_kernels import use_pallas
 
     with use_pallas(ops=["moe"]):  # a use_pallas block still gets the kernel
-        assert "name=moe_grouped_matmul" in traced(1, e=api.DENSE_MAX_EXPERTS + 1)
+        assert "name=moe_grouped_matmul" in traced(1, e=t.DENSE_MAX_EXPERTS + 1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -110,7 +113,7 @@ def test_gathered_weights_match_reference(dtype):
     args = _case(5, 3, 48, 40, 9, 3, 3.0)  # skewed: several tokens share experts, others are idle
     args = (args[0].astype(dtype), *args[1:3], *(a.astype(dtype) for a in args[3:]))
     ref = moe_experts(*args, impl="reference")
-    got = moe_experts(*args, impl="gather")
+    got = moe_experts(*args, impl="reference", form="gather")
     assert got.dtype == jnp.float32 and rel_err(got, ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
@@ -129,7 +132,9 @@ def test_gathered_weights_match_reference(dtype):
 def test_gemv_kernels_match_reference(seed, n, d, f, e, k, skew, block, split_k):
     args = _case(seed, n, d, f, e, k, skew)
     ref = moe_experts(*args, impl="reference")
-    got = moe_experts(*args, impl="gemv", block_n=block[0], block_k=block[1], split_k=split_k, interpret=True)
+    got = moe_experts(
+        *args, impl="pallas", form="gemv", block_n=block[0], block_k=block[1], split_k=split_k, interpret=True
+    )
     assert got.shape == ref.shape and got.dtype == jnp.float32
     assert rel_err(got, ref) < 1e-5
 
@@ -141,7 +146,7 @@ def test_gemv_tensor_core_form_matches_multiply_adds(split_k):
     x, idx, w, gate, up, down = _case(11, 3, 72, 48, 9, 3, 3.0)
     args = (x.astype(jnp.bfloat16), idx, w, *(a.astype(jnp.bfloat16) for a in (gate, up, down)))
     ref = moe_experts(*args, impl="reference")
-    mma = moe_experts(*args, impl="gemv", block_n=16, block_k=16, split_k=split_k, interpret=True)
+    mma = moe_experts(*args, impl="pallas", form="gemv", block_n=16, block_k=16, split_k=split_k, interpret=True)
     fma = api._experts_gemv(*args, 16, 16, split_k, True, mma=False)
     assert rel_err(mma, fma) < 5e-3 and rel_err(mma, ref) < 1e-2
 
@@ -161,7 +166,7 @@ def test_gemv_split_k_rule_and_errors():
     assert auto_split_k(1, 64, 1 << 20, 64, 16) == gemv.MAX_SPLIT_K
     args = _case(1, 2, 40, 24, 9, 3, 0.0)
     with pytest.raises(ValueError, match="split_k=3"):
-        moe_experts(*args, impl="gemv", split_k=3, interpret=True)
+        moe_experts(*args, impl="pallas", form="gemv", split_k=3, interpret=True)
     e_ids = jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match="contraction 48 must be a multiple of split_k"):
         gemv.down_gemv(e_ids, jnp.ones((2, 48)), jnp.ones((9, 48, 32)), block_n=32, block_k=16, split_k=2,
@@ -196,9 +201,9 @@ def test_gemv_kernels_bf16():
     args = _case(11, 2, 40, 24, 9, 3, 3.0)
     args = (args[0].astype(jnp.bfloat16), *args[1:3], *(a.astype(jnp.bfloat16) for a in args[3:]))
     ref = moe_experts(*args, impl="reference")
-    got = moe_experts(*args, impl="gemv", interpret=True)
+    got = moe_experts(*args, impl="pallas", form="gemv", interpret=True)
     assert rel_err(got, ref) < 1e-2
-    jaxpr = str(jax.make_jaxpr(lambda *a: moe_experts(*a, impl="gemv", interpret=True))(*args))
+    jaxpr = str(jax.make_jaxpr(lambda *a: moe_experts(*a, impl="pallas", form="gemv", interpret=True))(*args))
     assert "name=moe_gate_up_gemv" in jaxpr and "name=moe_down_gemv" in jaxpr
 
 
@@ -217,7 +222,7 @@ def test_gemv_with_shared_expert(dtype, fs):
     x, gate, up, down = (a.astype(dtype) for a in (x, gate, up, down))
     shared = tuple(a.astype(dtype) for a in shared)
     ref = moe_experts(x, idx, w, gate, up, down, impl="reference") + swiglu_reference(x, *shared)
-    fn = lambda *a: moe_experts(*a, impl="gemv", block_n=16, block_k=16, interpret=True, shared=shared)  # noqa: E731
+    fn = lambda *a: moe_experts(*a, impl="pallas", form="gemv", block_n=16, block_k=16, interpret=True, shared=shared)  # noqa: E731
     got = fn(x, idx, w, gate, up, down)
     launches = str(jax.make_jaxpr(fn)(x, idx, w, gate, up, down)).count("pallas_call")
     assert launches == 2  # gate/up and down, the shared expert inside them or beside them through XLA

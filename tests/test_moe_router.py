@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import use_pallas
-from pallas_kernels.moe import api, moe_route
+from pallas_kernels.moe import moe_route
+from pallas_kernels.moe.tuning import ROUTER_MAX_ROWS
 
 
 def _inputs(seed, n, d, e, dtype=jnp.bfloat16):
@@ -62,7 +63,7 @@ def test_router_auto_choice_and_errors(monkeypatch):
     assert "moe_router" not in traced(x, w)  # CPU: the reference
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert "moe_router" in traced(x, w)  # one decoded token on a GPU
-    big = jnp.ones((api.ROUTER_MAX_ROWS + 1, 64), x.dtype)
+    big = jnp.ones((ROUTER_MAX_ROWS + 1, 64), x.dtype)
     assert "moe_router" not in traced(big, w)  # prefill: XLA's batched product and top-k
     assert "moe_router" not in traced(x, w, n_group=2)  # grouped selection: the reference
     assert "moe_router" not in traced(x.astype(jnp.float32), w.astype(jnp.float32))  # float32 router

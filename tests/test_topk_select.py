@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.indexer.select import sortable_bits, top_k_radix
+from pallas_kernels.indexer.select_reference import sortable_bits, top_k_radix
 
 
 @settings(max_examples=12, deadline=None)

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (ARCH_SPEC §5.2-5.3): softmax attention over depth instead of a residual sum."""
+"""Block Attention Residuals (docs/architecture.md §7): softmax attention over depth instead of a residual sum."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from flax import nnx
 
 from hybrid_jax.layers.common import DTypes, RMSNorm
 
-# Rows (tokens) from which the mix streams its sources instead of stacking them (H200, hybrid_small, 3b88e63):
-# at a 32K-token prefill the stacked form's float32 copy of every source cost ~22 ms of kernels per call
-# (TTFT 242.6 -> 217.1 ms streamed); at decode XLA fuses the stacked form into fewer kernels (B=1: 349 vs
-# 395 kernels and 1.18 vs 1.24 ms of kernels per step streamed).
+# Rows (tokens) from which the mix streams its sources instead of stacking them: at prefill the stacked form's
+# float32 copy of every source costs a pass over all of them; at decode XLA fuses the stacked form into fewer
+# kernels (docs/performance.md#block-attnres).
 STREAM_MIN_ROWS = 1024
 
 
@@ -22,7 +21,7 @@ class AttnResMix(nnx.Module):
 
     b_0 is the token embedding, b_j a completed block's summed sub-layer outputs, `partial` the running
     sum of the current block. `w` (pseudo_queries) is a learned, input-independent query; keys are
-    RMS-normalised, values are not; no temperature. All in float32 (HF-K3 keeps these modules float32).
+    RMS-normalised, values are not; no temperature. All in float32 (as the Kimi K3 reference keeps these modules).
     Random init uses N(0, 1/D) for w (not the paper's zero init) so that tests see non-uniform weights.
     """
 

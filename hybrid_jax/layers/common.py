@@ -14,12 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.norm import norm_uses_kernel, rms_norm
-from pallas_kernels.projection import SplitK, auto_uses_kernel, materialize, project, project_group
-from pallas_kernels.projection.api import auto_tiles
-from pallas_kernels.projection.kernel import narrow
+from pallas_kernels.projection import SplitK, auto_uses_kernel, launch_group, materialize, project, project_group
 
 # Initialisers used for random models (tests, benchmarks). Real weights come from checkpoints.
-_normal = nnx.initializers.normal(stddev=0.02)
+default_init = nnx.initializers.normal(stddev=0.02)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +89,9 @@ def own_kernels(*xs: jax.Array) -> tuple[jax.Array, ...]:
 
     At one row per step XLA rewrites x @ W as multiply + reduce and may fuse that reduce into a consumer
     such as a concatenate or a cache update, where every output element then runs its whole reduction as one
-    serial loop: on the H200 a KDA layer's q/k/v projections fused into the short-conv concatenate took
-    448 us of a 504 us decode step of that layer (`benchmarks/profile_stage.py`, batch 1; batch 16 takes a
-    GEMM and 63 us). Placed where projections meet such consumers; it changes no value.
+    serial loop (a KDA layer's q/k/v projections fused into the short-conv concatenate took most of that
+    layer's batch-1 decode step; docs/performance.md#projections). Placed where projections meet such
+    consumers; it changes no value.
     """
     return jax.lax.optimization_barrier(xs)
 
@@ -112,7 +110,7 @@ def linear(
     asks for FP8-resident weights)."""
     if dt.fp8_weights:
         return Fp8Linear(in_dim, out_dim, axes, dt, rngs, stddev=0.02 if stddev is None else stddev)
-    init = _normal if stddev is None else nnx.initializers.normal(stddev=stddev)
+    init = default_init if stddev is None else nnx.initializers.normal(stddev=stddev)
     return Projection(
         in_dim,
         out_dim,
@@ -127,8 +125,7 @@ def linear(
 class Projection(nnx.Linear):
     """`nnx.Linear` (same parameters, same values) whose calls go through the `projection` op's
     weight-streaming GEMV kernel where `projection.auto_uses_kernel` says so — by default one row (a batch-1
-    decode step) on a GPU: XLA turns a one-row bf16 product into multiply + reduce with the products written to
-    memory (H200, Kimi widths: 0.029-0.039 ms per weight against the kernel's 0.017-0.026)."""
+    decode step) on a GPU, where XLA's one-row product is slower (docs/performance.md#projections)."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if self.bias is None:
@@ -145,9 +142,7 @@ def project_many(
 ) -> list:
     """[layer(x) for layer, x in calls], the same values; projections that `Projection` would each send to the
     GEMV kernel (a batch-1 decode step on a GPU) and that share K, dtype and output tile run as one launch
-    (`projection.project_group`; weights with an output tile of 64 or more group together at the tile they
-    all divide into, with narrow power-of-two ones — a KDA layer's β projection, one column per head — in one
-    padded tile each; other narrow ones apart, so they do not shrink the wide weights' tiles). A batch-1
+    (`projection.project_group`, grouped by `projection.launch_group`). A batch-1
     decode step is hundreds of microsecond-sized kernels, so a KDA layer's six projections of x in one
     launch instead of six (each with its own pad and partial-sum kernels) is time saved at every step;
     prefill and larger batches take XLA's path as before.
@@ -168,10 +163,8 @@ def project_many(
                 same = isinstance(x, SplitK) and x.dtype == w.dtype
                 cast[key] = x if same else materialize(x).astype(w.dtype)
             xw = cast[key]
-            if auto_uses_kernel(jax.ShapeDtypeStruct(xw.shape, w.dtype), w):
-                # narrow power-of-two widths ride in one padded tile of the wide weights' launch
-                fits = auto_tiles(*w.shape)[0] >= 64 or narrow(w.shape[1], 64)
-                group = (w.shape[0], str(w.dtype), xw.shape, fits)
+            group = launch_group(jax.ShapeDtypeStruct(xw.shape, w.dtype), w)
+            if group is not None:
                 groups.setdefault(group, []).append((i, xw, w))
                 continue
         y = layer(materialize(x))
@@ -196,7 +189,8 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], eps=self.eps, out_dtype=self.dtype)[1]
 
     def add(self, residual: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(residual + x, this norm of it): one kernel where `pallas_kernels.norm.norm_uses_kernel` says so."""
+        """(residual + x, this norm of it): one kernel where `pallas_kernels.norm.norm_uses_kernel` says so —
+        an explicit opt-in (`use_pallas(ops=["rms_norm"])`), measured slower than XLA's fused add + norm."""
         if residual.dtype == x.dtype and norm_uses_kernel(x):
             return rms_norm(x, self.weight[...], eps=self.eps, residual=residual, out_dtype=self.dtype)
         h = residual + x

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (ARCH_SPEC §1); Gated DeltaNet when `kda_scalar_decay`."""
+"""Kimi Delta Attention layer (docs/architecture.md §2); Gated DeltaNet when `kda_scalar_decay`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,18 @@ from flax import nnx
 from hybrid_jax.cache import KDAState, StepInfo
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, linear, project_many
-from pallas_kernels.linear_attention import kda, kda_decode_layer, kda_decode_step
-from pallas_kernels.linear_attention.api import decode_layer_uses_kernel
-from pallas_kernels.linear_attention.context_parallel import (
+from pallas_kernels.linear_attention import (
+    decode_layer_uses_kernel,
+    gated_rms_norm,
     gather_in_sequence_order,
+    kda,
+    kda_decode_layer,
+    kda_decode_step,
+    kda_gate,
     kda_sequence_parallel,
+    short_conv,
     split_pieces,
 )
-from pallas_kernels.linear_attention.reference import gated_rms_norm, kda_gate, short_conv
 from pallas_kernels.projection import SplitK, materialize
 from sharding.rules import constrain
 
@@ -43,7 +47,7 @@ class ShortConv(nnx.Module):
 
 class GatedRMSNorm(nnx.Module):
     """y = γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(z) per head, in float32 with one final rounding
-    (FLA FusedRMSNormGated, HF-KL 5.23); γ is shared by all heads."""
+    (fla FusedRMSNormGated, transformers 5.23 Kimi-Linear); γ is shared by all heads."""
 
     def __init__(self, dim: int, *, eps: float, dt: DTypes):
         self.eps, self.dtype = eps, dt.compute
@@ -63,7 +67,7 @@ class KimiDeltaAttention(nnx.Module):
         S_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ;   o_t = S_tᵀ q_t
         y = W_o [ γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(W_gb W_ga x) ]   (per head over V)
 
-    Padded tokens (valid=False) get β = 0 and g = 0, which leaves the state untouched (ARCH_SPEC §9.21).
+    Padded tokens (valid=False) get β = 0 and g = 0, which leaves the state untouched.
     """
 
     def __init__(self, cfg: HybridConfig, dt: DTypes, *, rngs: nnx.Rngs):
@@ -82,7 +86,7 @@ class KimiDeltaAttention(nnx.Module):
         else:
             self.f_a_proj = linear(d, cfg.kda_decay_rank, ("embed", None), dt, rngs)
             self.f_b_proj = linear(cfg.kda_decay_rank, gate_dim, (None, "kda_heads"), dt, rngs)
-        # Float32 on purpose: the gate is computed in float32 in every reference (ARCH_SPEC §9.2).
+        # Float32 on purpose: the gate is computed in float32 in every reference implementation.
         self.A_log = nnx.Param(
             jnp.log(jax.random.uniform(rngs.params(), (n,), jnp.float32, 1.0, 16.0)), logical_axes=("kda_heads",)
         )
@@ -211,8 +215,7 @@ class KimiDeltaAttention(nnx.Module):
         if state is None:
             state = self.init_state(b, x.dtype)
         # q, k and v convolved each on its own channels of the conv state ([q | k | v]): one [B,T,3C]
-        # convolution split afterwards had XLA copy q, k and v once more (a slice fusion of ~0.35 ms per
-        # layer at a 32K-token prefill on the H200, `profile_stage --stage prefill` at 22f6c9c)
+        # convolution split afterwards had XLA copy q, k and v once more
         c = cfg.kda_dim
         parts = [
             short_conv(raw, state.conv[..., i * c : (i + 1) * c], kern[...].astype(jnp.float32), info.n_new,

@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (ARCH_SPEC §3) and the DSA lightning indexer (§4)."""
+"""Multi-head Latent Attention and the DSA lightning indexer (docs/architecture.md §5, §6)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, l
 from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies, rope_tables
 from hybrid_jax.quant.config import QuantConfig
 from pallas_kernels.attention import attention
-from pallas_kernels.indexer import indexer_prolog, indexer_topk
-from pallas_kernels.indexer.api import prolog_uses_kernel
+from pallas_kernels.indexer import indexer_prolog, indexer_topk, prolog_uses_kernel
 from pallas_kernels.paged import gather_pages
 from pallas_kernels.sparse_attention import sparse_mla
 
@@ -80,7 +79,7 @@ class LightningIndexer(nnx.Module):
     def _fused_prolog(self, x: jax.Array, c_q: jax.Array, info: StepInfo):
         """(q, k, w) through `indexer_prolog`'s one-launch kernel when it takes this call (decode-sized rows,
         plain bf16 projection kernels — not FP8-resident ones — and the kernel asked for with
-        `use_pallas(ops=["indexer_prolog"])`: opt-in, slower than XLA on the H200), else None."""
+        `use_pallas(ops=["indexer_prolog"])`: an explicit opt-in, measured slower than XLA), else None."""
         cfg = self.cfg
         b, t, d = x.shape
         nh, hd, r = cfg.index_num_heads, cfg.index_head_dim, cfg.index_rope_dim
@@ -148,7 +147,7 @@ class MultiHeadLatentAttention(nnx.Module):
         o_n = softmax(scale · q_n k_nᵀ + mask) v_n ;   y = W_o concat_n(o_n ⊙ σ(W_og x)_n)
     Only [c | k_pe] (L+R values) is cached per token. Prefill uses this expanded ("naive") form; decode
     and sparse layers use the absorbed form: q̃_n = W_UK,nᵀ q_nope_n, logits = scale(q̃_n·c + q_pe_n·k_pe),
-    o_n = W_UV,n Σ p c (ARCH_SPEC §3.3).
+    o_n = W_UV,n Σ p c (docs/architecture.md §5).
     """
 
     def __init__(self, cfg: HybridConfig, dt: DTypes, quant: QuantConfig, *, sparse: bool, rngs: nnx.Rngs):
@@ -246,7 +245,7 @@ class MultiHeadLatentAttention(nnx.Module):
         elif info.mode == "decode":
             ctx = rows()  # [B,S,L+R]
             # its own kernel: at one row XLA otherwise runs this product inside the concatenate below as one
-            # serial reduction per output (13 us per Kimi-shaped layer on the H200 for 4 MB of weights)
+            # serial reduction per output (docs/performance.md#projections)
             (q_lat,) = own_kernels(jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST))
             o_lat, _ = attention(
                 jnp.concatenate([q_lat, q_pe], axis=-1),

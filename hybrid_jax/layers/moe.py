@@ -1,4 +1,4 @@
-"""Mixture of experts with DeepSeek-V3 "noaux_tc" routing and shared experts (ARCH_SPEC §6)."""
+"""Mixture of experts with DeepSeek-V3 "noaux_tc" routing and shared experts (docs/architecture.md §8)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.config import HybridConfig
-from hybrid_jax.layers.common import DTypes, Projection, SwiGLU, _normal
-from pallas_kernels.moe import moe_experts, moe_route
-from pallas_kernels.moe.reference import route_reference
-from pallas_kernels.projection.api import kernel_allowed
+from hybrid_jax.layers.common import DTypes, Projection, SwiGLU, default_init
+from pallas_kernels import pallas_call_allowed
+from pallas_kernels.moe import moe_experts, moe_route, route_reference
 
 
 def route(logits: jax.Array, bias: jax.Array, cfg: HybridConfig) -> tuple[jax.Array, jax.Array]:
@@ -30,7 +29,7 @@ def _routing(cfg: HybridConfig) -> dict:
 class Router(nnx.Module):
     def __init__(self, cfg: HybridConfig, dt: DTypes, rngs: nnx.Rngs):
         self.kernel = nnx.Param(
-            _normal(rngs.params(), (cfg.hidden_size, cfg.num_experts), dt.param), logical_axes=("embed", None)
+            default_init(rngs.params(), (cfg.hidden_size, cfg.num_experts), dt.param), logical_axes=("embed", None)
         )
         # Selection-only bias, float32 in every reference.
         self.e_score_correction_bias = nnx.Param(
@@ -42,9 +41,9 @@ class Experts(nnx.Module):
     def __init__(self, cfg: HybridConfig, dt: DTypes, rngs: nnx.Rngs):
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         in_axes, out_axes = ("expert", "embed", "expert_mlp"), ("expert", "expert_mlp", "embed")
-        self.gate_proj = nnx.Param(_normal(rngs.params(), (e, d, f), dt.param), logical_axes=in_axes)
-        self.up_proj = nnx.Param(_normal(rngs.params(), (e, d, f), dt.param), logical_axes=in_axes)
-        self.down_proj = nnx.Param(_normal(rngs.params(), (e, f, d), dt.param), logical_axes=out_axes)
+        self.gate_proj = nnx.Param(default_init(rngs.params(), (e, d, f), dt.param), logical_axes=in_axes)
+        self.up_proj = nnx.Param(default_init(rngs.params(), (e, d, f), dt.param), logical_axes=in_axes)
+        self.down_proj = nnx.Param(default_init(rngs.params(), (e, f, d), dt.param), logical_axes=out_axes)
 
 
 class MoE(nnx.Module):
@@ -76,7 +75,7 @@ class MoE(nnx.Module):
         batch-1 decode step in the same two launches), or None where it stays a separate SwiGLU: quantized or
         biased projections, or a multi-device mesh (XLA partitions the SwiGLU's products by their logical
         axes; a Pallas call it cannot partition)."""
-        if not self.cfg.num_shared_experts or not kernel_allowed():
+        if not self.cfg.num_shared_experts or not pallas_call_allowed():
             return None
         layers = (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj)
         if not all(isinstance(p, Projection) and p.bias is None for p in layers):

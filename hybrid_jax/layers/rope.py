@@ -1,4 +1,4 @@
-"""Rotary position embeddings with DeepSeek YaRN scaling (ARCH_SPEC §3.2, §4.2).
+"""Rotary position embeddings with DeepSeek YaRN scaling (docs/architecture.md §5, §6).
 
 MLA rotates adjacent pairs (2i, 2i+1) (DeepSeek's reference); the DSA indexer rotates half-split pairs
 (i, i + R/2). Angles are built in float32.

@@ -1,12 +1,12 @@
 """FP8 formats: OCP MXFP8 (E4M3 elements, one E8M0 scale per 32) and the per-tile FP8 KV-cache format.
 
-MXFP8 (OCP Microscaling v1.0, ARCH_SPEC §8): for each block of 32 contiguous elements,
+MXFP8 (OCP Microscaling v1.0; docs/architecture.md §9): for each block of 32 contiguous elements,
     e = floor(log2(max |x|)) - 8            (8 = emax of E4M3), clamped to [-127, 127]
     X = 2^e (stored as E8M0: the byte e + 127),  P_i = RNE(x_i / X) saturated to ±448 (E4M3)
 An all-zero block gets e = -127 and zero elements. A block holding NaN or ±Inf gets the NaN scale (0xFF),
 so every element of that block dequantises to NaN: the spec's meaning of a NaN scale, never a silent value.
 
-FP8 KV cache (FlashMLA's V32 layout, ARCH_SPEC §4.5): per `tile` (128) contiguous elements of one token and
+FP8 KV cache (FlashMLA's V3.2 layout): per `tile` (128) contiguous elements of one token and
 head, s = 2^ceil(log2(max(amax / 448, 1e-4))) stored as float32, values E4M3(x / s). The power-of-two scale
 makes x / s exact, so the only rounding is the E4M3 cast. NaN / Inf in a tile propagate to NaN in it.
 """
@@ -39,7 +39,7 @@ def _floor_log2(a: jax.Array) -> jax.Array:
 
 
 def _to_e4m3(x: jax.Array) -> jax.Array:
-    # The float32 -> E4M3 cast does not saturate (465 -> NaN, ARCH_SPEC §8.3): clip first.
+    # The float32 -> E4M3 cast does not saturate (465 -> NaN): clip first.
     return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 

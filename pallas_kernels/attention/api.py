@@ -2,38 +2,28 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from pallas_kernels._pallas import auto_impl, pow2
+from pallas_kernels import registry
+from pallas_kernels._pallas import pow2
 from pallas_kernels.attention.kernel import flash_attention_pallas
 from pallas_kernels.attention.reference import attention_reference
-
-IMPLS = ("auto", "reference", "pallas")
-MAX_HEAD_DIM = 256  # padded head dims the kernel's tiles fit in shared memory with (H200, 2 stages)
-
-
-SHARED_MEMORY = 232448  # bytes of shared memory one Triton program may use on the H200 (sm_90)
+from pallas_kernels.attention.tuning import MAX_HEAD_DIM, SHARED_MEMORY, TILES_2BYTE, TILES_4BYTE
 
 
 def shared_bytes(block_q: int, block_k: int, num_stages: int, h: int, hv: int, itemsize: int) -> int:
     """Shared memory of one program: the q tile plus `num_stages` buffered k and v tiles (h the q/k width as
-    read — a multiple of 16 —, hv the padded v width). Matches what Triton asked for on the H200 (64x128
-    tiles, 3 stages, 192 / 128: 270,336 bytes, refused)."""
+    read — a multiple of 16 —, hv the padded v width), as Triton sizes it."""
     return (block_q * h + num_stages * block_k * (h + hv)) * itemsize
 
 
 def default_tiles(dtype, h: int = 128, hv: int = 128, *, rows: int | None = None, **given) -> dict:
     """The kernel's tiles and Triton parameters (block_q, block_k, num_warps, num_stages) for a q/k width h
     and v width hv (both as the kernel reads them): the values in `given` (those not None) as they are, the
-    others the measured best (2-byte inputs: 128 x 64 tiles, 8 warps, 3 stages at the Kimi MLA shapes,
-    benchmarks/attention.py) with block_q no larger than the `rows` there are (a grouped decode's G rows),
-    then stages, rows and keys cut until the tiles fit in shared memory (wide heads)."""
+    others from `tuning` with block_q no larger than the `rows` there are (a grouped decode's G rows), then
+    stages, rows and keys cut until the tiles fit in shared memory (wide heads)."""
     itemsize = jnp.dtype(dtype).itemsize
-    if itemsize <= 2:
-        tiles = dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
-    else:
-        tiles = dict(block_q=64, block_k=32, num_warps=4, num_stages=2)
+    tiles = dict(TILES_2BYTE if itemsize <= 2 else TILES_4BYTE)
     if rows is not None:
         tiles["block_q"] = min(tiles["block_q"], max(16, pow2(rows)))
     fixed = {k for k, v in given.items() if v is not None}
@@ -71,25 +61,22 @@ def attention(
     impl: "reference" (f32 jnp, materialised logits per query block), "pallas" (`kernel.flash_attention_pallas`:
     online softmax, key blocks up to each query block's last visible position, the blocks every row sees
     whole without a mask; products in the input dtype with float32 accumulation, `precision` "tf32" or
-    "ieee" for float32 inputs), or "auto" (Pallas on GPU when the q/k head dim rounded up to a multiple of
-    16 and the v head dim rounded up to a power of two are <= 256, else the reference: the absorbed MLA
-    decode, 512 + 64 wide, stays on the reference).
+    "ieee" for float32 inputs), or "auto" (`registry.resolve("attention", ...)`: the kernel takes a q/k head
+    dim rounded up to a multiple of 16 and a v head dim rounded up to a power of two of at most
+    `tuning.MAX_HEAD_DIM`).
     Tiles (`block_q` rows x `block_k` keys, Triton's `num_warps` / `num_stages`) not given come from
-    `default_tiles` (the measured best, cut to the rows there are and to the H200's shared memory).
+    `default_tiles`.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"attention: unknown impl={impl!r}; expected one of {IMPLS}")
+    registry.check_impl("attention", impl)
     b, t, n, h = q.shape
     s, nk, hv = k.shape[1], k.shape[2], v.shape[-1]
     if n % nk or k.shape[-1] != h or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"attention: inconsistent shapes q={q.shape} k={k.shape} v={v.shape}")
     hp, hvp = -(-h // 16) * 16, pow2(hv)  # q/k read as power-of-two pieces (kernel.head_pieces)
-    supported = max(hp, hvp) <= MAX_HEAD_DIM
-    if impl == "auto":
-        impl = "pallas" if auto_impl("attention", supported) else "reference"
+    impl = registry.resolve("attention", impl, head_dim=h, v_head_dim=hv).impl
     if impl == "reference":
         return attention_reference(q, k, v, q_positions=q_positions, kv_lengths=kv_lengths, scale=scale)
-    if not supported:
+    if max(hp, hvp) > MAX_HEAD_DIM:
         raise ValueError(f"attention(impl='pallas'): head dims {h}, {hv} pad past {MAX_HEAD_DIM}")
     g = n // nk
     rows = t * g
@@ -113,7 +100,7 @@ def attention(
     kvl = jnp.repeat(kv_lengths.astype(jnp.int32), nk)
     out, lse = flash_attention_pallas(
         qr, kr, vr, pos, kvl, scale=float(scale), block_q=block_q, block_k=bk, precision=precision,
-        interpret=jax.default_backend() == "cpu" if interpret is None else interpret, num_warps=num_warps,
+        interpret=registry.interpret_default(interpret), num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
     out = out[:, :rows, :hv].reshape(b, nk, t, g, hv).transpose(0, 2, 1, 3, 4).reshape(b, t, n, hv)

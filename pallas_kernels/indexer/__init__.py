@@ -1,3 +1,3 @@
-from pallas_kernels.indexer.api import indexer_prolog, indexer_topk
+from pallas_kernels.indexer.api import indexer_prolog, indexer_topk, prolog_uses_kernel
 
-__all__ = ["indexer_prolog", "indexer_topk"]
+__all__ = ["indexer_prolog", "indexer_topk", "prolog_uses_kernel"]

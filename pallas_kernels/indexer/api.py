@@ -5,69 +5,44 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import registry
 from pallas_kernels._blocking import dividing_block, over_query_blocks, query_block_size
-from pallas_kernels._pallas import auto_impl, pow2
+from pallas_kernels._pallas import pow2
 from pallas_kernels.indexer.kernel import MX_BLOCK, indexer_scores_pallas, indexer_scores_tiled_pallas
 from pallas_kernels.indexer.prolog import column_groups, indexer_prolog_pallas
 from pallas_kernels.indexer.prolog_reference import indexer_prolog_reference
 from pallas_kernels.indexer.reference import indexer_topk_reference
-from pallas_kernels.indexer.select import top_k_radix
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas, top_k_segmented
+from pallas_kernels.indexer.select_reference import top_k_radix
 from pallas_kernels.indexer.select_split import top_k_split
+from pallas_kernels.indexer.tuning import (
+    FEW_KEYS_PER_PROGRAM,
+    FEW_SCORE_PROGRAMS,
+    FEW_STAGES,
+    KEYS_PER_PROGRAM,
+    PROLOG_MAX_ROWS,
+    RANK_MAX_ROWS,
+    SELECT_CHUNK,
+    STAGES,
+    TILED_BLOCK_Q,
+    TILED_MIN_QUERIES,
+)
 from pallas_kernels.paged import slot_index
 
-IMPLS = ("auto", "reference", "pallas")
 SELECTS = ("kernel", "split", "top_k", "radix")
-# Queries per call from which the scores come from the tiled kernel (a key tile read once per query tile):
-# prefill. Below it (decode) one program per query walks its keys.
-TILED_MIN_QUERIES = 64
-TILED_BLOCK_Q = 64  # queries per tile (H200, 5beadda: 64x128 tiles 41.6 ms, 128x128 48.9, 64x64 46.0)
-SELECT_CHUNK = 4096  # scores per step of the selection kernel
-# What `select=None` picks (H200 measurements in BENCHMARKS.md). One program per row is latency-bound on a
-# long row (5beadda: 1.0 ms for one 128K row, `lax.top_k` 0.07 ms) but a prefill's thousands of rows fill
-# the GPU (32K prefill: 41.6 ms vs 85.8 with top_k): the kernel from SELECT_KERNEL_MIN_ROWS rows. Fewer
-# rows with long contexts (>= SPLIT_MIN_KEYS_PER_K x topk keys) go to the split selection, whose passes
-# over each row run on many programs (c154445, decode at 10 chained calls: 128K B=16 0.356 ms vs 0.400
-# with the rows cut into 8 segments and 0.665 with `lax.top_k`; B=64 1.068 vs 1.089 with 4 segments; 32K
-# B=16 0.162 vs 0.181 top_k; B=1 128K 0.108 vs 0.107 top_k, both sorted — unsorted, as the model asks,
-# 0.101); shorter contexts keep `lax.top_k`. The 8 x topk boundary is the segmented rule's it replaced:
-# contexts from 16K to below 32K have not been timed against `lax.top_k`.
-SELECT_KERNEL_MIN_ROWS = 512
-SPLIT_MIN_KEYS_PER_K = 8
-# Rows of at most this many times topk keys (decode with a context near or below topk) go to the selection
-# kernel at any row count: `lax.top_k` with K this close to the row length sorts the whole row (H200,
-# hybrid_small decode B=1 at 2K context: 19.2 us per sparse layer for one 2112-score row, 6% of the step;
-# the kernel 9.2 us, profile_stage at c8ddf8f): the kernel takes a row of <= topk scores whole in one
-# compaction pass and otherwise stops its radix search within a few passes over one or two chunks.
-NEAR_FULL_KEYS_PER_K = 2
-# Up to this many rows the split selection ranks its candidates best first in its own kernels (one program
-# per 16 candidates: O(candidates^2) compares, wide at B=1) instead of one selection program per row and XLA's
-# sort of the K chosen afterwards (H200, one 128K row, 40 chained calls: the whole split selection 35-36 us
-# best first at 4cf71f9 / 19271fa, 71.7 us selected then sorted; 42 us selected alone at 9f0f6d1). The
-# ranking's work grows as rows x candidates^2: at 16 rows (~74 M compares) it has not been timed
-# against the per-row selection, so the rule keeps it to a few rows (timed at one).
-RANK_MAX_ROWS = 4
+PRECISIONS = ("bf16", "tf32", "ieee")
 
 
 def default_selection(rows: int, keys: int, topk: int) -> tuple[str, int]:
-    """(select, segments) that `indexer_topk(select=None)` uses for `rows` score rows of `keys` keys."""
-    if rows >= SELECT_KERNEL_MIN_ROWS or keys <= NEAR_FULL_KEYS_PER_K * topk:
-        return "kernel", 1
-    if keys >= SPLIT_MIN_KEYS_PER_K * topk:
-        return "split", 1
-    return "top_k", 1
-
-
-PRECISIONS = ("bf16", "tf32", "ieee")
-# Keys per program of the one-query score kernel: 1024 (32f2129+), or 512 with 3 pipeline stages when that
-# gives fewer than FEW_SCORE_PROGRAMS programs (B=1 at 128K: 128 programs for 132 SMs, each latency-bound;
-# H200 at 4cf71f9, the kernel alone with its statistics, 40 chained calls: 20.7 vs 26.3 us).
-FEW_SCORE_PROGRAMS = 264
+    """(select, segments) that `indexer_topk(select=None)` uses for `rows` score rows of `keys` keys
+    (`registry.selection`)."""
+    return registry.selection(rows, keys, topk)[0], 1
 
 
 def default_keys_per_program(queries: int, keys: int) -> tuple[int, int]:
     """(keys per program, pipeline stages) of the one-query score kernel for `queries` rows of `keys` keys."""
-    return (512, 3) if queries * -(-keys // 1024) < FEW_SCORE_PROGRAMS else (1024, 2)
+    few = queries * -(-keys // KEYS_PER_PROGRAM) < FEW_SCORE_PROGRAMS
+    return (FEW_KEYS_PER_PROGRAM, FEW_STAGES) if few else (KEYS_PER_PROGRAM, STAGES)
 
 
 def indexer_topk(
@@ -98,30 +73,29 @@ def indexer_topk(
     float32, -inf where none), best first, ties to the lower position.
     impl: "reference" (jnp), "pallas" (scores straight from the pool by `kernel.indexer_scores_pallas` or,
     for many queries, `kernel.indexer_scores_tiled_pallas`, then a selection per block of queries), or
-    "auto" (Pallas on GPU when H is a power of two >= 32, else the reference). With `k_scales` [P,G,H/32]
+    "auto" (`registry.resolve("indexer", ...)`: the kernels take H a power of two >= 32). With `k_scales` [P,G,H/32]
     E8M0 the pool holds MXFP8 E4M3 values: the kernels dequantize the rows they read, the reference
     dequantizes the pool first.
     Kernel knobs: `block_s` keys per step, `keys_per_program` keys per program of the one-query kernel
     (a multiple of block_s, None for one block, "auto" for `default_keys_per_program`), `block_q` queries per
-    program of the tiled kernel
-    (`kernel.indexer_scores_tiled_pallas`, key tiles of block_s; None: TILED_BLOCK_Q from TILED_MIN_QUERIES on,
-    else the one-query kernel; 0: always the one-query kernel), `precision` of the score products: "bf16"
+    program of the tiled kernel (`kernel.indexer_scores_tiled_pallas`, key tiles of block_s; None:
+    `tuning.TILED_BLOCK_Q` from `tuning.TILED_MIN_QUERIES` queries on, else the one-query kernel; 0: always
+    the one-query kernel), `precision` of the score products: "bf16"
     (q and keys in bfloat16, float32 accumulation; the default for 2-byte queries, as `sparse_mla`), "tf32"
     (the default otherwise) or "ieee"; `select` "kernel" (`select_kernel.top_k_rows_pallas`: radix select
     of each row's visible prefix — long rows first narrowed to k..2k candidates by its prefilter kernel — then
     a sort of the K chosen), "split" (`select_split.top_k_split`: the same selection with each row's
     passes spread over many programs, for a few long rows), "top_k" (`lax.top_k`) or "radix"
-    (`select.top_k_radix`), the same result; None: `default_selection` (measured on the H200).
+    (`select_reference.top_k_radix`, jnp), the same result; None: `registry.selection`.
     `sort=False` lets the selection kernel return each query's chosen positions in ascending position order
     (the same set, -1 / -inf pads last) without the final sort of K per query: for callers that, like
-    sparse attention, do not depend on the order. The split selection of up to RANK_MAX_ROWS rows ranks its
+    sparse attention, do not depend on the order. The split selection of up to `tuning.RANK_MAX_ROWS` rows ranks its
     candidates best first in its own kernels (`top_k_split(best_first=True)`): the sorted order either way.
     `select_segments` > 1 cuts each score row into that many pieces selected in parallel, then selects among
     their candidates (`select_kernel.top_k_segmented`: for a few long rows, as in decode; None:
     `default_selection`, 1 for an explicit `select`).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"indexer_topk: unknown impl={impl!r}; expected one of {IMPLS}")
+    registry.check_impl("indexer", impl)
     if topk <= 0:
         raise ValueError(f"indexer_topk: topk={topk} must be positive")
     if not scale > 0:  # the indexer's softmax-free scale (head dim^-1/2); the tiled kernel moves it out of the ReLU
@@ -156,8 +130,8 @@ def indexer_topk(
     h = q.shape[-1]
     if k_scales is not None and k_scales.shape[-1] * MX_BLOCK != h:
         raise ValueError(f"indexer_topk: k_scales width {k_scales.shape[-1]} is not head dim {h} / {MX_BLOCK}")
-    if impl == "auto":
-        impl = "pallas" if auto_impl("indexer", h == pow2(h) and h >= MX_BLOCK) else "reference"
+    rows, keys = q.shape[0] * q.shape[1], page_table.shape[1] * k_pages.shape[1]
+    impl = registry.resolve("indexer", impl, head_dim=h, rows=rows, keys=keys, topk=topk).impl
     if impl != "pallas":
         if k_scales is not None:  # E8M0: a power of two 2^(bits - 127) per 32 values
             exp = jax.lax.bitcast_convert_type(k_scales, jnp.uint8).astype(jnp.float32) - 127.0
@@ -197,7 +171,7 @@ def indexer_topk(
     if k_scales is not None:
         scales = jax.lax.bitcast_convert_type(k_scales, jnp.uint8).reshape(-1, h // 32)
     k_eff = min(topk, s_len)
-    interp = jax.default_backend() == "cpu" if interpret is None else interpret
+    interp = registry.interpret_default(interpret)
     kv_lengths = kv_lengths.astype(jnp.int32)
 
     def block(qb, wb, pb):
@@ -251,21 +225,9 @@ def indexer_topk(
     qbs = query_block_size(q.shape[1], b * s_pad)
     if block_q:
         qbs = max(block_q, qbs // block_q * block_q)
-    qbs = dividing_block(q.shape[1], qbs, block_q or 1)  # no padded copy of q (H200 32K prefill: 0.39 ms a layer)
+    qbs = dividing_block(q.shape[1], qbs, block_q or 1)  # no padded copy of q (a pass over it per layer)
     idx, vals = over_query_blocks(block, qbs, q, w, q_positions)
     return idx[:, :t], vals[:, :t]
-
-
-# Rows (batch x new tokens) up to which the fused prolog kernel takes a call: decode. Prefill-sized
-# projections are matmuls that cuBLAS tiles better than one program per head.
-PROLOG_MAX_ROWS = 64
-# The kernel is opt-in (`use_pallas(ops=["indexer_prolog"])`), not the GPU default: on the H200 it is slower
-# than XLA's step-by-step prolog (hybrid_small, batch 1, 10 chained calls, BENCHMARKS.md kernel_count.py at
-# fb4b779: 0.058 ms fused vs 0.017 ms for XLA's 13 kernels; whole decode step 3.05 vs 2.95 ms). One program
-# per head streams its [Q, H] weight columns serially and the key and head-weight programs each stream a
-# whole [D, H] / [D, N] matrix alone: a few CTAs that are latency-bound, where XLA's GEMV kernels spread the
-# same bytes over every SM — fewer launches do not pay for that at these sizes.
-PROLOG_DEFAULT_ON_GPU = False
 
 
 def prolog_supported(rows: int, q_in: int, d: int, num_heads: int, head_dim: int, rope_dim: int) -> bool:
@@ -276,10 +238,10 @@ def prolog_supported(rows: int, q_in: int, d: int, num_heads: int, head_dim: int
 
 
 def prolog_uses_kernel(rows: int, q_in: int, d: int, num_heads: int, head_dim: int, rope_dim: int) -> bool:
-    """What `indexer_prolog(impl="auto")` runs: the kernel for supported (decode) shapes inside a
-    `use_pallas` block covering "indexer_prolog" (or on a GPU if PROLOG_DEFAULT_ON_GPU), else the reference."""
-    supported = prolog_supported(rows, q_in, d, num_heads, head_dim, rope_dim)
-    return auto_impl("indexer_prolog", supported, default_on_gpu=PROLOG_DEFAULT_ON_GPU)
+    """Whether `indexer_prolog(impl="auto")` runs the fused kernel (`registry.resolve("indexer_prolog")`:
+    opt-in, it measured slower than XLA's kernels)."""
+    ok = prolog_supported(0, q_in, d, num_heads, head_dim, rope_dim)
+    return registry.resolve("indexer_prolog", rows=rows, widths_ok=ok).impl == "pallas"
 
 
 def indexer_prolog(
@@ -299,18 +261,17 @@ def indexer_prolog(
     impl: str = "auto",
     interpret: bool | None = None,
 ):
-    """The lightning indexer's inputs for one step (ARCH_SPEC §4; math in `prolog_reference`).
+    """The lightning indexer's inputs for one step (math in `prolog_reference`; docs/architecture.md).
 
     x [M, D], c_q [M, Q] in the compute dtype; wq_b [Q, N·H], wk [D, H] projection kernels; ln_w / ln_b [H]
     the key LayerNorm; wp [D, N] the head-weight projection (float32); cos / sin [M, R/2] RoPE tables (half-
     split, on the first R = rope_dim channels). Returns (q [M, N, H] and k [M, H] in x.dtype, w [M, N]
     float32 = (x W_w) N^-1/2).
     impl: "reference" (jnp), "pallas" (`prolog.indexer_prolog_pallas`: the whole prolog in one launch), or
-    "auto" (`prolog_uses_kernel`: the reference unless a `use_pallas` block asks for the kernel — measured
-    slower than XLA on the H200, see PROLOG_DEFAULT_ON_GPU).
+    "auto" (`prolog_uses_kernel`: the reference unless a `use_pallas` block asks for the kernel, which
+    measured slower than XLA's kernels).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"indexer_prolog: unknown impl={impl!r}; expected one of {IMPLS}")
+    registry.check_impl("indexer_prolog", impl)
     m, d = x.shape
     h = wk.shape[1]
     checks = {
@@ -333,5 +294,5 @@ def indexer_prolog(
         impl = "pallas" if prolog_uses_kernel(m, c_q.shape[1], d, num_heads, h, rope_dim) else "reference"
     if impl == "reference":
         return indexer_prolog_reference(x, c_q, wq_b, wk, ln_w, ln_b, wp, cos, sin, **kw)
-    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    interpret = registry.interpret_default(interpret)
     return indexer_prolog_pallas(x, c_q, wq_b, wk, ln_w, ln_b, wp, cos, sin, interpret=interpret, **kw)

@@ -1,10 +1,31 @@
 from pallas_kernels.linear_attention.api import (
     apply_summary,
     compose_summaries,
+    decode_layer_uses_kernel,
     kda,
     kda_decode_layer,
     kda_decode_step,
     kda_state_summary,
 )
+from pallas_kernels.linear_attention.context_parallel import (
+    gather_in_sequence_order,
+    kda_sequence_parallel,
+    split_pieces,
+)
+from pallas_kernels.linear_attention.reference import gated_rms_norm, kda_gate, short_conv
 
-__all__ = ["apply_summary", "compose_summaries", "kda", "kda_decode_layer", "kda_decode_step", "kda_state_summary"]
+__all__ = [
+    "apply_summary",
+    "compose_summaries",
+    "decode_layer_uses_kernel",
+    "gated_rms_norm",
+    "gather_in_sequence_order",
+    "kda",
+    "kda_decode_layer",
+    "kda_decode_step",
+    "kda_gate",
+    "kda_sequence_parallel",
+    "kda_state_summary",
+    "short_conv",
+    "split_pieces",
+]

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._pallas import auto_impl, pow2
+from pallas_kernels import registry
+from pallas_kernels._pallas import pow2
 from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.layer_decode import decode_layer_pallas
@@ -21,11 +22,19 @@ from pallas_kernels.linear_attention.reference import (
     kda_recurrent,
 )
 from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
-from pallas_kernels.projection.api import SplitK, kernel_allowed, materialize
+from pallas_kernels.projection.api import SplitK, materialize
 
-__all__ = ["apply_summary", "compose_summaries", "kda", "kda_decode_layer", "kda_decode_step", "kda_state_summary"]
+__all__ = [
+    "apply_summary",
+    "compose_summaries",
+    "decode_layer_uses_kernel",
+    "kda",
+    "kda_decode_layer",
+    "kda_decode_step",
+    "kda_state_summary",
+]
 
-IMPLS = ("auto", "recurrent", "chunked", "pallas")
+FORMS = ("chunked", "recurrent")  # the reference's two algorithms (`form=`)
 
 
 def kda(
@@ -39,6 +48,7 @@ def kda(
     scale=None,
     use_qk_l2norm=True,
     impl: str = "auto",
+    form: str | None = None,
     chunk_size: int = 64,
     block_v: int = 32,
     precision: str | None = None,
@@ -52,25 +62,26 @@ def kda(
     q, k [B,T,N,K]; v [B,T,N,V]; beta [B,T,N]; initial_state [B,N,K,V] float32 or None.
     Returns (o [B,T,N,V] in q.dtype, final_state [B,N,K,V] float32). q and k are L2-normalised inside
     (eps 1e-6 under the root) when use_qk_l2norm; q is scaled by `scale` (default K^-1/2).
-    impl: "recurrent" (token scan), "chunked" (WY/UT chunks of `chunk_size`, jnp), "pallas" (the Pallas
-    kernels of `chunked.kda_chunked_pallas`: intra-chunk work parallel over chunks of 64, then the state
-    pass), or "auto" (recurrent for a single token; for prefill the Pallas kernels on GPU, the jnp chunked
-    form elsewhere).
+    impl (see `pallas_kernels.registry`): "reference" (jnp; `form` "chunked": the WY/UT chunked form over
+    chunks of `chunk_size`, the default for more than one token, or "recurrent": the token scan, the default
+    for one), "pallas" (the kernels of `chunked.kda_chunked_pallas`: the intra-chunk work parallel over chunks
+    of 64, then the state pass) or "auto" (`registry.resolve("kda_prefill", ...)`).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32"; "bf16":
     operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; "ieee"; default: "bf16" for
-    bfloat16 inputs, "tf32" otherwise),
-    `num_warps` per program, `interpret` (default: when the default backend is the CPU), `solve`: how the
-    intra-chunk kernel forms (I + A_kk)⁻¹ — "neumann" (tensor-core products, the default) or "substitution"
-    (row-by-row forward substitution in float32; opt-in: within noise of "neumann" at 32K on the H200 with
-    an earlier A kernel, b143688; not re-timed since).
+    bfloat16 inputs, "tf32" otherwise), `num_warps` per program, `interpret` (default: on a CPU), `solve`: how
+    the intra-chunk kernel forms (I + A_kk)⁻¹ — "neumann" (tensor-core products, the default) or
+    "substitution" (row-by-row forward substitution in float32; opt-in).
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
     at each sequence start; the jnp forms run them as one batch padded to the longest (pads at each row's end
     change no state).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"kda: unknown impl={impl!r}; expected one of {IMPLS}")
+    registry.check_impl("kda_prefill", impl)
+    if form not in (None, *FORMS):
+        raise ValueError(f"kda: form={form!r} must be one of {FORMS}")
+    if form is not None and impl == "pallas":
+        raise ValueError(f"kda: form={form!r} names a reference algorithm; impl='pallas' has one")
     if q.ndim != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
         raise ValueError(f"kda: inconsistent shapes q={q.shape} k={k.shape} v={v.shape} beta={beta.shape}")
     if g.shape not in (q.shape, q.shape[:3]):
@@ -81,8 +92,12 @@ def kda(
         raise ValueError(f"kda: solve={solve!r} must be 'neumann' or 'substitution'")
     if precision not in (None, "tf32", "bf16", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
+    if impl == "auto" and form is None:
+        impl = registry.resolve("kda_prefill", impl, tokens=q.shape[1]).impl
+    elif impl == "auto":  # a reference form asked for
+        impl = "reference"
     if cu_seqlens is not None:
-        if impl == "pallas" or (impl == "auto" and auto_impl("kda_prefill", True)):
+        if impl == "pallas":
             return _varlen_packed(
                 q, k, v, g, beta, cu_seqlens, initial_state,
                 dict(scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
@@ -90,21 +105,16 @@ def kda(
             )  # fmt: skip
         return _varlen(
             q, k, v, g, beta, cu_seqlens, initial_state,
-            dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, chunk_size=chunk_size),
+            dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl="reference", form=form, chunk_size=chunk_size),
         )  # fmt: skip
-    if impl == "auto":
-        # Prefill: the Pallas kernels on GPU. H200, 32K tokens x 32 heads (BENCHMARKS.md, b143688): 10.2 ms with
-        # bf16 products against 53.2 ms for the jnp chunked form under XLA (fla: 4.3 ms).
-        impl = "recurrent" if q.shape[1] == 1 else "chunked"
-        if q.shape[1] > 1 and auto_impl("kda_prefill", True):
-            impl = "pallas"
     if impl == "pallas":
         return _kda_pallas(
             q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
             precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps, solve=solve,
         )  # fmt: skip
+    form = form or ("recurrent" if q.shape[1] == 1 else "chunked")
     kw = dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    if impl == "recurrent":
+    if form == "recurrent":
         return kda_recurrent(q, k, v, g, beta, **kw)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
 
@@ -203,7 +213,7 @@ def _kda_pallas(
     o, s = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
-        interpret=jax.default_backend() == "cpu" if interpret is None else interpret, num_warps=num_warps,
+        interpret=registry.interpret_default(interpret), num_warps=num_warps,
         solve=solve, **({} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])),
     )  # fmt: skip
     return o[:, :t, :, :dv], s[:, :, :dk, :dv]
@@ -224,12 +234,9 @@ def kda_state_summary(
 ):
     """Context-parallel state summary of one sequence shard: (M [B,N,K,K], E [B,N,K,V]) float32 with
     S_end = M S_start + E. impl: "reference" (chunk-wise jnp), "pallas" (`chunked.kda_state_summary_pallas`,
-    the prefill's two phases on the augmented state [M | E]) or "auto" (the reference; Pallas is opt-in
-    like the prefill)."""
-    if impl not in ("auto", "reference", "pallas"):
-        raise ValueError(f"kda_state_summary: unknown impl={impl!r}; expected one of ('auto', 'reference', 'pallas')")
-    if impl == "auto":
-        impl = "pallas" if auto_impl("kda_summary", True, default_on_gpu=False) else "reference"
+    the prefill's two phases on the augmented state [M | E]) or "auto" (`registry.resolve("kda_summary")`:
+    the kernel is opt-in)."""
+    impl = registry.resolve("kda_summary", impl).impl
     if impl != "pallas":
         return _kda_state_summary(k, v, g, beta, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     b, t, n, dk = k.shape
@@ -244,12 +251,9 @@ def kda_state_summary(
         pad(k, 0, pk - dk), pad(v, 0, pv - dv), pad(g.astype(jnp.float32), 0, pk - dk),
         pad(beta.astype(jnp.float32), 0),
         l2norm=use_qk_l2norm, block_v=min(block_v, width & -width), precision=precision or "tf32",
-        interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+        interpret=registry.interpret_default(interpret),
     )  # fmt: skip
     return m[:, :, :dk, :dk], e[:, :, :dk, :dv]
-
-
-DECODE_IMPLS = ("auto", "reference", "pallas")
 
 
 def kda_decode_step(
@@ -271,11 +275,10 @@ def kda_decode_step(
     beta [B,N]; state [B,N,K,V] float32 -> (o [B,N,V] in q.dtype, new state [B,N,K,V] float32).
 
     impl: "reference" (the jnp recurrence), "pallas" (`decode.decode_step_pallas`: one pass over the state,
-    updated in place), or "auto" (Pallas on GPU, the reference elsewhere). `block_v`: state columns per
+    updated in place), or "auto" (`registry.resolve("kda_decode")`). `block_v`: state columns per
     Pallas program (a power of two); `num_warps`: Triton warps per program. `interpret` runs the Pallas
     kernel in interpret mode (default: when the default backend is the CPU)."""
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"kda_decode_step: unknown impl={impl!r}; expected one of {DECODE_IMPLS}")
+    registry.check_impl("kda_decode", impl)
     if q.ndim != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2] or beta.shape != q.shape[:2]:
         raise ValueError(f"kda_decode_step: inconsistent shapes q={q.shape} k={k.shape} v={v.shape} beta={beta.shape}")
     b, n, dk = q.shape
@@ -286,9 +289,7 @@ def kda_decode_step(
         raise ValueError(f"kda_decode_step: state.shape={state.shape} != {(b, n, dk, dv)}")
     if block_v <= 0 or block_v & (block_v - 1):
         raise ValueError(f"kda_decode_step: block_v={block_v} must be a positive power of two")
-    backend = jax.default_backend()
-    if impl == "auto":
-        impl = "pallas" if auto_impl("kda_decode", True) else "reference"
+    impl = registry.resolve("kda_decode", impl).impl
     scale = dk**-0.5 if scale is None else float(scale)
     if g.ndim == 2:
         g = jnp.broadcast_to(g[..., None], q.shape)
@@ -298,7 +299,7 @@ def kda_decode_step(
             initial_state=state, scale=scale, use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
         return o[:, 0], s
-    interpret = backend == "cpu" if interpret is None else interpret
+    interpret = registry.interpret_default(interpret)
     pk, pv = pow2(dk), pow2(dv)
     if (pk, pv) != (dk, dv):  # Triton blocks are powers of two; zero rows/columns leave the update unchanged
         pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, 0), *[(0, p) for p in w]])  # noqa: E731
@@ -316,17 +317,10 @@ def kda_decode_step(
     return o[..., :dv], s[:, :, :dk, :dv]
 
 
-LAYER_IMPLS = ("auto", "reference", "pallas")
-
-
 def decode_layer_uses_kernel(head_dim: int) -> bool:
-    """Whether `kda_decode_layer(impl="auto")` runs the fused kernel: inside a `use_pallas()` block covering
-    "kda_decode_layer" where the shapes allow (a power-of-two head of 16 to 256), outside a multi-device mesh
-    (`projection.api.kernel_allowed`: XLA cannot partition a Pallas call); the default on GPU: it measured
-    1-4% faster per decode step than the unfused step at B=1 and 16 (`benchmarks.xla_flags --pallas-ops`,
-    48e30e6), the layer alone 0.032 vs 0.040 ms at B=16 (`benchmarks.linear_attention --only layer`)."""
-    supported = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and kernel_allowed()
-    return auto_impl("kda_decode_layer", supported)
+    """Whether `kda_decode_layer(impl="auto")` runs the fused kernel here (`registry.resolve`): callers that
+    would otherwise run the layer's steps one by one ask first."""
+    return registry.resolve("kda_decode_layer", head_dim=head_dim).impl != "reference"
 
 
 def kda_decode_layer(
@@ -346,9 +340,8 @@ def kda_decode_layer(
     one-per-head b_logits / scalar f); the reference, and the kernel elsewhere, take their `value()`.
     impl: "reference" (`reference.kda_decode_layer_reference`), "pallas" (`layer_decode.decode_layer_pallas`:
     one program per (sequence, head), conv state and state updated in place) or "auto"
-    (`decode_layer_uses_kernel`)."""
-    if impl not in LAYER_IMPLS:
-        raise ValueError(f"kda_decode_layer: unknown impl={impl!r}; expected one of {LAYER_IMPLS}")
+    (`registry.resolve("kda_decode_layer", head_dim=...)`)."""
+    registry.check_impl("kda_decode_layer", impl)
     projected = (q_raw, k_raw, v_raw, f, b_logits, z)
     for x in projected:
         if isinstance(x, SplitK) and math.prod(x.lead) != 1:
@@ -376,8 +369,7 @@ def kda_decode_layer(
         )
     if state.shape != (b, num_heads, head_dim, head_dim) or b_logits.shape != (b, num_heads):
         raise ValueError(f"kda_decode_layer: state {state.shape} / b_logits {b_logits.shape} do not match")
-    if impl == "auto":
-        impl = "pallas" if decode_layer_uses_kernel(head_dim) else "reference"
+    impl = registry.resolve("kda_decode_layer", impl, head_dim=head_dim).impl
     dtype = jnp.dtype(q_raw.dtype)
     if impl == "reference":
         q_raw, k_raw, v_raw, f, b_logits, z = (materialize(x) for x in (q_raw, k_raw, v_raw, f, b_logits, z))
@@ -396,7 +388,7 @@ def kda_decode_layer(
         )  # fmt: skip
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
         raise ValueError(f"kda_decode_layer: the kernel needs a power-of-two head_dim in [16, 256], got {head_dim}")
-    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    interpret = registry.interpret_default(interpret)
     return decode_layer_pallas(
         *args, num_heads=num_heads, scalar_decay=scalar_decay,
         lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps), interpret=interpret,

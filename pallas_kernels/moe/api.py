@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._pallas import auto_impl, forced_choice, pow2
+from pallas_kernels import registry
+from pallas_kernels._pallas import pow2
 from pallas_kernels.moe.gemv import auto_split_k, down_gemv, gate_up_gemv
 from pallas_kernels.moe.kernel import grouped_gate_up_pallas, grouped_matmul_pallas
 from pallas_kernels.moe.reference import (
@@ -17,60 +18,23 @@ from pallas_kernels.moe.reference import (
     swiglu_reference,
 )
 from pallas_kernels.moe.router import route_pallas, router_kernel_shapes
-from pallas_kernels.projection.api import kernel_allowed
+from pallas_kernels.moe.tuning import (
+    DECODE_BLOCK_M,
+    DECODE_TILES,
+    GEMV_TILES,
+    GROUPED_TILES,
+    PREFILL_TILES,
+    ROUTER_MAX_ROWS,
+    SMALL_CALL_PAIRS,
+    WIDE_OPERAND_MAX_STAGES,
+)
 
-IMPLS = ("auto", "reference", "pallas", "gather", "gemv")
-
-# The rules of impl="auto" on a GPU, from H200 timings of decode-sized calls as 10 chained calls in one
-# executable (what a layer costs inside a compiled step; BENCHMARKS.md, moe.py at 86ea8f0, Kimi widths
-# D=2304, F=1024, k=8):
-# - up to GEMV_MAX_PAIRS pairs (one decoded token) the per-pair GEMV kernels (split-K): 0.066-0.073 ms at 32
-#   and 256 experts, against `ragged_dot` 0.157 / 0.904 ms, gathered weights 0.167 / 0.170, the grouped
-#   kernel 0.16 / 0.19 ms. At 16 tokens (128 pairs) they lose (0.45 / 0.55 ms vs the grouped kernel 0.20 /
-#   0.48): each pair reads its expert again, where the grouped kernel reads it once per block of rows.
-GEMV_MAX_PAIRS = 8
-# - from PALLAS_MIN_PAIRS pairs, or above DENSE_MAX_EXPERTS experts at every size, the grouped-matmul
-#   kernel: `ragged_dot` reads all E experts' weights at every call (0.90 ms at one token with 256
-#   experts); with 32 experts it ties the kernel at 16 Kimi tokens (128 pairs: 0.208 vs 0.201 ms) and
-#   loses from 64 (512 pairs: 0.42 vs 0.25 ms; 6-16x at 4K-32K tokens, b7a640e). At hybrid_small widths
-#   (k=4) 64 tokens are 256 pairs, and there too the kernel wins: 0.122 ms (16-row blocks) against 0.186
-#   for `ragged_dot` (4d70aed); in the B=64 decode step `ragged_dot` cost ~127 us per MoE layer (a
-#   concatenate, two cuBLAS products and a transpose; profile at df90e21).
-PALLAS_MIN_PAIRS = 256
-DENSE_MAX_EXPERTS = 32
-# - the kernel's row blocks: DECODE_BLOCK_M rows while an expert gets fewer than that many rows on average
-#   (less padding: 256 experts, 64 tokens, 0.95 ms in 16-row blocks vs 1.25 ms in 64-row blocks), then
-#   PREFILL_TILES: 128-row blocks, 8 warps, 3 pipeline stages (4d70aed, Kimi widths, 32 experts: 14.3 ms at
-#   32K tokens vs 16.4 in 64-row blocks with 4 warps and 2 stages, 4.38 vs 4.74 ms at 4K; hybrid_small
-#   widths 4.19 vs 4.43 and 1.18 vs 1.24 ms). With 16-row blocks 4 warps and 2 stages stay (64 Kimi tokens:
-#   0.200 ms vs 0.235 for the prefill tiles).
-DECODE_BLOCK_M = 16
-SMALL_CALL_PAIRS = 512  # below this many pairs 16-row blocks (the 64 Kimi token measurement above)
-DECODE_TILES = dict(num_warps=4, num_stages=2)
-PREFILL_TILES = dict(block_m=128, num_warps=8, num_stages=3)
-# 4-byte operands (a float32 model) hold twice the bytes per tile: the prefill tiles' 3 stages asked the H200
-# for 262,144 bytes of shared memory (232,448 there) and no float32 model ran (`benchmarks/gpu_parity.py`,
-# 2039bda). Compiled on the host for sm_90 (`benchmarks/kernel_resources.py`, an upper bound of the GPU's
-# figure) the gate/up kernel needs 294,912 bytes at 3 stages and 196,608 at 2.
-WIDE_OPERAND_MAX_STAGES = 2
-
-
-def auto_choice(pairs: int, experts: int) -> str:
-    """What `impl="auto"` runs for `pairs` token-expert pairs over `experts` experts (rules and timings above)."""
-    forced = forced_choice("moe")
-    if forced is not None:  # inside a use_pallas() block
-        return "pallas" if forced else "reference"
-    if pairs <= GEMV_MAX_PAIRS:
-        kernel = "gemv"
-    elif experts > DENSE_MAX_EXPERTS or pairs >= PALLAS_MIN_PAIRS:
-        kernel = "pallas"
-    else:
-        kernel = "reference"
-    return kernel if auto_impl("moe", True) else "reference"
+# The algorithms `form=` names inside each impl.
+FORMS = {"reference": ("ragged_dot", "gather"), "pallas": ("grouped", "gemv")}
 
 
 def auto_block_m(pairs: int, experts: int) -> int:
-    """The grouped kernel's row block when none is given (rule above)."""
+    """The grouped kernel's row block when none is given (`tuning.DECODE_BLOCK_M` for small calls)."""
     small = pairs < max(SMALL_CALL_PAIRS, DECODE_BLOCK_M * experts)
     return DECODE_BLOCK_M if small else PREFILL_TILES["block_m"]
 
@@ -95,6 +59,7 @@ def moe_experts(
     down_proj,
     *,
     impl: str = "auto",
+    form: str | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -108,28 +73,25 @@ def moe_experts(
     """Σ_j w_tj E_{idx_tj}(x_t) with E(x) = W_down(SiLU(W_gate x) ⊙ W_up x) [+ the shared expert S(x)].
 
     x [N,D]; idx [N,k] int expert ids; w [N,k] weights; gate/up [E,D,F]; down [E,F,D] -> [N,D] float32.
-    impl: "reference" (`lax.ragged_dot` grouped matmuls), "gather" (jnp with each pair's expert weights
-    gathered: decode-sized calls only; `reference.moe_experts_gather`), "gemv" (`gemv.gate_up_gemv` and
-    `gemv.down_gemv`: one Pallas program per token-expert pair, output tile and contraction split, reading
-    the pair's expert weights in place — decode-sized calls), "pallas"
-    (`kernel.grouped_matmul_pallas` on rows sorted by expert and padded per expert to whole blocks of
-    `block_m` rows — default `auto_block_m`; gate and up in one kernel writing SiLU(gate) * up, then down;
-    `block_n` / `block_k` output and contraction tiles, powers of two, default 128 / 64, 64 / 128 for
-    "gemv"; `num_warps` / `num_stages` Triton's parameters of the grouped kernels, default by row block
-    (`DECODE_TILES` for 16-row blocks, else `PREFILL_TILES`; at most WIDE_OPERAND_MAX_STAGES stages for
-    float32 operands); `split_k`: "gemv"'s
-    contraction splits, a power of two, default `gemv.auto_split_k`), or "auto"
-    (`auto_choice`: on a GPU "gemv" for up to `GEMV_MAX_PAIRS` pairs — one decoded token — the grouped
-    kernel from `PALLAS_MIN_PAIRS` pairs — prefill — or with more than `DENSE_MAX_EXPERTS` experts, and the
-    reference otherwise — batched decode of models with few experts; on CPU the reference;
-    `pallas_kernels.use_pallas(ops=["moe"])` forces the kernel or the reference).
+    impl / form (see `pallas_kernels.registry`):
+    - "reference": form "ragged_dot" (`lax.ragged_dot` grouped matmuls, the default) or "gather" (jnp with
+      each pair's expert weights gathered: decode-sized calls only; `reference.moe_experts_gather`);
+    - "pallas": form "grouped" (the default; `kernel.grouped_matmul_pallas` on rows sorted by expert and padded
+      per expert to whole blocks of `block_m` rows — default `auto_block_m` —, gate and up in one kernel
+      writing SiLU(gate) ⊙ up, then down) or "gemv" (`gemv.gate_up_gemv` and `gemv.down_gemv`: one program
+      per token-expert pair, output tile and contraction split, reading the pair's expert weights in place —
+      decode-sized calls; `split_k` a power of two, default `gemv.auto_split_k`);
+    - "auto": `registry.resolve("moe", ...)`.
+    Tiles: `block_n` / `block_k` output and contraction tiles, powers of two (defaults `tuning.GROUPED_TILES`
+    / `tuning.GEMV_TILES`); `num_warps` / `num_stages` Triton's parameters of the grouped kernels (defaults
+    by row block: `tuning.DECODE_TILES` for small blocks, else `tuning.PREFILL_TILES`, at most
+    `WIDE_OPERAND_MAX_STAGES` stages for float32 operands).
     shared: the shared expert's (gate [D, Fs], up [D, Fs], down [Fs, D]), added as S(x) rounded to x's dtype
     (what a separate SwiGLU of bf16 projections returns). With "gemv" and Fs = F it runs as one more
     program row per token in the routed experts' two launches (its four projection kernels and their
     epilogues saved at every decode step); otherwise as XLA products (`swiglu_reference`).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"moe_experts: unknown impl={impl!r}; expected one of {IMPLS}")
+    registry.check_impl("moe", impl)
     n, d = x.shape
     e, d2, f = gate_proj.shape
     if idx.shape != w.shape or idx.shape[0] != n or d2 != d or up_proj.shape != gate_proj.shape:
@@ -147,11 +109,14 @@ def moe_experts(
             num_stages = min(num_stages, WIDE_OPERAND_MAX_STAGES)
     num_warps = num_warps or triton["num_warps"]
     if impl == "auto":  # before the tile defaults, which depend on the kernel
-        impl = auto_choice(idx.size, e)
-    if block_n is None:
-        block_n = 64 if impl == "gemv" else 128
-    if block_k is None:  # gemv: 0.053 vs 0.057 ms at one Kimi token with 64 (31a3b55)
-        block_k = 128 if impl == "gemv" else 64
+        choice = registry.resolve("moe", impl, pairs=idx.size, experts=e)
+        impl, form = choice.impl, form or choice.form
+    form = form or FORMS[impl][0]
+    if form not in FORMS[impl]:
+        raise ValueError(f"moe_experts: form={form!r} is not one of impl={impl!r}'s {FORMS[impl]}")
+    tiles = GEMV_TILES if form == "gemv" else GROUPED_TILES
+    block_n = tiles[0] if block_n is None else block_n
+    block_k = tiles[1] if block_k is None else block_k
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"moe_experts: {name}={v} must be a power of two >= 16")
@@ -164,19 +129,20 @@ def moe_experts(
         or shared[2].shape != shared[0].shape[::-1]
     ):
         raise ValueError(f"moe_experts: shared expert weights {[a.shape for a in shared]} must be [D, Fs] x2, [Fs, D]")
-    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-    if impl == "gemv" and shared is not None and shared[0].shape[1] == f:  # the shared expert in the same launches
+    interpret = registry.interpret_default(interpret)
+    if form == "gemv" and shared is not None and shared[0].shape[1] == f:  # the shared expert in the same launches
         return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared)
     if shared is not None:
         return moe_experts(
-            x, idx, w, gate_proj, up_proj, down_proj, impl=impl, block_m=block_m, block_n=block_n, block_k=block_k,
+            x, idx, w, gate_proj, up_proj, down_proj, impl=impl, form=form, block_m=block_m, block_n=block_n,
+            block_k=block_k,
             split_k=split_k, num_warps=num_warps, num_stages=num_stages, precision=precision, interpret=interpret,
         ) + swiglu_reference(x, *shared)  # fmt: skip
-    if impl == "reference":
+    if form == "ragged_dot":
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
-    if impl == "gather":
+    if form == "gather":
         return moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj)
-    if impl == "gemv":
+    if form == "gemv":
         return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret)
 
     k = idx.shape[1]
@@ -192,8 +158,7 @@ def moe_experts(
     nb = rows // block_m
     ends = jnp.cumsum(padded)
     # compare_all: one fused kernel. The default binary search is a while loop, which on a GPU launches a few
-    # kernels and copies the loop predicate to the host at every iteration (15 loops of 6 in hybrid_small's
-    # B=64 decode step: 90 iterations, ~180 device-to-device copies a step, profile at 115da37).
+    # kernels and copies the loop predicate to the host at every iteration.
     block_expert = jnp.searchsorted(ends, jnp.arange(nb) * block_m, side="right", method="compare_all")
     block_expert = jnp.where(block_expert < e, block_expert, -1).astype(jnp.int32)  # -1: past all rows
 
@@ -224,7 +189,7 @@ def moe_experts(
 
 def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared=None,
                   mma=True):  # fmt: skip
-    """impl="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k; the
+    """form="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k; the
     shared expert's (gate, up, down) as one more program row per token in the same launches."""
     n, d = x.shape
     k = idx.shape[1]
@@ -265,20 +230,19 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     return out if shared is None else out + y[p:, :d].astype(x.dtype).astype(jnp.float32)
 
 
-# The router kernels (`router.route_pallas`: the GEMV's partial logits, then one selection program per token)
-# stand for XLA's six kernels up to this many tokens (the GEMV's row limit): decode. Prefill keeps XLA's
-# batched product and top-k.
-ROUTER_MAX_ROWS = 16
-ROUTE_IMPLS = ("auto", "reference", "pallas")
-
-
-def router_kernel_supported(x, w, n_group: int) -> bool:
-    """Shapes the router kernels take: one expert group, x and W of one 2-byte dtype, at most ROUTER_MAX_ROWS
-    tokens, E a power of two in [16, 1024], D in 16-multiple slabs."""
-    return (
-        n_group == 1 and x.dtype == w.dtype and jnp.dtype(w.dtype).itemsize == 2
-        and x.shape[0] <= ROUTER_MAX_ROWS and router_kernel_shapes(*w.shape)
-    )  # fmt: skip
+def router_kernel_unsupported(x, w, n_group: int) -> str | None:
+    """Why the router kernels cannot take this call (None: they can): they need one expert group, x and W of
+    one 2-byte dtype, at most `tuning.ROUTER_MAX_ROWS` tokens, E a power of two in [16, 1024] and D in
+    16-multiple slabs."""
+    if n_group != 1:
+        return f"n_group=1 (got {n_group})"
+    if x.dtype != w.dtype or jnp.dtype(w.dtype).itemsize != 2:
+        return f"x and W of one 2-byte dtype (got {x.dtype}, {w.dtype})"
+    if x.shape[0] > ROUTER_MAX_ROWS:
+        return f"at most {ROUTER_MAX_ROWS} tokens (got {x.shape[0]})"
+    if not router_kernel_shapes(*w.shape):
+        return f"16 <= E <= 1024 a power of two (got {w.shape[1]}) and D a multiple of 16 (got {w.shape[0]})"
+    return None
 
 
 def moe_route(
@@ -290,28 +254,21 @@ def moe_route(
 
     impl: "reference" (XLA), "pallas" (`router.route_pallas`: the logits' partial sums by the projection GEMV
     kernel, then scores, top-k and renormalisation in one more launch; one expert group, bf16 / fp16 x and W,
-    up to ROUTER_MAX_ROWS tokens), or "auto" (the kernels on a GPU where they apply,
-    `use_pallas(ops=["moe_router"])` to force them on any backend).
+    up to `tuning.ROUTER_MAX_ROWS` tokens), or "auto" (`registry.resolve("moe_router", ...)`).
     Ties go to the lower expert id in both."""
-    if impl not in ROUTE_IMPLS:
-        raise ValueError(f"moe_route: unknown impl={impl!r}; expected one of {ROUTE_IMPLS}")
+    registry.check_impl("moe_router", impl)
     if x.ndim != 2 or w.ndim != 2 or w.shape[0] != x.shape[1] or bias.shape != (w.shape[1],):
         raise ValueError(f"moe_route: inconsistent shapes x={x.shape} w={w.shape} bias={bias.shape}")
     if not 0 < k <= w.shape[1]:
         raise ValueError(f"moe_route: k={k} must be in [1, {w.shape[1]}] experts")
     if scoring not in ("sigmoid", "softmax"):
         raise ValueError(f"moe_route: scoring={scoring!r} must be 'sigmoid' or 'softmax'")
-    supported = router_kernel_supported(x, w, n_group)
-    if impl == "auto":  # not under a multi-device mesh outside shard_map: XLA cannot partition a Pallas call
-        impl = "pallas" if auto_impl("moe_router", supported and kernel_allowed()) else "reference"
+    why_not = router_kernel_unsupported(x, w, n_group)
+    impl = registry.resolve("moe_router", impl, why_not=why_not).impl
     if impl == "pallas":
-        if not supported:
-            raise ValueError(
-                f"moe_route: the kernels need n_group=1 (got {n_group}), x and W of one 2-byte dtype (got "
-                f"{x.dtype}, {w.dtype}), at most {ROUTER_MAX_ROWS} tokens (got {x.shape[0]}), 16 <= E <= 1024 a "
-                f"power of two (got {w.shape[1]}) and D a multiple of 16 (got {w.shape[0]})"
-            )
-        interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+        if why_not is not None:
+            raise ValueError(f"moe_route: the kernels need {why_not}")
+        interpret = registry.interpret_default(interpret)
         return route_pallas(
             x, w, bias, k=k, scoring=scoring, norm_topk_prob=norm_topk_prob, scaling=float(scaling),
             interpret=interpret,

@@ -8,25 +8,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 
-from pallas_kernels._pallas import auto_impl, forced_choice
+from pallas_kernels import registry
 from pallas_kernels.projection.kernel import ROWS, gemv_group_partials, narrow, tile_starts
 from pallas_kernels.projection.reference import project_reference
-
-IMPLS = ("auto", "reference", "pallas")
-# The kernels take up to MAX_ROWS rows (one tensor-core tile). impl="auto" runs them for AUTO_MAX_ROWS: on the
-# H200 (BENCHMARKS.md, small_m.py at 83d5e63, Kimi widths, chained calls) one row is where XLA loses — its
-# multiply + reduce form took 0.029-0.039 ms per 2304 x 4096 / 4096 x 2304 / 2304 x 1024 / 2304 x 9216 weight
-# against the kernel's 0.017-0.026 — while from 4 rows XLA's GEMM matches or beats the padded-MMA kernel
-# (2304 x 4096 at 4 rows: 0.018 vs 0.026 ms). Weights wide enough to need no split (the 163840-wide lm_head:
-# XLA 0.196 vs 0.203 ms) stay with XLA too.
-MAX_ROWS = ROWS
-AUTO_MAX_ROWS = 1
-# Programs `auto_split_k` aims for: two per H200 SM, so that every SM streams weights while its other
-# program waits on memory.
-TARGET_PROGRAMS = 264
-MAX_SPLIT_K = 32
+from pallas_kernels.projection.tuning import MAX_ROWS, MAX_SPLIT_K, TARGET_PROGRAMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +21,7 @@ class SplitK:
     width) of `parts` [S, W] float32, whose sum over S rounded to `dtype` is the value (`value()`), shaped
     `lead` + (width,). Pallas consumers (`project_group`, `linear_attention.kda_decode_layer`) add the S rows
     themselves where XLA would otherwise run one reduction kernel per output between two Pallas calls — at a
-    batch-1 decode step each such kernel costs about as much as its consumer's work (BENCHMARKS.md)."""
+    batch-1 decode step each such kernel costs about as much as its consumer's work."""
 
     parts: jax.Array
     start: int
@@ -84,29 +70,28 @@ def auto_split_k(kdim: int, width: int, block_n: int, block_k: int, target: int 
     return next((s for s in divisors if tiles * s >= target), divisors[-1])
 
 
-def kernel_allowed() -> bool:
-    """Whether a Pallas call may stand for the projection here: not under a multi-device mesh outside
-    `shard_map` — XLA cannot partition a custom call, and would gather a tensor-parallel weight to every
-    device for it (inside `shard_map`, with every axis manual, the call sees the local shard)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or math.prod(mesh.shape.values()) == 1 or all(t == AxisType.Manual for t in mesh.axis_types)
-
-
-def kernel_supported(x: jax.Array, w: jax.Array) -> bool:
-    """Shapes and dtypes the kernels take: at most MAX_ROWS rows, a 2-byte weight, 16-multiple tiles."""
-    rows = math.prod(x.shape[:-1])
-    return 0 < rows <= MAX_ROWS and w.dtype.itemsize == 2 and auto_tiles(*w.shape) is not None
-
-
 def auto_uses_kernel(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `project(x, w, impl="auto")` runs a kernel (callers keep their own XLA path otherwise): inside
-    a `use_pallas()` block covering "projection" wherever the kernels apply; by default on a GPU for
-    AUTO_MAX_ROWS rows of a weight that needs a contraction split (rules above)."""
-    supported = kernel_supported(x, w) and kernel_allowed()
-    if supported and forced_choice("projection") is None:
-        bn, bk = auto_tiles(*w.shape)
-        supported = math.prod(x.shape[:-1]) <= AUTO_MAX_ROWS and auto_split_k(*w.shape, bn, bk) > 1
-    return auto_impl("projection", supported)
+    """Whether `project(x, w, impl="auto")` runs a kernel (`registry.resolve("projection", ...)`): callers
+    that keep their own XLA path otherwise ask first."""
+    return _choice(x, w, "auto").impl == "pallas"
+
+
+def launch_group(x: jax.Array, w: jax.Array) -> tuple | None:
+    """The key under which `project_group(impl="pallas")` can take (x, w) in one launch with the other pairs of
+    the same key, or None where `project(x, w, impl="auto")` runs no kernel. Weights with an output tile of 64
+    or more group at the tile they all divide into, with narrow power-of-two ones (one column per head) in one
+    padded tile each; other narrow ones apart, so they do not shrink the wide weights' tiles."""
+    if not auto_uses_kernel(x, w):
+        return None
+    fits = auto_tiles(*w.shape)[0] >= 64 or narrow(w.shape[1], 64)
+    return (w.shape[0], str(w.dtype), tuple(x.shape), fits)
+
+
+def _choice(x, w, impl: str) -> registry.Choice:
+    rows = math.prod(x.shape[:-1])
+    tiles = auto_tiles(*w.shape)
+    split_k = auto_split_k(*w.shape, *tiles) if tiles is not None else 1
+    return registry.resolve("projection", impl, rows=rows, itemsize=w.dtype.itemsize, tiles=tiles, split_k=split_k)
 
 
 def project(
@@ -126,19 +111,15 @@ def project(
 
     impl: "reference" (float32 jnp), "pallas" (a grid of output tiles x contraction splits streaming W, the
     split partials added in XLA, x cast to w's dtype, one row padded to 16 in the kernel, more rows before it:
-    `project_group` of one weight), or
-    "auto" (`auto_uses_kernel`: a kernel on
-    a GPU for one row of a 2-byte weight that needs a split, outside a multi-device mesh — `kernel_allowed`
-    — else the reference). Tiles: `block_n` / `block_k` powers of two (default
-    `auto_tiles`), `split_k` a divisor of K / block_k (default `auto_split_k`).
+    `project_group` of one weight), or "auto" (`registry.resolve("projection", ...)`). Tiles: `block_n` /
+    `block_k` powers of two (default `auto_tiles`), `split_k` a divisor of K / block_k (default
+    `auto_split_k`).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"project: impl must be one of {IMPLS}, got {impl!r}")
+    registry.check_impl("projection", impl)
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"project: x [..., K] and w [K, N] must agree on K; got x {x.shape}, w {w.shape}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if impl == "auto":
-        impl = "pallas" if auto_uses_kernel(x, w) else "reference"
+    impl = _choice(x, w, impl).impl
     if impl == "reference":
         return project_reference(x, w).astype(out_dtype)
     if auto_tiles(*w.shape) is None and (block_n is None or block_k is None):
@@ -188,7 +169,7 @@ def project_group(
     same array object, is streamed once); ws: weights [K, N_i]. Returns a list of [..., N_i] in out_dtype
     (default the first x's dtype). impl: "reference" (each through `project`'s reference), "pallas"
     (`kernel.gemv_group_partials`: one grid over all the weights' output tiles, the partials of all of them
-    added in one XLA reduction), or "auto" (the kernel where `auto_uses_kernel` holds for every pair, else
+    added in one XLA reduction), or "auto" (the kernel where `registry.resolve` picks it for every pair, else
     `project(impl="auto")` one by one). Tiles default to `group_tiles`, the split to `auto_split_k` over all
     the output tiles together.
 
@@ -196,8 +177,7 @@ def project_group(
     line up with its slabs, anything else takes its `value()`. lazy: a one-row kernel call returns `SplitK`s
     (the partials unreduced, for a Pallas consumer), every other path arrays.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"project_group: impl must be one of {IMPLS}, got {impl!r}")
+    registry.check_impl("projection", impl)
     ws = list(ws)
     if not ws:
         raise ValueError("project_group: no weights given")
@@ -233,8 +213,7 @@ def project_group(
             "pass impl='reference' or group them differently"
         )
     split_k = split_k or auto_split_k(kdim, sum(-(-n // block_n) * block_n for n in widths), block_n, block_k)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+    interpret = registry.interpret_default(interpret)
     unique, x_of = [], []
     for x in xs:  # an input passed for several weights is streamed once
         hit = next((n for n, u in enumerate(unique) if u is x), None)

@@ -1,25 +1,22 @@
 """Sparse MLA for Hopper in Pallas Mosaic GPU: warp-specialized, one 64-head block of one query row per CTA.
 
-Why a second kernel: the Triton-lowered kernel (`kernel.py`) reached 25% of the tensor bound at decode
-(H200, B=64 x 128 heads, top-2048); its products alone ran at 39% (`benchmarks/sparse_mla_bound.py`). Here
-the roles run on separate warpgroups, as in FlashMLA's Hopper design:
+    logit[n, s] = scale * (q_latent[n] . c_s + q_rope[n] . k_rope_s),  s in the selected rows
+    out[n] = sum_s softmax(logit[n])_s c_s,   lse[n] = log sum_s exp(logit[n, s])
+
+Grid (head blocks of 64, slot rows); each CTA walks its row's selected slots in blocks of BLOCK_K rows, with
+STAGES gathered blocks in shared memory. The roles run on separate warpgroups, as in FlashMLA's Hopper design:
 
 - producer (warpgroup 2): gathers the selected rows of the latent pool into shared memory with `cp.async`,
-  16 bytes per thread per copy, written straight into the swizzled (8, 64) tiles `wgmma` reads. (One TMA
-  copy per row and 64-column tile moved 0.5 TB/s on the H200: too slow for a gather.)
+  16 bytes per thread per copy, written straight into the swizzled (8, 64) tiles `wgmma` reads (a TMA copy per
+  row is too slow for a gather), and signals each block as soon as it lands.
 - consumer 0: S = Q K^T over the full 576 columns (latent + rope), the online softmax, P (bf16) handed to
   consumer 1 through shared memory, and O[:, :256] += P V[:, :256].
 - consumer 1: O[:, 256:] += P V[:, 256:], rescaled by consumer 0's correction factors.
 
 Per 64-row block the tensor work is S (64x64x576) and P V (64x64x512) once each: no product is repeated.
-Measured (H200, b1ef719, B=64 x 128 heads, top-2048 of 8192 rows): 0.096 ms a call with 40 chained calls, 51%
-of the bf16 tensor bound; the Triton kernel 0.190 ms. Prefill T=4096 x 128 heads: 7.24 ms against 11.60
-(dd438f2). Taken apart (`probe`, 40 chained calls, BENCHMARKS.md notes): the gather alone 0.091 ms, the products
-alone 0.064, an empty pipeline 0.030, and no softmax or P hand-off saves nothing: the row gather bounds it, with
-about one stage in flight per CTA while the other is read.
-
-    logit[n, s] = scale * (q_latent[n] . c_s + q_rope[n] . k_rope_s),  s in the selected rows
-    out[n] = sum_s softmax(logit[n])_s c_s,   lse[n] = log sum_s exp(logit[n, s])
+Why a second kernel: the Triton kernel (`kernel.py`) stays far below the tensor bound at decode; warpgroups with
+one role each overlap the gather, the products and the softmax. The row gather bounds this one; measurements in
+docs/performance.md#sparse-mla.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from jax.experimental import pallas as pl
 BLOCK_H = 64  # heads per CTA: the M of one wgmma
 BLOCK_K = 64  # selected rows per step
 TILE = 64  # bf16 columns per 128-byte swizzled tile
-STAGES = 2  # gathered blocks in flight: Q + 2 stages + P fill the H200's 227 KiB of shared memory
+STAGES = 2  # gathered blocks in flight: Q + 2 stages + P fill sm_90's 227 KiB of shared memory
 WG = 128  # threads per warpgroup
 LOG2E = math.log2(math.e)
 
@@ -207,7 +204,7 @@ def _kernel(
 
             issue(i)
             # Signal each block as soon as it lands: signalling block i only after issuing block i + 1
-            # (which waits for block i - 1 to be consumed) ran the stages in lockstep, 58 of 125 us.
+            # (which waits for block i - 1 to be consumed) would run the stages in lockstep.
             landed()
             plgpu.barrier_arrive(ready.at[i % STAGES])
 
@@ -307,7 +304,7 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "q_splits", "probe"))
-def sparse_mla_hopper(
+def sparse_mla_mosaic(
     q_latent, q_rope, slots, lat_rows, rope_rows=None, *, scale: float, q_splits: int = 1, probe: str = ""
 ):
     """q_latent [Q,N,L] and q_rope [Q,N,R] bf16, slots [Q*q_splits, K] int32 pool rows (-1 unused),
@@ -325,7 +322,7 @@ def sparse_mla_hopper(
     split_rope = rope_rows is not None
     if n % BLOCK_H or k % BLOCK_K or rope != TILE or lat % (2 * TILE) or rows_total != nq * q_splits:
         raise ValueError(
-            f"sparse_mla_hopper: needs heads % {BLOCK_H} == 0 (got {n}), selected % {BLOCK_K} == 0 (got {k}), "
+            f"sparse_mla_mosaic: needs heads % {BLOCK_H} == 0 (got {n}), selected % {BLOCK_K} == 0 (got {k}), "
             f"rope == {TILE} (got {rope}), latent % {2 * TILE} == 0 (got {lat}), {nq} x {q_splits} slot rows "
             f"(got {rows_total})"
         )

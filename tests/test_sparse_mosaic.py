@@ -1,5 +1,5 @@
-"""The Hopper (Mosaic GPU) sparse MLA kernel: against the reference on an sm_90 GPU, its lowering for sm_90 on
-any machine that has the CUDA plugin's Python files, and its clear refusals everywhere."""
+"""The Mosaic GPU (sm_90) sparse MLA kernel, `impl="mosaic"`: against the reference on an sm_90 GPU, its
+lowering for sm_90 on any machine that has the CUDA plugin's Python files, and its clear refusals everywhere."""
 
 import os
 import subprocess
@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 
 from hybrid_jax.quant.formats import quantize_kv_fp8
+from pallas_kernels import registry
+from pallas_kernels.registry import is_sm90, mosaic_sparse_unsupported
 from pallas_kernels.sparse_attention import sparse_mla
-from pallas_kernels.sparse_attention.api import _is_hopper, hopper_unsupported, prefers_hopper
 from tests.conftest import rel_err
 from tests.test_sparse_kernels import _case
 
-on_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (run on the H200)")
+on_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm_90 GPU (run on the H200)")
 
 
-@on_hopper
+@on_sm90
 @pytest.mark.parametrize(
     "seed, b, t, n, topk, lengths, split_pool",
     [
@@ -32,7 +33,7 @@ on_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU (run
         (2, 64, 1, 128, 2048, [4096] * 64, False),
     ],
 )
-def test_hopper_matches_reference(seed, b, t, n, topk, lengths, split_pool):
+def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool):
     ql, qr, pool, table, idx = _case(seed, b, t, n, 512, 64, 64, topk, lengths, jnp.bfloat16)
     if seed == 2:  # all slots used (the generic case draws how many)
         rng = np.random.default_rng(seed)
@@ -41,7 +42,7 @@ def test_hopper_matches_reference(seed, b, t, n, topk, lengths, split_pool):
     kw = dict(rope_pages=pool[..., 512:]) if split_pool else {}
     pages = pool[..., :512] if split_pool else pool
     ref_o, ref_lse = sparse_mla(ql, qr, pool, table, idx, scale=0.07, impl="reference")
-    o, lse = sparse_mla(ql, qr, pages, table, idx, scale=0.07, impl="hopper", **kw)
+    o, lse = sparse_mla(ql, qr, pages, table, idx, scale=0.07, impl="mosaic", **kw)
     auto_o, _ = sparse_mla(ql, qr, pages, table, idx, scale=0.07, **kw)  # "auto" picks it from 64 heads
     if n >= 64:
         np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
@@ -52,46 +53,57 @@ def test_hopper_matches_reference(seed, b, t, n, topk, lengths, split_pool):
     assert rel_err(o.astype(jnp.float32), ref_o.astype(jnp.float32)) < 1e-2
 
 
-def test_hopper_refusals_name_the_reason():
+def test_mosaic_refusals_name_the_reason():
     ql, qr, pool, table, idx = _case(3, 1, 1, 64, 512, 64, 64, 64, [100], jnp.bfloat16)
     ql, qr = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
-    if not _is_hopper():
+    if not is_sm90():
         with pytest.raises(ValueError, match="needs a Hopper"):
-            sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="hopper")
+            sparse_mla(ql, qr, pool, table, idx, scale=0.1, impl="mosaic")
     with pytest.raises(ValueError, match="rope 32"):
-        sparse_mla(ql, qr[..., :32], pool[..., :544], table, idx, scale=0.1, impl="hopper")
+        sparse_mla(ql, qr[..., :32], pool[..., :544], table, idx, scale=0.1, impl="mosaic")
     with pytest.raises(ValueError, match="float32 queries"):
-        sparse_mla(ql.astype(jnp.float32), qr, pool, table, idx, scale=0.1, impl="hopper")
+        sparse_mla(ql.astype(jnp.float32), qr, pool, table, idx, scale=0.1, impl="mosaic")
     values, scales = quantize_kv_fp8(pool[..., :512].astype(jnp.float32), 128)
     with pytest.raises(ValueError, match="FP8 latent pool"):
         sparse_mla(
-            ql, qr, values, table, idx, scale=0.1, impl="hopper", latent_scales=scales, rope_pages=pool[..., 512:]
+            ql, qr, values, table, idx, scale=0.1, impl="mosaic", latent_scales=scales, rope_pages=pool[..., 512:]
         )
-    assert hopper_unsupported(512, 64, jnp.bfloat16, jnp.bfloat16, False, "bf16") is None
-    assert "float32 pool" in hopper_unsupported(512, 64, jnp.bfloat16, jnp.float32, False, "bf16")
-    # "auto" never picks it off a Hopper GPU, nor for fewer than 64 heads
-    assert prefers_hopper(128) == prefers_hopper(64) == _is_hopper()
-    assert not prefers_hopper(16)
+    facts = dict(latent=512, rope=64, q_dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16, fp8=False, precision="bf16")
+    assert mosaic_sparse_unsupported(**facts) is None
+    assert "float32 pool" in mosaic_sparse_unsupported(**{**facts, "pool_dtype": jnp.float32})
+    # "auto" picks it on an sm_90 GPU from 64 heads, never off one, nor for fewer heads or with tile knobs
+    for device, heads, tiles, want in [
+        (("gpu", "9.0"), 128, False, "mosaic"),
+        (("gpu", "9.0"), 64, False, "mosaic"),
+        (("gpu", "9.0"), 16, False, "pallas"),
+        (("gpu", "9.0"), 128, True, "pallas"),
+        (("gpu", "8.0"), 128, False, "pallas"),
+        (("cpu", None), 128, False, "reference"),
+    ]:
+        with registry.assume_device(*device):
+            got = registry.resolve("sparse_mla", heads=heads, tiles_given=tiles, **facts)
+        assert got.impl == want, (device, heads, tiles, got)
 
 
 _LOWER = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp
-from pallas_kernels.sparse_attention.hopper import sparse_mla_hopper
+from pallas_kernels.sparse_attention.mosaic_gpu import sparse_mla_mosaic
 S = jax.ShapeDtypeStruct
 for split in (False, True):
     pools = (S((4096, 512), jnp.bfloat16), S((4096, 64), jnp.bfloat16)) if split else (S((4096, 576), jnp.bfloat16),)
     args = (S((3, 128, 512), jnp.bfloat16), S((3, 128, 64), jnp.bfloat16), S((6, 256), jnp.int32), *pools)
-    text = sparse_mla_hopper.trace(*args, scale=0.1, q_splits=2).lower(lowering_platforms=("cuda",)).as_text()
+    text = sparse_mla_mosaic.trace(*args, scale=0.1, q_splits=2).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text, text[:2000]
 # the public wrapper on awkward shapes (100 heads padded to 128, top-300 padded to 320, parts merged by LSE),
 # as on a Hopper GPU
+import pallas_kernels.registry as registry
 import pallas_kernels.sparse_attention.api as api
-api._is_hopper = lambda: True
+registry.is_sm90 = lambda: True
 for split, t in ((False, 1), (True, 3)):
     kw = dict(rope_pages=S((40, 64, 64), jnp.bfloat16)) if split else {}
-    f = jax.jit(lambda *a, **kw: api.sparse_mla(*a, scale=0.1, impl="hopper", **kw))
+    f = jax.jit(lambda *a, **kw: api.sparse_mla(*a, scale=0.1, impl="mosaic", **kw))
     args = (S((2, t, 100, 512), jnp.bfloat16), S((2, t, 100, 64), jnp.bfloat16),
             S((40, 64, 512 if split else 576), jnp.bfloat16), S((2, 20), jnp.int32), S((2, t, 300), jnp.int32))
     traced = f.trace(*args, **kw)
@@ -101,7 +113,7 @@ print("lowered")
 """
 
 
-def test_hopper_kernel_lowers_for_sm90():
+def test_mosaic_kernel_lowers_for_sm90():
     """Python-side lowering of the Mosaic GPU kernel (layouts, shared memory budget, inline cp.async) for an
     sm_90 target, on a machine without a GPU: needs the jax-cuda13-plugin wheel's files, unpacked, at
     $HYBRID_JAX_CUDA_PLUGIN_DIR (`pip download --no-deps jax-cuda13-plugin==<jax version>` and unzip)."""

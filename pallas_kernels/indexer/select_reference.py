@@ -1,12 +1,11 @@
 """Exact Top-K by radix select: the same (values, indices) as `lax.top_k`, found by counting passes.
 
-`lax.top_k` of the indexer's [queries, keys] scores costs about as much as a sort of every row (the brief's
-H200 measurement: 1.3 ms for (64, 131072) -> 2048, 6.5 G elements/s), and in a prefill the rows are as
-long as the context. Here the K-th largest score of each row is found digit by digit — `digit_bits` bits
-per pass, each pass one counting reduction over the row (order-preserving uint32 image of the float32
-scores) — then the row's elements above it, plus the lowest-position ties at it, are compacted and only
-those K are sorted. Work: 32 / digit_bits counting passes + two prefix sums + one compaction over the
-row, and a sort of K (not S) elements.
+`lax.top_k` of the indexer's [queries, keys] scores costs about as much as a sort of every row, and in a
+prefill the rows are as long as the context. Here the K-th largest score of each row is found digit by
+digit — `digit_bits` bits per pass, each pass one counting reduction over the row (order-preserving uint32
+image of the float32 scores) — then the row's elements above it, plus the lowest-position ties at it, are
+compacted and only those K are sorted. Work: 32 / digit_bits counting passes + two prefix sums + one
+compaction over the row, and a sort of K (not S) elements.
 """
 
 from __future__ import annotations

@@ -1,0 +1,17 @@
+"""Tuned values of the KDA chunked-prefill kernels (read by `chunked.py`).
+
+Chosen from timings on a Hopper GPU of a 32K-token x 32-head bfloat16 prefill, each kernel alone and the whole
+prefill; the measurements are in docs/performance.md (section "KDA prefill")."""
+
+# Warps of the intra-chunk phase's (A kernel, solve kernel); the chunk cumsum takes the first. The A kernel
+# keeps several [64, K] float32 tiles live at once and spills registers with fewer warps; the solve kernel's
+# chain of dependent [64, 64] products runs best at fewer.
+INTRA_WARPS = (8, 4)
+
+# Software-pipelining stages of the state pass with bfloat16 intermediates: its loads of the next chunk's
+# tiles overlap this chunk's products.
+STATE_STAGES = 3
+# float32 intermediates ("tf32" / "ieee" products) hold twice the bytes per tile: at 2 or 3 stages the state
+# pass asks for more shared memory than an sm_90 block may have (232,448 bytes) at Kimi-Linear and
+# hybrid_small widths, so it runs unpipelined.
+WIDE_STATE_STAGES = 1
