@@ -14,8 +14,8 @@ accumulation). RoPE rotates channel c with c + R/2: the head's columns are produ
 two rotary halves and the pass-through rest — so the rotation is elementwise on whole tiles (no slicing or
 concatenation of values in the kernel), and the LayerNorm statistics are sums over the groups.
 
-Measured slower than XLA's step-by-step prolog on the H200 (0.058 vs 0.017 ms, hybrid_small batch 1): a
-few latency-bound programs stream whole weight matrices; opt-in (`api.PROLOG_DEFAULT_ON_GPU`).
+Opt-in (off in `registry`; `use_pallas(ops=["indexer_prolog"])`): slower than XLA's step-by-step prolog, as a
+few latency-bound programs stream whole weight matrices; measurements in docs/performance.md#indexer.
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). Rows are padded to a power of two
 >= 16; every column group must be a power of two (>= 16 on the GPU's tensor cores).

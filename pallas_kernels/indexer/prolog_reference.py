@@ -1,5 +1,5 @@
-"""jnp ground truth of the indexer's decode prolog (ARCH_SPEC §4): everything the lightning indexer computes
-from one step's inputs before it scores keys.
+"""jnp ground truth of the indexer's decode prolog (docs/architecture.md §6): everything the lightning indexer
+computes from one step's inputs before it scores keys.
 
     q = RoPE(bf(c_q W_qb))               [M, N, H]   (RoPE, half-split, on the first R dims of each head)
     k = RoPE(bf(LayerNorm(bf(x W_k))))   [M, H]

@@ -1,6 +1,6 @@
 """Lightning indexer (DeepSeek-V3.2 DSA) scores and causal Top-K in float32 jnp: the ground truth.
 
-    I[t, s] = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s])      (ARCH_SPEC §4.2 step 7, §4.4 HF form)
+    I[t, s] = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s])      (docs/architecture.md §6)
 Key s is a candidate for query t iff s <= q_positions[t] and s < kv_length. The K best candidates are
 returned in descending score order; ties go to the lower position; missing candidates are -1.
 Queries are processed in blocks so the [T, N, S] score tensor is never materialised whole.

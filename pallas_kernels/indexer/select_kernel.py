@@ -1,7 +1,7 @@
 """Pallas kernel: exact Top-K of each score row by radix select and compaction, one program per row.
 
-`lax.top_k` with K = 2048 sorts every row (about 6.5 G elements/s on the H200), and a causal prefill's rows
-are as long as the context. Here one program owns a row and never sorts it:
+`lax.top_k` with K = 2048 sorts every row, and a causal prefill's rows are as long as the context. Here one
+program owns a row and never sorts it:
   1. if the row's prefix holds at most K scores, all its finite ones are the answer;
   2. else find the K-th largest score's 32-bit order key τ digit by digit (`digit_bits` per pass, most
      significant first): a pass counts, for the 2^digit_bits candidates c = τ | d·2^shift, the scores whose
@@ -16,17 +16,16 @@ are as long as the context. Here one program owns a row and never sorts it:
      ties at τ, only when some are taken).
 Each pass reads only the row's first `limit` scores (a causal query sees at most pos + 1 keys; the rest
 are -inf by construction). Work per row: (32 / digit_bits + 1) passes over `limit` scores, 2^digit_bits - 1
-comparisons per score and pass, and no sort. The kernel is bound by those integer operations (H200,
-8b316df / 7859bca: 2-bit digits beat 4-bit ones, 3.5 vs 4.8 ms for 4096 rows of ~29K scores; 1-bit 5.2 ms;
-4096-score chunks and 8 warps 2.6 ms). Slots past the
-row's count are written -1 / -inf.
+comparisons per score and pass, and no sort. Slots past the row's count are written -1 / -inf.
+Why 2-bit digits, 4096-score chunks and 8 warps by default (`tuning.SELECT_*`): the kernel is bound by these
+integer comparisons, and that setting ran them fastest; measurements in docs/performance.md#indexer.
 
-Prefilter (`prefilter=True`, the default on rows of at least 4 x 2k keys): a first kernel finds, per row,
-a bound with between k and 2k scores at or above it and writes those (score, position) pairs in position
-order; the kernel above then selects among them instead of the row (the same answer: every score of the
-Top-K is at or above the bound, and position order keeps the tie rule). Random scores need one statistics
-pass, one counting pass and one compaction over the row (H200, 85a0b5a: the last 4,096 rows of a 32K
-prefill 1.237 vs 1.672 ms; [64, 131072] rows 0.231 vs 0.710 ms).
+Prefilter (`prefilter=True`, the default on rows of at least PREFILTER_MIN_ROWS_PER_WIDTH x its candidate
+width): a first kernel finds, per row, a bound with between k and PREFILTER_WIDTH_PER_K x k scores at or above
+it and writes those (score, position) pairs in position order; the kernel above then selects among them
+instead of the row (the same answer: every score of the Top-K is at or above the bound, and position order
+keeps the tie rule). Why: random scores need one statistics pass, one counting pass and one compaction over
+the row instead of the radix passes over all of it; measurements in docs/performance.md#indexer.
 
 Order keys: the float32 bits as int32, negative values with their 31 low bits flipped, compare like the
 floats under a signed comparison (-inf lowest of the non-NaN values). The radix digits are those of the
@@ -45,6 +44,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import triton_params
+from pallas_kernels.indexer.tuning import (
+    PREFILTER_MIN_ROWS_PER_WIDTH,
+    PREFILTER_PASSES,
+    PREFILTER_WIDTH_PER_K,
+    SELECT_CHUNK,
+    SELECT_DIGIT_BITS,
+    SELECT_STAGES,
+    SELECT_WARPS,
+)
 
 _SIGN = -(1 << 31)  # int32 0x80000000: maps between the signed key and its unsigned radix image
 _LOW31 = (1 << 31) - 1
@@ -225,11 +233,9 @@ def _from_key(key):
     return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ _LOW31, key), jnp.float32)
 
 
-# Candidates of a prefiltered row: between k and PREFILTER_WIDTH_PER_K x k scores at or above a bound.
-PREFILTER_WIDTH_PER_K = 2
-# Bound searches of the prefilter before a row is left to the full selection (a heavy-tailed or tie-heavy
-# row; random scores end in the first search, the worst distributions tried on CPU by the sixth).
-PREFILTER_PASSES = 8
+# (tuning.py) Candidates of a prefiltered row: between k and PREFILTER_WIDTH_PER_K x k scores at or above a
+# bound, found in at most PREFILTER_PASSES bound searches (random scores: the first) before a heavy-tailed or
+# tie-heavy row is left to the full selection.
 
 
 def finite_stats_init(lanes: int, count_dtype):
@@ -332,15 +338,15 @@ def _prefilter_kernel(limit_ref, x_ref, cand_ref, cand_pos_ref, count_ref, *, k,
     count_ref[0] = jnp.where(found >= 0, count, -1)
 
 
-# `prefilter=None` runs the prefilter on rows of at least this many times its candidate width.
-PREFILTER_MIN_ROWS_PER_WIDTH = 4
+# (tuning.py) `prefilter=None` runs the prefilter on rows of at least PREFILTER_MIN_ROWS_PER_WIDTH times its
+# candidate width.
 
 
 @functools.partial(
     jax.jit, static_argnames=("k", "chunk", "digit_bits", "interpret", "num_warps", "num_stages", "prefilter")
 )
-def top_k_rows_pallas(x, limits, *, k, chunk=4096, digit_bits=2, interpret=False, num_warps=8, num_stages=2,
-                      prefilter=None):  # fmt: skip
+def top_k_rows_pallas(x, limits, *, k, chunk=SELECT_CHUNK, digit_bits=SELECT_DIGIT_BITS, interpret=False,
+                      num_warps=SELECT_WARPS, num_stages=SELECT_STAGES, prefilter=None):  # fmt: skip
     """x [R, S] float32 scores (S a multiple of chunk; -inf = not a candidate), limits [R] int32: only the
     first limits[r] scores of row r are candidates, and the caller guarantees the rest are -inf (the kernel
     reads up to the end of the chunk holding the last one) -> (values [R, k] float32, positions [R, k]
@@ -406,7 +412,7 @@ def prefilter_rows(x, limits, *, k, chunk, interpret, **params):
     )(limits, x)
 
 
-def top_k_segmented(x, limits, *, k, segments, chunk=4096, interpret=False, **knobs):
+def top_k_segmented(x, limits, *, k, segments, chunk=SELECT_CHUNK, interpret=False, **knobs):
     """`top_k_rows_pallas` for a few long rows: each row cut into `segments` pieces whose own Top-K run as
     separate programs (the row's K best are among them), then one more selection over each row's
     segments x k candidates — which come in ascending position order (segments in order, -inf pads between

@@ -1,9 +1,8 @@
 """Pallas kernels: exact Top-K of a few long score rows, each row's passes shared by many programs.
 
-`select_kernel.top_k_rows_pallas` gives each row one program: a decode step at batch 1 has one 128K row,
-one SM works and the other 131 wait (H200, d397dea: 0.184 ms for the row, `lax.top_k` 0.071 ms). Here
-each row is cut into segments of `seg` scores, one program each, and the three passes over the row run
-on all of them:
+`select_kernel.top_k_rows_pallas` gives each row one program: a decode step at batch 1 has one 128K row, so
+one SM works and the others wait (slower than `lax.top_k` there; docs/performance.md#indexer). Here each row
+is cut into segments of `seg` scores, one program each, and the three passes over the row run on all of them:
   1. statistics: per segment, the count, sum, sum of squares, min and max of its finite scores;
   2. counting: every program combines the row's statistics into NB candidate bounds (where a normal
      distribution of that mean and spread puts the t·k largest, t from 0.5 to 2.5; values spread between
@@ -15,24 +14,23 @@ on all of them:
 Then one program per row selects the Top-K among its candidates (`select_kernel._select_row`: radix
 select and compaction, ties at the K-th value to the lowest positions), which keeps position order: the
 result equals `top_k_rows_pallas` on the whole row for any distribution. The bounds only decide how many
-candidates the last step reads: in a numpy check of 128K scores with k = 2048, 1.04 k for normal ones, 1.08 k
-for ReLU-weighted sums like the indexer's, 1.6-2.1 k for Gumbel, log-normal and exponential ones; a tie-heavy
-row may leave more (at worst every finite score), which costs time, never exactness.
+candidates the last step reads: about 1.04-2.1 k on normal, ReLU-weighted (the indexer's), Gumbel,
+log-normal and exponential scores; a tie-heavy row may leave more (at worst every finite score), which costs
+time, never exactness.
 
 Work per row: three passes over its scores spread over S / seg programs, then one program over the
-candidates. Four launches; no sort. H200 (c154445, 10 chained calls, the selection alone): one 128K row
-0.059 ms (`lax.top_k` 0.081, the row kernel 0.177); [16, 128K] 0.086 (0.473 / 0.180); [64, 128K] 0.156
-(0.770 / 0.203).
+candidates. Four launches; no sort. Why: the long passes use the whole GPU for a few rows, where one program
+per row or `lax.top_k`'s sort do not; measurements in docs/performance.md#indexer.
 
 Best first (`best_first=True`, for the few rows of a decode step): instead of the one program per row, the
 row's candidates are ranked against each other — rank(i) = #{j: v_j > v_i} + #{j: v_j = v_i, pos_j < pos_i},
-and candidate i is written to slot rank(i) when that is below k — by one program per 16 candidates, which
-gives `lax.top_k`'s order with no sort afterwards. Its O(n²) compares (n ≈ 1.04-2.1 k) are cheap spread
-over ~n / 16 programs. A row with more than 2k candidates (ties, a heavy tail) is cut to its k in the same
-kernel: each program finds the K-th key by the radix search over the candidates and ranks its 16 of the k
-chosen against them, so four kernels run per call (three with given statistics: count, compact, rank) and
-none of them is a one-program kernel. H200 (19271fa, one 128K row, 40 chained calls): 0.035 ms with the statistics pass,
-against 0.072 selected by one program and sorted by XLA.
+and candidate i is written to slot rank(i) when that is below k — by one program per RANK_BLOCK (16)
+candidates, which gives `lax.top_k`'s order with no sort afterwards. Its O(n²) compares (n ≈ 1.04-2.1 k) are
+cheap spread over ~n / 16 programs. A row with more than RANK_MAX_PER_K x k (2k) candidates (ties, a heavy
+tail) is cut to its k in the same kernel: each program finds the K-th key by the radix search over the
+candidates and ranks its 16 of the k chosen against them, so four kernels run per call (three with given
+statistics: count, compact, rank) and none of them is a one-program kernel. Why: faster than one program
+selecting and XLA sorting the K after; measurements in docs/performance.md#indexer.
 
 Given statistics (`stats=`): the score kernel (`kernel.indexer_scores_pallas(stats=True)`) takes them of its
 own scores in registers, so the first pass and its launch go.
@@ -59,39 +57,38 @@ from pallas_kernels.indexer.select_kernel import (
     search_threshold,
     select_candidates,
 )
+from pallas_kernels.indexer.tuning import (
+    MIN_SEGMENT,
+    PASS_CHUNK,
+    QUANTILE_TARGETS,
+    RANK_BLOCK,
+    RANK_GATHER_CHUNK,
+    RANK_MAX_PER_K,
+    RANK_SEARCH_CHUNK,
+    RANK_STAGES,
+    RANK_STEP,
+    RANK_WARPS,
+    SELECT_DIGIT_BITS,
+    SELECT_STAGES,
+    SELECT_WARPS,
+    SPREAD_FRACTIONS,
+    TARGET_PROGRAMS,
+)
 
-# Bounds counted per row: x k scores at or above where a normal distribution would put them (below 1: a
-# right tail heavier than normal puts more there than the normal predicts) ...
-QUANTILE_TARGETS = (0.5, 0.7, 0.85, 0.95, 1.03, 1.1, 1.2, 1.4, 1.7, 2.5)
-# ... and values at these fractions of the way from the max down to the min (heavy tails), then the mean
-# and the min (every finite score: the bound that always leaves k when k are there).
-SPREAD_FRACTIONS = (1 / 256, 1 / 32, 1 / 8, 1 / 2)
+# Bounds counted per row (tuning.py): x k scores at or above where a normal distribution would put them
+# (QUANTILE_TARGETS), values at SPREAD_FRACTIONS of the way from the max down to the min (heavy tails), then
+# the mean and the min (every finite score: the bound that always leaves k when k are there).
 NUM_BOUNDS = len(QUANTILE_TARGETS) + len(SPREAD_FRACTIONS) + 2  # 16: a power of two for the block shapes
 _MIN_BOUND = NUM_BOUNDS - 1
 STATS = 8  # count, sum, sum of squares, min, max, then zeros (a power-of-two block)
-# Programs the passes aim for across all rows (the H200 has 132 SMs), and the segment sizes allowed. One
-# 128K row (H200, c154445 profile, the selection alone): segments of 1024 scores (128 programs) take 28.9 us
-# of kernels, 512 29.3, 256 32.4 (counting and compaction 5.3 us each with 512 small programs, 3.5 with
-# 128), 4096 33.5; wider rows of a batch reach `chunk` first.
-TARGET_PROGRAMS = 128
-MIN_SEGMENT = 256
-PASS_CHUNK = 1024  # scores per step of a pass
-# best_first: candidates ranked by comparison up to RANK_MAX_PER_K x k of them (every candidate against every
-# other: O(n^2) compares, spread over n / RANK_BLOCK programs; the bounds leave 1.04-2.1 k on the
-# distributions tried); a row with more has its k chosen by a radix search in every ranking program.
-RANK_MAX_PER_K = 2
-RANK_BLOCK = 16  # candidates ranked per program
-RANK_STEP = 1024  # candidates compared against them per step
-# Rows with more than cap candidates: candidates per step of the K-th key search inside the ranking (its
-# loop waits on each step's loads: a long step keeps more of them in flight) and of the scan for a program's
-# chosen ones (a [RANK_BLOCK, step] match in the steps that hold them); the ranking's warps and pipeline
-# stages. H200 (15242e1, one 128K row): 8 warps cut a constant row to 0.34 ms from 0.52 at 4 (0.62 with the
-# one-program select); at B=1 decode 4 or 8 warps and 1 or 2 stages are within the noise (23.5-23.9 us of
-# kernels a call, 27.0 with the one-program select's launch).
-RANK_SEARCH_CHUNK = 4096
-RANK_GATHER_CHUNK = 1024
-RANK_WARPS = 8
-RANK_STAGES = 1
+# (tuning.py) The passes aim for TARGET_PROGRAMS programs across all rows, with segments of at least
+# MIN_SEGMENT scores (wider rows of a batch reach `chunk` first), PASS_CHUNK scores per step.
+# best_first (tuning.py): candidates ranked by comparison up to RANK_MAX_PER_K x k of them (every candidate
+# against every other: O(n^2) compares, spread over n / RANK_BLOCK programs, RANK_STEP at a time); a row with
+# more has its k chosen by a radix search in every ranking program, RANK_SEARCH_CHUNK candidates per step of
+# that search (its loop waits on each step's loads: a long step keeps more of them in flight) and
+# RANK_GATHER_CHUNK per step of the scan for a program's chosen ones (a [RANK_BLOCK, step] match in the steps
+# that hold them); RANK_WARPS and RANK_STAGES for the ranking kernel.
 
 
 def segment_size(rows: int, s: int, chunk: int) -> int:
@@ -240,8 +237,8 @@ def _rank_kernel(n_ref, cand_ref, pos_ref, vals_ref, idx_ref, *, k, cap, block, 
     (`search_threshold` over the n, `chunk` at a time), takes the chosen candidates numbered p·block ... in
     position order (a scan, `gather_chunk` at a time, that stops once it has passed them), and ranks those
     above the K-th key against the n; the ties at it follow the k - need above it in position order. Each program
-    repeats the search, where a one-program selection kernel before this one would cost its launch on every
-    call (~3 us on the H200, three times its own run time when it has nothing to do)."""
+    repeats the search, where a one-program selection kernel before this one would add its launch to every
+    call, even those with no row over cap."""
     p = pl.program_id(1)
     lane = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
     mine = p * block + lane
@@ -344,7 +341,7 @@ def rank_width(k: int) -> tuple[int, int]:
 )
 def top_k_split(
     x, limits, *, k, chunk=4096, seg=None, best_first=False, stats=None, stats_parts=None, interpret=False,
-    num_warps=4, select_warps=8,
+    num_warps=4, select_warps=SELECT_WARPS,
 ):  # fmt: skip
     """x [R, S] float32 scores (S a multiple of `chunk`, a power of two; -inf = not a candidate), limits [R]
     int32 with the same contract as `select_kernel.top_k_rows_pallas` (the scores past limits[r] are -inf)
@@ -417,12 +414,12 @@ def top_k_split(
         # rows of at most cap candidates (all, unless a heavy tail or ties left more) are ranked whole; the
         # others are cut to their k inside the same kernel
         kernel = functools.partial(_rank_kernel, k=k, cap=cap, block=block, step=RANK_STEP, chunk=RANK_SEARCH_CHUNK,
-                                   gather_chunk=RANK_GATHER_CHUNK, digit_bits=2)  # fmt: skip
+                                   gather_chunk=RANK_GATHER_CHUNK, digit_bits=SELECT_DIGIT_BITS)  # fmt: skip
         grid, spec, name, params = (r, cap // block), per_row, "indexer_split_rank", (RANK_WARPS, RANK_STAGES)
     else:
-        kernel = functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=2)
+        kernel = functools.partial(_select_kernel, k=k, chunk=chunk, digit_bits=SELECT_DIGIT_BITS)
         spec = lambda *n: pl.BlockSpec((None, *n), lambda i: (i,) + (0,) * len(n))  # noqa: E731
-        grid, name, params = (r,), "indexer_split_select", (select_warps, 2)
+        grid, name, params = (r,), "indexer_split_select", (select_warps, SELECT_STAGES)
     return pl.pallas_call(
         kernel,
         grid=grid,

@@ -23,12 +23,9 @@ Intermediates between the phases are float32 in HBM (W, U, q_g, k_g, k_b, A_qk);
 precision="bf16" (W, q_g, k_g, k_b, A_qk only enter bf16 products; V' = U − W S is cast to bfloat16 for its
 products, so U's rounding is of the same order — fla stores U in bfloat16 too). A_kk stays float32.
 
-Forms measured and dropped (H200, 32K tokens x 32 heads, bf16; BENCHMARKS.md): phase 1 as one kernel with
-the diagonal sub-blocks per element in a 16-step loop, 10.6 ms for the prefill (255 registers, spills);
-split in two with that loop, 8.57 ms (A kernel 4.78); the diagonal sub-blocks as [16, 16, 32] tiles summed
-over K, 14.0; the hierarchy's levels on diagonal blocks of 16 or 32 rows (more, smaller products) 4.2 / 3.7
-ms for the A kernel vs 2.35 with one 64-row block; phase 1 in one kernel on top of that (cumsum and inverse
-in the A kernel) 9.7-16 ms (spills). Now 4.59 ms vs fla's chunk_kda 4.76 (f860793).
+Why two phase-1 kernels and the hierarchy over the whole 64-row chunk: phase 1 as one kernel spills
+registers, and per-element loops or 16 / 32-row diagonal blocks make more, smaller products; measurements in
+docs/performance.md#kda-prefill.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
+from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
 SUB = 16  # the Neumann chain's diagonal sub-blocks: the smallest tensor-core tile
@@ -48,21 +46,10 @@ SUB = 16  # the Neumann chain's diagonal sub-blocks: the smallest tensor-core ti
 # decayed products of A (the a = b terms of A_qk stay), "solve" the inverse.
 PARTS = frozenset({"levels", "solve"})
 LOG2E = 1.4426950408889634
-# Warps of the (A kernel, solve kernel). H200, 32K x 32 heads, bf16, each kernel alone: the A kernel 2.35 ms at
-# 8 warps (6.14 at 4: spills); the solve 1.24 ms at 4 warps (2.22 at 8, 3.62 at 2).
-INTRA_WARPS = (8, 4)
-# Software-pipelining stages of the state pass (its loads of the next chunk's tiles overlap this chunk's
-# products): 4.53 ms vs 4.92 at 2 for the whole 32K prefill (H200).
-STATE_STAGES = 3
-# float32 intermediates ("tf32" / "ieee" products) hold twice the bytes per tile: the state pass asks for
-# 385,024 bytes of shared memory on sm_90 with 3 stages and 262,144 with 2, where a block may have 232,448;
-# 1 stage (no pipelining) 57,344 (Kimi-Linear and hybrid_small widths, `benchmarks/kernel_resources.py`).
-# Before this no float32 model with KDA layers could prefill on the GPU; its speed there is not measured.
-WIDE_STATE_STAGES = 1
 
 
 def state_stages(precision: str) -> int:
-    """The state pass's default pipelining stages for products at `precision`."""
+    """The state pass's default pipelining stages for products at `precision` (`tuning.py`)."""
     return STATE_STAGES if precision == "bf16" else WIDE_STATE_STAGES
 
 
@@ -196,8 +183,8 @@ def _a_levels(q, k, g_ref, *, precision, levels):
     exp(P − G_b), both factors ≤ 1 (G decreases): nothing overflows however strong the gates, and a factor
     that underflows bounds the exact value below it. One tile per level serves both sides, E = exp(−|G −
     P(row)|) (the left factor on upper-half rows, the right one on lower-half rows), and each level is two
-    masked [C, K] x [K, C] tensor-core products; the a = b terms of A_qk have no decay (one more product).
-    13 products per chunk where the per-element form looped over key rows (see the module notes)."""
+    masked [C, K] x [K, C] tensor-core products; the a = b terms of A_qk have no decay (one more product):
+    13 products per chunk in all."""
     dot = _products(precision)
     c = q.shape[0]
     r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
@@ -401,7 +388,8 @@ def kda_chunked_pallas(
 def kda_state_summary_pallas(
     k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=None
 ):
-    """The affine map of a sequence shard, S_end = M S_start + E (ARCH_SPEC §2), from the same two phases.
+    """The affine map of a sequence shard, S_end = M S_start + E (docs/architecture.md §4), from the same two
+    phases.
 
     The state pass is affine in S: S ← M_c S + k_gᵀ U with M_c S = exp(G_C) ⊙ S − k_gᵀ (W S). Running it on
     the augmented state [M | E] [K, K + V], started from [I | 0], with U replaced by [0 | U], leaves

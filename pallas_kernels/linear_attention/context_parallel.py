@@ -2,7 +2,7 @@
 
 Each device holds `pieces` equal slices of the sequence (their global indices in `table[device]`). It
 computes the state summary (M, E) of each piece, all-gathers them, folds the summaries of all earlier pieces
-into each piece's start state, and runs its pieces from there (ARCH_SPEC §2.3)."""
+into each piece's start state, and runs its pieces from there (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

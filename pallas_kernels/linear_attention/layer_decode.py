@@ -1,9 +1,6 @@
 """Pallas kernel: a KDA layer's whole decode token between its projections and o_proj, in one launch.
 
-At a batch-1 decode step XLA ran the work around the recurrence as ~8 small kernels per KDA layer (the
-short-conv window, its split into q, k, v, the new conv state, the decay and β gates with their padding
-masks, the gated RMSNorm's reduction and multiply) beside the state-update kernel (BENCHMARKS.md profiles).
-Here one program per (sequence b, head n) does, with the head's whole state S [K, V] in float32:
+One program per (sequence b, head n) does, with the head's whole state S [K, V] in float32:
 
     q, k, v = SiLU(Σ_j w_j x_{t-W+1+j}) over the W-1 cached raw inputs and this token's (per channel)
     the cached inputs shift by one where the row has a token (n_new = 1), else stay
@@ -15,6 +12,11 @@ Here one program per (sequence b, head n) does, with the head's whole state S [K
 The conv state and S are updated in place (`input_output_aliases`). Every intermediate rounds where the
 model's unfused path rounds (q, k, v and o to the compute dtype), so the two agree to float32 summation order.
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). K = V, a power of two.
+
+Why one launch: at a batch-1 decode step XLA runs the work around the recurrence (the short-conv window, its
+split into q, k, v, the new conv state, the gates with their padding masks, the gated RMSNorm's reduction
+and multiply) as several small kernels per layer beside the state update; measurements in
+docs/performance.md#kda-decode.
 """
 
 from __future__ import annotations

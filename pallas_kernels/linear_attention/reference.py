@@ -1,11 +1,12 @@
 """Kimi Delta Attention (gated delta rule with channel-wise decay) in float32 jnp: the ground truth.
 
-Per head, with state S in R^{K x V} (ARCH_SPEC §1.2 step 8):
+Per head, with state S in R^{K x V} (docs/architecture.md §2, step 8):
     S' = Diag(exp(g_t)) S_{t-1}
     S_t = S' + beta_t k_t (v_t - S'^T k_t)^T
     o_t = S_t^T q_t
 Two forms: `kda_recurrent` (token by token, `lax.scan`) and `kda_chunked` (WY representation + UT
-transform over chunks of C tokens, ARCH_SPEC §1.4). Gated DeltaNet is the case g [B,T,N] (one decay per head).
+transform over chunks of C tokens, docs/architecture.md §3). Gated DeltaNet is the case g [B,T,N] (one
+decay per head).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def kda_recurrent(q, k, v, g, beta, *, initial_state=None, scale=None, use_qk_l2
 
 def _decay_matrix(gc: jax.Array) -> jax.Array:
     """exp(G_i - G_j) for i >= j, else 0: [B,N,C,K] -> [B,N,C,C,K]. Masked before the exp, so no exp(+large)
-    is ever formed (ARCH_SPEC §9.5)."""
+    is ever formed (docs/architecture.md §3)."""
     i = jnp.arange(gc.shape[2])
     causal = i[:, None] >= i[None, :]
     return jnp.exp(jnp.where(causal[None, None, :, :, None], gc[:, :, :, None, :] - gc[:, :, None, :, :], -jnp.inf))
@@ -100,7 +101,8 @@ def _chunk_step(s0, xs):
 
 
 def _summary_step(carry, xs):
-    """(M, E) <- (M_c M, M_c E + kg^T U) with the chunk transition M_c = Diag(exp(G_C)) - kg^T W (ARCH_SPEC §2.2)."""
+    """(M, E) <- (M_c M, M_c E + kg^T U) with the chunk transition M_c = Diag(exp(G_C)) - kg^T W
+    (docs/architecture.md §4)."""
     m, e = carry
     k, v, g, beta = xs
     gc = jnp.cumsum(g, axis=2)
@@ -123,7 +125,7 @@ def _to_chunks(x, c: int):
 
 
 def kda_state_summary(k, v, g, beta, *, use_qk_l2norm=True, chunk_size=64):
-    """The affine map of a sequence shard: S_end = M S_start + E (ARCH_SPEC §2).
+    """The affine map of a sequence shard: S_end = M S_start + E (docs/architecture.md §4).
 
     k [B,T,N,K], v [B,T,N,V], g [B,T,N,K] or [B,T,N], beta [B,T,N] -> (M [B,N,K,K], E [B,N,K,V]) float32.
     M depends only on k, g and beta; E is the shard's final state when started from zero."""

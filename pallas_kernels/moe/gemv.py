@@ -27,11 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import first_row, sum_rows, triton_params
-
-# Programs `auto_split_k` aims for (~8 per H200 SM) and its largest split.
-SPLIT_TARGET = 1024
-MAX_SPLIT_K = 16
-
+from pallas_kernels.moe.tuning import MAX_SPLIT_K, SPLIT_TARGET  # programs `auto_split_k` aims for; its largest split
 
 MMA_ROWS = 16  # rows of one tensor-core tile: the pair's row broadcast to it
 

@@ -109,8 +109,8 @@ def grouped_gate_up_pallas(
     """x [N, K] token rows, row_token [R] int32 the token of each expert-sorted row (R a multiple of block_m;
     padding rows name any valid token: computed, never read back), w_gate / w_up [E, K, N'], block_expert
     [R / block_m] int32 (-1 = unused block: zeros) -> SiLU(x_r W_gate) * (x_r W_up) [R, N'] in x.dtype
-    (float32 products). The kernel gathers its rows from x: no expert-sorted copy of x is written (at a
-    32K-token hybrid_small prefill that copy was an XLA gather of ~0.29 ms per MoE layer on the H200)."""
+    (float32 products). The kernel gathers its rows from x: no expert-sorted copy of x is written (why: that
+    copy is an XLA gather per MoE layer at prefill; measurements in docs/performance.md#moe)."""
     kernel = functools.partial(_gate_up_kernel, bk=block_k, nk=x.shape[1] // block_k, precision=precision)
     return _grouped_call(
         kernel, "moe_gate_up", x, (w_gate, w_up), block_expert, x.dtype, row_token=row_token,

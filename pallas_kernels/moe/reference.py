@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._blocking import over_query_blocks
+from pallas_kernels.moe.tuning import MAX_EXPANDED_ELEMENTS
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
@@ -18,12 +19,10 @@ def sort_by_expert(idx: jax.Array, num_experts: int):
     return order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-# Elements of the largest operand XLA may build for one block of tokens: its `ragged_dot` lowering can form an
-# lhs [rows, E x D] over all experts (an H200 run ran out of memory allocating 144 GiB for it, 64 x 2048 tokens
-# at Kimi widths; a 32K-token prefill, 1.9e10 elements, ran with a 45.6 GiB peak). Calls above the budget go
-# in token blocks of the largest size within it (a 32K Kimi prefill: 2 blocks; a 128K hybrid_small prefill:
-# 2), so the blocks stay as large as the shapes already measured; XLA's cost per row is not measured yet.
-MAX_EXPANDED_ELEMENTS = 1 << 34
+# MAX_EXPANDED_ELEMENTS (`moe/tuning.py`): elements of the largest operand XLA may build for one block of tokens:
+# its `ragged_dot` lowering can form an lhs [rows, E x D] over all experts. Calls above the budget go in token
+# blocks of the largest size within it. Why this budget: well below the size that ran out of memory, with blocks
+# as large as the shapes measured; measurements in docs/performance.md#moe.
 
 
 def token_block(n: int, k: int, num_experts: int, width: int, budget: int = MAX_EXPANDED_ELEMENTS) -> int:

@@ -1,11 +1,11 @@
 """Pallas kernels: an MoE layer's router for decode-sized calls, logits to chosen experts in two launches.
 
-At batch-1 decode XLA ran the router as six small kernels per MoE layer (the [D] x [D, E] product as a
-serial reduction, σ + bias, the top-k sort, its slice, the gather of the chosen scores, the renormalisation:
-~10 us of a ~1.1 ms Kimi-shaped step per layer, BENCHMARKS.md). Here:
+Why: at batch-1 decode XLA runs the router as six small kernels per MoE layer (the [D] x [D, E] product as a
+serial reduction, σ + bias, the top-k sort, its slice, the gather of the chosen scores, the renormalisation);
+measurements in docs/performance.md#moe. Here:
 
 1. the logits' partial sums over contraction slabs: the projection op's GEMV kernel (`projection.kernel`,
-   its programs spread over the SMs: one program streaming the whole weight took 7.6 us per layer);
+   its programs spread over the SMs: one program streaming the whole weight is slower);
 2. `_select_kernel`, one program (one warp: every reduction stays in registers) per token:
     logits = Σ_s partials_s;  s = σ(logits) or softmax;
     k times: e* = argmax(s + bias) (lowest id on ties), take s[e*], mask e*

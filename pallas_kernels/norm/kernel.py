@@ -1,9 +1,10 @@
 """Pallas kernel: RMSNorm (+ the residual add before it) of a few rows in one launch.
 
-At a batch-1 decode step XLA runs each of the model's norms as two kernels (the sum of squares as a
-reduction, then the scaling) after the kernel that forms the residual sum (BENCHMARKS.md profiles: ~17
-norms per Kimi-shaped step). One program per row reads the row (and the residual row) once, sums the
-squares over D in power-of-two slabs, and writes the sum and the normalised row.
+One program per row reads the row (and the residual row) once, sums the squares over D in power-of-two
+slabs, and writes the sum and the normalised row. Why: at a batch-1 decode step XLA runs each norm as two
+kernels (the sum of squares as a reduction, then the scaling) after the kernel that forms the residual sum
+(the kernel is opt-in all the same: XLA's fused norm measured faster); measurements in
+docs/performance.md#rmsnorm.
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). D must split into power-of-two slabs
 of at least 16 (`slab`).

@@ -1,28 +1,25 @@
 """Pallas kernel: a projection of a few rows (a decode step's tokens) as a weight-streaming split-K GEMV.
 
-With M <= 16 rows the cost of x W [K, N] is reading W once. XLA lowers a one-row product to multiply +
-reduce (on the H200 a Kimi KDA layer's q/k/v/o projections, 2304 x 4096 bf16 each, took 15-26 us per
-weight in that form, 20-35% of the read floor, with the [K, N] products materialised between the two
-kernels) and a padded 16-row GEMM launches too few programs to keep every SM streaming.
-
-Here a grid of (N / BN output tiles) x (S contraction splits) programs each streams a [K / S, BN] slab of W
-in BK-row steps and writes a float32 partial; XLA adds the S partials (fused into whatever consumes the
-result):
+With M <= 16 rows the cost of x W [K, N] is reading W once. A grid of (N / BN output tiles) x (S contraction
+splits) programs each streams a [K / S, BN] slab of W in BK-row steps and writes a float32 partial; XLA adds
+the S partials (fused into whatever consumes the result):
 
     P_s = x[:, K_s] W[K_s, :]      (grid (N / BN, S)),      y = Σ_s P_s
 
 Each step is one tensor-core product with the rows padded to 16 (the smallest MMA tile; the padding costs
 no bytes of W), which also lets Triton stream the W tiles through shared memory with asynchronous copies
-`num_stages` deep. A one-row call writes only its row's partials ([S, N], not [S, 16, N]). On the H200
-this kept a Kimi decode step at 1.44 ms where a CUDA-core kernel (x_k W[k, :] accumulated in registers,
-62ddcde) took 1.59.
+`num_stages` deep. A one-row call writes only its row's partials ([S, N], not [S, 16, N]).
 
 A group of projections sharing K runs as one launch (`gemv_group_partials`): the weights' output tiles are
 laid end to end along the grid's first axis, each program streams the slab of the weight its tile belongs
-to, and the partials come out as one [S, Σ N_i] array (one XLA reduction for all of them). A batch-1 decode
-step is hundreds of kernels of a few microseconds each (hybrid_small: 793 per step, 1.8 ms of kernels,
-profile_stage at 0896d37), so every launch saved is time; for the same reason one row is padded to the MMA
-tile inside the kernel rather than by an XLA pad before it.
+to, and the partials come out as one [S, Σ N_i] array (one XLA reduction for all of them); one row is
+likewise padded to the MMA tile inside the kernel, not by an XLA pad before it (one launch fewer).
+
+Why: XLA lowers a one-row product to multiply + reduce (the [K, N] products materialised between the two
+kernels) and a padded 16-row GEMM launches too few programs to keep every SM streaming; tensor-core steps
+beat a CUDA-core kernel (x_k W[k, :] accumulated in registers); and a batch-1 decode step is hundreds of
+kernels of a few microseconds each, so every launch saved counts. Measurements in
+docs/performance.md#projections.
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). K must divide into S x BK and N into
 BN; `api.project` picks the tiles.

@@ -37,9 +37,8 @@ def _check_splits(name, q_latent, slots, q_splits):
 def _grid(queries: int, head_blocks: int, heads_inner: bool):
     """(grid, wrap): the launch grid and a wrapper giving index maps written as (query i, head block h) the
     grid's argument order. heads_inner: the head blocks of one query are neighbouring programs, which the
-    GPU starts together, so they tend to read the query's rows while L2 holds them. Measured gain is small
-    (H200, 963ff74: decode B=64 x 128 heads 0.203 vs 0.211 ms, 16-head prefill 2.58 vs 2.78 ms), since at
-    that decode shape every program is resident at once in either order."""
+    GPU starts together, so they tend to read the query's rows while L2 holds them. Why: a small gain, larger
+    at prefill, where the programs are not all resident at once; measurements in docs/performance.md#sparse-mla."""
     if heads_inner:
         return (head_blocks, queries), lambda f: lambda h, i: f(i, h)
     return (queries, head_blocks), lambda f: f

@@ -1,4 +1,4 @@
-"""Index-based sparse MLA in the absorbed form (ARCH_SPEC §3.3, §4.4), float32 jnp: the ground truth.
+"""Index-based sparse MLA in the absorbed form (docs/architecture.md §5, §6), float32 jnp: the ground truth.
 
 For query t and head n over its selected positions s in I(t) (shared by all heads, distinct):
     logit[n, s] = scale * (q_latent[n] . c_s + q_rope[n] . k_rope_s)
