@@ -15,7 +15,7 @@ partial and XLA adds the S partials (and applies SiLU ⊙) afterwards — [P, S,
 the weights — so that a one-token call still launches enough programs to keep every SM streaming.
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). The contraction length must be a
-multiple of S x BK and the output width of BN (powers of two); `moe_experts(impl="gemv")` pads.
+multiple of S x BK and the output width of BN (powers of two); `moe_experts(impl="pallas", form="gemv")` pads.
 """
 
 from __future__ import annotations
