@@ -3,7 +3,7 @@ q/k head dim 192, v head dim 128, batch 1): the `attention` op's Pallas flash ke
 and variants of them, beside cuDNN's flash attention through `jax.nn.dot_product_attention` (v zero-padded
 to the q/k width, which that API requires; an outside ceiling, not used by the model) and the float32 jnp
 reference (short prompts only). FLOPs count the causal half: 2 * heads * (192 + 128) * T(T+1)/2; bytes are
-q, k, v read and the output written once. One table, BENCHMARKS.md.
+q, k, v read and the output written once. Rows go to benchmarks/results/ (`common.report`).
 
     python -m benchmarks.attention [--lens 4096 32768] [--variants 128x64x8x3 ...] [--no-record]
 """

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmark scripts: device name, table formatting, appending to BENCHMARKS.md."""
+"""Shared pieces of the benchmark scripts: timing, floors, table formatting, recording rows as JSONL
+(benchmarks/results/<script>.jsonl; `python -m benchmarks.report` makes BENCHMARKS.md of them)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import functools
 import gzip
 import json
 import os
+import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -247,19 +250,150 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def append_results(script: str, title: str, table: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    block = f"\n### {title}\n\n`benchmarks/{script}` — {stamp}, commit {commit()}, {device_name()}\n\n{table}\n"
-    with path.open("a") as f:
-        f.write(block)
+RESULTS = ROOT / "benchmarks" / "results"
+RESULTS_DIR_ENV = "HYBRID_JAX_RESULTS_DIR"
+
+# Columns that hold what a run measured; every other column names what was measured (the row's identity). A new
+# script's measurement columns belong here: one left out becomes identity, and every run of the row a new key.
+VALUE_COLUMNS = frozenset({
+    "median ms", "TFLOP/s", "GB/s", "% of floor", "check vs reference", "rel err vs ref", "compile + first call",
+    "tokens/s", "floor ms", "peak GiB", "vs transformers", "note", "ms each", "ms x layers", "share of full call",
+    "kernels", "ms per call", "most common", "ms per step", "x floor", "command buffers", "kernels per step",
+    "prefill_err", "decode_err", "greedy", "warps", "stages", "smem", "regs", "spills", "verdict", "result", "error",
+    "ms", "gathered GB/s", "% of tensor bound", "vs plain", "max rel err vs plain",
+    "float32 rel err vs plain (logits; worst cache leaf)", "bf16 bytes", "quantized bytes", "ratio", "mean recall",
+    "min recall", "latent rel err", "output rel err", "mean KL (nats)", "max KL", "argmax agreement", "seconds",
+    "per-device scores (x1e6)", "max / min", "max / mean", "checkpoint MB", "largest tensor MB",
+    "RSS after imports MB", "peak RSS MB", "peak - imports - model MB", "load s", "speed-up vs first",
+    "check vs first",
+})  # fmt: skip
+# Identity columns that name the variant compared on one shape (implementation, engine, options...): the rest of
+# the identity is the shape, and a row of the same shape whose variant is a reference is its baseline.
+VARIANT_COLUMNS = frozenset({
+    "impl", "engine", "path", "mesh", "options", "compiler_options", "pallas ops", "version", "stage", "layers",
+    "kernel", "loop", "tile (heads, rows, warps, stages)", "rows", "format", "vs", "layout",
+})  # fmt: skip
+BASELINE = re.compile(r"^(jnp reference|reference$|XLA dot$|lax\.ragged_dot|plain$|transformers|default$)")
+# The row's main number: the first of these columns that holds one, with its unit.
+MAIN_VALUE = (
+    ("median ms", "ms"), ("ms per step", "ms"), ("ms per call", "ms"), ("ms each", "ms"), ("ms", "ms"),
+    ("ms x layers", "ms"), ("load s", "s"), ("mean recall", "recall"), ("output rel err", "rel err"),
+    ("mean KL (nats)", "nats"), ("ratio", "x"), ("max / mean", "x"), ("kernels", "kernels"),
+)  # fmt: skip
+# Parts of a title measured in the run (the ceilings, the models run): kept in the row's `run`, not its table.
+TITLE_RUN_PARTS = (
+    ("ceilings", re.compile(r";\s*ceilings(?: measured in this run)?: (.*)$")),
+    ("copy bandwidth", re.compile(r";\s*floor = bytes over the measured copy bandwidth (.*)$")),
+    ("bf16 matmul", re.compile(r";\s*bf16 matmul measured at (.*)$")),
+    ("models", re.compile(r"^End to end \(([^;()]*); ")),
+    ("kernels", re.compile(r": (\d+ kernels, \d+ over [\d,]+ bytes of shared memory)")),
+)
+
+
+def results_dir() -> Path:
+    """Where `report` appends rows: $HYBRID_JAX_RESULTS_DIR (tests; a GPU run writing under $OUT), else
+    benchmarks/results (`RESULTS`, what BENCHMARKS.md is made of)."""
+    return Path(os.environ.get(RESULTS_DIR_ENV) or RESULTS)
+
+
+def split_title(title: str) -> tuple[str, dict]:
+    """(the table's identity, the title's run-specific parts): "Sparse-attention kernels; ceilings measured in this
+    run: copy 3.75 TB/s, ..." is the table "Sparse-attention kernels" measured with those ceilings."""
+    run = {}
+    for name, pattern in TITLE_RUN_PARTS:
+        m = pattern.search(title)
+        if m:
+            run[name] = m.group(1).strip()
+            keep = "End to end (" if name == "models" else ""
+            title = title[: m.start()] + keep + title[m.end() :]
+    return title.strip(), run
+
+
+def number(text) -> float | None:
+    """The leading number of a cell ("1,997", "23%", "47.8 s", "9.9x"), or None."""
+    m = re.match(r"\s*([-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)", str(text))
+    return float(m.group(1).replace(",", "")) if m else None
+
+
+def result_rows(script: str, title: str, rows: list[dict], **fields) -> list[dict]:
+    """The JSONL records of one table: per row the run's fields (date, commit, device, jax...), the script, the table
+    (`split_title`), the row's columns as text, its identity columns, its main value and unit, and the baseline
+    (the row of the same shape whose variant is a reference, in the same table) where there is one."""
+    table, run = split_title(title)
+    records = []
+    for row in rows:
+        columns = {str(k): str(v) for k, v in row.items()}
+        identity = [c for c in columns if c not in VALUE_COLUMNS]
+        rec = {**fields, "script": script, "table": table}
+        if run:
+            rec["run"] = run
+        rec.update(identity=identity, columns=columns)
+        for col, unit in MAIN_VALUE:
+            if number(columns.get(col, "")) is not None:
+                rec.update(metric=col, value=number(columns[col]), unit=unit)
+                break
+        records.append(rec)
+    for rec in records:
+        shape = shape_of(rec)
+        if any(BASELINE.match(rec["columns"][c]) for c in rec["identity"] if c in VARIANT_COLUMNS):
+            continue  # a reference itself
+        for other in records:
+            variant = [c for c in other["identity"] if c in VARIANT_COLUMNS]
+            if (
+                "value" in other
+                and other.get("metric") == rec.get("metric")
+                and shape_of(other) == shape
+                and any(BASELINE.match(other["columns"][c]) for c in variant)
+            ):
+                rec["baseline"] = {c: other["columns"][c] for c in variant} | {
+                    "value": other["value"],
+                    "unit": other["unit"],
+                }
+                break
+    return records
+
+
+def shape_of(rec: dict) -> tuple:
+    """The identity columns of a record that are not its variant: what it was measured on."""
+    return tuple((c, rec["columns"][c]) for c in rec["identity"] if c not in VARIANT_COLUMNS)
+
+
+def row_key(rec: dict) -> tuple:
+    """What a record measured: script, table and identity columns. Of the records with one key the latest counts."""
+    return (rec["script"], rec["table"], tuple((c, rec["columns"][c]) for c in rec["identity"]))
+
+
+def run_fields() -> dict:
+    """date (UTC, ISO), commit, device, jax version and command-line arguments of this run."""
+    d = jax.devices()[0]
+    fields = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit(),
+        "device": f"{d.platform}:{getattr(d, 'device_kind', d.platform)} x{jax.device_count()}",
+        "jax": jax.__version__,
+    }
+    return fields | ({"args": " ".join(sys.argv[1:])} if sys.argv[1:] else {})
+
+
+def append_results(script: str, title: str, rows: list[dict], directory: Path | None = None) -> Path:
+    """Append one record per row to <directory>/<script>.jsonl (`results_dir()` by default); returns the file.
+    Append-only: a copy of the file from another machine holds every row of ours plus its own."""
+    path = Path(directory or results_dir()) / f"{Path(script).stem}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in result_rows(script, title, rows, **run_fields())]
+    with path.open("a", encoding="utf-8") as f:
+        f.writelines(lines)
+    return path
 
 
 def report(script: str, title: str, rows: list[dict], *, record: bool = True) -> None:
-    """Print a titled table (with the device) and, unless record=False, append it to BENCHMARKS.md."""
+    """Print a titled table (with the device) and, unless record=False, append its rows to
+    benchmarks/results/<script>.jsonl (`append_results`); `python -m benchmarks.report` makes BENCHMARKS.md of them."""
     table = format_table(rows)
     print(f"\n{title}\ndevice: {device_name()}\n{table}", flush=True)
     if record:
-        append_results(script, title, table)
+        path = append_results(script, title, rows)
+        print(f"{len(rows)} rows appended to {path}", flush=True)
 
 
 commit()  # read when the benchmark starts, so a commit made while it runs cannot mislabel its results

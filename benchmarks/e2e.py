@@ -1,5 +1,6 @@
 """End-to-end on one GPU: time to first token, decode step, peak memory, start-up; against transformers + fla
-and against floors counted from the model. One run prints one table and appends it to BENCHMARKS.md.
+and against floors counted from the model. One run prints one table; its rows go to
+benchmarks/results/e2e.jsonl.
 
 Models: `hybrid_small` (random weights, 3 KDA : 1 sparse MLA, MoE, AttnRes) and `kimi` — a Kimi-Linear-shaped
 `KimiLinearForCausalLM` (the 48B model's widths, `--kimi-layers` layers, `--kimi-experts` experts) that

@@ -1,5 +1,5 @@
 """Where the time of a prefill or a decode step goes: each stage of the model timed alone on the shapes the
-full call gives it, multiplied by how many layers run it, beside the full call. One table, BENCHMARKS.md.
+full call gives it, multiplied by how many layers run it, beside the full call. Rows go to benchmarks/results/.
 
 Stages: the mixer of one layer of each kind (KDA, dense MLA, sparse MLA with its indexer) through the
 cache path, the FFN (MoE or dense SwiGLU), the final norm + lm_head. The per-layer numbers exclude the

@@ -1,5 +1,5 @@
 """Kernels one decode step launches, counted from the compiled HLO, per stage of a sparse layer and for the
-whole model step, with the step's median time. One table, BENCHMARKS.md.
+whole model step, with the step's median time. Rows go to benchmarks/results/.
 
 A kernel here is an instruction of the optimized HLO that runs on the device: a fusion, a custom call
 (cuBLAS / cuDNN / Triton / Pallas), a copy, sort, scatter, gather or any other non-fused op; parameters,

@@ -1,6 +1,6 @@
 """CP x TP on several GPUs: time to first token of a long prompt under context parallelism (zigzag against
 the sequential split) and decode throughput under tensor parallelism, with outputs checked against the
-smallest mesh of the run. One table; appended to BENCHMARKS.md.
+smallest mesh of the run. One table; rows go to benchmarks/results/.
 
     python -m benchmarks.multigpu [--config hybrid_small] [--prompt-len 131072] [--cps 1 2 4 8]
                                   [--cp-tp 2x4 4x2] [--tps 1 2 4 8] [--batch 16] [--context 2048]

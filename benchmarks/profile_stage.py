@@ -1,5 +1,5 @@
 """Which GPU kernels one stage of a decode step runs, and how long each takes: a profiler trace of the
-stage (chained calls in one executable) summarised per kernel. Prints the table (no BENCHMARKS.md row: it
+stage (chained calls in one executable) summarised per kernel. Prints the table (no benchmarks/results row: it
 explains a number, it is not one) and writes the optimized HLO beside the trace to map kernel names to ops.
 
 Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step; `--model kimi` is the

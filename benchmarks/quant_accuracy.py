@@ -1,5 +1,5 @@
-"""Accuracy and memory of the hierarchical quantization (CPU is fine). Prints four tables and appends them
-to BENCHMARKS.md:
+"""Accuracy and memory of the hierarchical quantization (CPU is fine). Prints four tables; their rows go
+to benchmarks/results/:
 
 1. cache bytes per token per layer type (and the fixed KDA state per sequence), BF16 vs quantized, read off
    the real cache structures of the tiny, hybrid_small, Kimi-Linear-48B and DeepSeek-V3.2 shapes;

@@ -1,7 +1,7 @@
 """End-to-end timing of the pure-JAX reference model (no Pallas kernels): prefill and decode step.
 
-The baseline every later kernel issue is measured against. Prints one table and appends it to
-BENCHMARKS.md with date, commit, device and shapes.
+The baseline every later kernel issue is measured against. Prints one table; its rows go to
+benchmarks/results/ with date, commit, device and shapes.
 
     python benchmarks/reference_e2e.py [--config hybrid_small] [--prompt-lens 1024 4096] [--batches 1 16]
 """
@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048, help="cached tokens before the timed decode step")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quant", default=None, help="QuantConfig YAML (e.g. configs/quant_hierarchical.yaml)")
-    p.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    p.add_argument("--no-record", action="store_true", help="print only; do not append to benchmarks/results")
     args = p.parse_args()
 
     cfg = PRESETS[args.config]()

@@ -2,7 +2,7 @@
 1-16 rows? Each shape as XLA compiles it, with the rows padded to 16 (one tensor-core tile), and through
 the `projection` op's Pallas GEMV (`pallas_kernels.projection`: its automatic tiles and split, and
 variants of them), beside the floor (weight bytes over the measured copy bandwidth). Device time from
-chained calls in one executable (`common.loop_ms`). One table, BENCHMARKS.md.
+chained calls in one executable (`common.loop_ms`). Rows go to benchmarks/results/.
 
     python -m benchmarks.small_m [--rows 1 4 16] [--no-pallas-variants] [--no-record]
 """

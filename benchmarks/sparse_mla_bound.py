@@ -1,4 +1,4 @@
-"""What bounds sparse MLA decode: the default kernel's loop taken apart. One table, BENCHMARKS.md.
+"""What bounds sparse MLA decode: the default kernel's loop taken apart. Rows go to benchmarks/results/.
 
 The decode goal (issue 6) is 50% of the bf16 tensor bound; the kernel (`sparse_attention.kernel`) runs one
 program per (query, 32-head block) and each program gathers the query's selected rows again. This script

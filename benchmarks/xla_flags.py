@@ -1,6 +1,6 @@
 """Decode step time under XLA GPU compiler options: the decode loop `generate` compiles (greedy, cache
 donated, `common.decode_loop`) compiled once per option set through `jax.jit(..., compiler_options=)`, so one
-process times them all on the same weights and cache. One table, BENCHMARKS.md.
+process times them all on the same weights and cache. Rows go to benchmarks/results/.
 
 Why: a batch-1 decode step is a few hundred small kernels; what each launch costs beside its work depends on
 whether XLA records the step into CUDA graphs (command buffers) and which ops it lets into them. The table

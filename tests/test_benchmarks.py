@@ -7,6 +7,13 @@ import pytest
 import benchmarks.common
 
 
+@pytest.fixture(autouse=True)
+def results_dir(tmp_path, monkeypatch):
+    """Rows a test records go to a temporary directory, never to benchmarks/results."""
+    monkeypatch.setenv(benchmarks.common.RESULTS_DIR_ENV, str(tmp_path / "results"))
+    return tmp_path / "results"
+
+
 @pytest.fixture
 def fast_ceilings(monkeypatch):
     # the real ceilings copy 4 GiB and multiply 8K x 8K: minutes on a 2-core CPU, and no floor is checked here
@@ -341,3 +348,133 @@ def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, caps
     mla = [ln for ln in out.splitlines() if ln.startswith("| sparse MLA decode | B=2 T=1 heads=16")]
     assert any("queries-inner grid" in ln for ln in mla) and any("FP8 latent pool" in ln for ln in mla)
     assert "did not run" not in out
+
+
+def _records(date, *rows, commit="abc1234"):
+    """Records of one run as `append_results` writes them: rows (shape, impl, median ms[, % of floor])."""
+    rows = [{"case": "c", "shape": r[0], "impl": r[1], "median ms": r[2], "% of floor": (r[3:] or [""])[0]}
+            for r in rows]  # fmt: skip
+    return benchmarks.common.result_rows("s.py", "T", rows, date=date, commit=commit, device="gpu:X x1", jax="0")
+
+
+def _record(date, impl, ms, shape="B=1", commit="abc1234"):
+    return _records(date, (shape, impl, ms), commit=commit)[0]
+
+
+def test_report_appends_rows_to_jsonl_in_the_results_dir(results_dir, capsys):
+    """`report` prints the table and appends one record per row: the run's fields, the table without its measured
+    ceilings, the columns as text, the identity, the main value and the same-shape reference as baseline."""
+    import json
+    import re
+
+    import jax
+
+    from benchmarks.common import ROOT, report
+
+    title = "Toy kernels; ceilings measured in this run: copy 3.00 TB/s, bf16 matmul 600 TFLOP/s"
+    rows = [
+        {"case": "toy", "shape": "B=4", "impl": "jnp reference", "median ms": "2.000", "% of floor": "10%"},
+        {"case": "toy", "shape": "B=4", "impl": "pallas", "median ms": "0.500", "% of floor": "40%"},
+        {"case": "toy", "shape": "B=8", "impl": "pallas", "median ms": "1,250.5", "% of floor": "41%"},
+    ]
+    report("toy_bench.py", title, rows)
+    report("toy_bench.py", title, rows[:1])
+    assert "| toy | B=4 | pallas | 0.500 | 40% |" in capsys.readouterr().out
+    assert not (ROOT / "benchmarks" / "results" / "toy_bench.jsonl").exists()
+    recs = [json.loads(line) for line in (results_dir / "toy_bench.jsonl").read_text().splitlines()]
+    assert len(recs) == 4
+    ref, pallas, wide, again = recs
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", ref["date"])
+    assert ref["commit"] == benchmarks.common.commit() and ref["jax"] == jax.__version__
+    assert ref["device"].startswith("cpu:") and ref["script"] == "toy_bench.py"
+    assert ref["table"] == "Toy kernels" and ref["run"] == {"ceilings": "copy 3.00 TB/s, bf16 matmul 600 TFLOP/s"}
+    assert ref["identity"] == ["case", "shape", "impl"] and ref["columns"] == rows[0]
+    assert (ref["metric"], ref["value"], ref["unit"]) == ("median ms", 2.0, "ms") and "baseline" not in ref
+    assert pallas["baseline"] == {"impl": "jnp reference", "value": 2.0, "unit": "ms"}
+    assert wide["value"] == 1250.5 and "baseline" not in wide  # no reference of that shape
+    assert benchmarks.common.row_key(again) == benchmarks.common.row_key(ref) != benchmarks.common.row_key(pallas)
+
+
+def test_report_picks_the_latest_row_per_key_and_the_latest_run_per_shape():
+    """Of two rows with one key the newer wins (and of one date the later in the files); a shape shows its
+    latest run's rows only (an implementation that run did not time drops out); how a decode row was timed
+    ("10 chained calls") is no shape of its own; a shape no newer run measured stays."""
+    from benchmarks.report import current, latest
+
+    rows = [
+        _record("2026-12-02T00:00:00Z", "pallas", "1.0", commit="new"),
+        _record("2026-12-01T00:00:00Z", "pallas", "2.0", commit="old"),
+        _record("2026-12-01T00:00:00Z", "triton", "3.0", commit="old"),
+        _record("2026-12-01T00:00:00Z", "pallas", "5.0", shape="B=2", commit="old"),
+        _record("2026-12-03T00:00:00Z", "pallas", "0.9", shape="B=2, 10 chained calls", commit="newest"),
+        _record("2026-11-30T00:00:00Z", "pallas", "4.0", shape="B=64", commit="oldest"),
+    ]
+    for i, r in enumerate(rows):
+        r["_order"] = i
+    newest = latest(rows)
+    assert [newest[benchmarks.common.row_key(r)]["commit"] for r in rows[:3]] == ["new", "new", "old"]
+    tie = [dict(rows[1], _order=0), dict(rows[1], commit="later", _order=1)]
+    assert [r["commit"] for r in latest(tie).values()] == ["later"]
+    shown = current(rows)[("s.py", "T")]
+    assert [(r["columns"]["shape"], r["columns"]["impl"], r["commit"]) for r in shown] == [
+        ("B=1", "pallas", "new"),  # not the older triton row of that shape
+        ("B=2, 10 chained calls", "pallas", "newest"),
+        ("B=64", "pallas", "oldest"),
+    ]
+
+
+def test_goals_are_met_missed_or_not_measured():
+    from benchmarks.report import goal_row
+
+    rows = _records(
+        "2026-12-01T00:00:00Z",
+        ("B=1", "jnp reference", "10.0"),
+        ("B=1", "pallas", "1.0", "80%"),
+        ("B=2", "jnp reference", "10.0"),
+        ("B=2", "pallas", "4.0", "20%"),
+    )
+    rows += _records("2026-11-01T00:00:00Z", ("B=2", "jnp reference", "10.0"), ("B=2", "pallas", "0.5"))  # older
+    for i, r in enumerate(rows):
+        r["_order"] = i
+    sel = [{"label": f"B={b}", "match": {"shape": f"^B={b}$", "impl": "^pallas"}} for b in (1, 2)]
+    goal = {"issue": 1, "goal": "g", "script": "s.py", "measure": "speedup", "target": 5, "unit": "x", "rows": sel}
+    row = goal_row(goal, rows)
+    assert row[3] == "B=1: 10.00x (1 vs 10 ms); B=2: 2.50x (4 vs 10 ms)" and row[5] == "met: B=1; missed: B=2"
+    assert goal_row(dict(goal, rows=sel[:1]), rows)[5] == "met"
+    assert goal_row(dict(goal, measure="% of floor", target=50, rows=sel[1:]), rows)[5] == "missed"
+    assert goal_row(dict(goal, rows=[{"label": "x", "match": {"shape": "^B=9$"}}]), rows)[5] == "not measured"
+    assert goal_row(dict(goal, script="other.py"), rows)[3] == "B=1: not measured; B=2: not measured"
+
+
+def test_benchmarks_md_is_what_the_committed_rows_make():
+    """BENCHMARKS.md is generated: from the committed JSONL and goals the same text twice, at most 60 KB, equal
+    to the file (`python -m benchmarks.report` rewrites it after a run)."""
+    from benchmarks.report import MAX_BYTES, OUTPUT, load, load_goals, main, render
+
+    records, goals = load(), load_goals()
+    text = render(records, goals)
+    assert text == render(load(), load_goals())
+    assert len(text.encode()) <= MAX_BYTES
+    assert OUTPUT.read_text() == text, "BENCHMARKS.md is stale: run python -m benchmarks.report"
+    assert main(["--check"]) == 0
+    assert "| status |" in text.split("## `benchmarks/")[0]  # the goals table comes first
+
+
+def test_report_check_fails_on_a_stale_file_and_merge_adds_only_new_rows(tmp_path, results_dir):
+    import json
+
+    from benchmarks.report import main, merge
+
+    results_dir.mkdir()
+    old = json.dumps(_record("2026-12-01T00:00:00Z", "pallas", "1.0"))
+    new = json.dumps(_record("2026-12-02T00:00:00Z", "pallas", "0.5"))
+    (results_dir / "s.jsonl").write_text(old + "\n")
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    (gpu / "s.jsonl").write_text(old + "\n" + new + "\n")  # the device's copy: ours plus its run
+    out = tmp_path / "B.md"
+    args = ["--results", str(results_dir), "--output", str(out)]
+    assert main(args) == 0 and main([*args, "--check"]) == 0
+    assert merge(gpu, results_dir) == 1 and merge(gpu, results_dir) == 0
+    assert main([*args, "--check"]) == 1  # a new row: the file is stale
+    assert main(args) == 0 and "| 0.5 |" in out.read_text() and "| 1.0 |" not in out.read_text()
