@@ -24,21 +24,31 @@ from hybrid_jax.model import HybridLM
 from sharding.zigzag import layout_order, piece_table
 
 
+def padded_length(t: int, cp: int, layout: str) -> int:
+    """The length a prompt of t tokens is padded to for `layout` over cp devices: a whole number of equal
+    pieces (2 x cp for zigzag, cp for sequential)."""
+    pieces = piece_table(cp, layout).size
+    return -(-t // pieces) * pieces
+
+
 @functools.lru_cache(maxsize=32)
-def _compiled(mesh: Mesh, axis: str, layout: str, cp: int, b: int, t: int, last_only: bool, cached: bool):
+def _compiled(mesh: Mesh, axis: str, layout: str, cp: int, b: int, t: int, t_pad: int, last_only: bool, cached: bool):
+    """The jitted CP prefill of t real tokens laid out as t_pad (pads at positions t.. t_pad - 1: not valid,
+    so they write no cache row, change no state and are never visible to a real query)."""
     table = piece_table(cp, layout)
     cpi = ContextParallel(axis=axis, table=tuple(map(tuple, table.tolist())))
-    # The last position lives at the end of piece (d*, j*); every device takes its own row at that local
-    # offset and the caller keeps device d*'s.
-    d_last, j_last = (int(a[0]) for a in np.nonzero(table == table.size - 1))
-    t_local = t // cp
-    last_local = (j_last + 1) * (t_local // cpi.pieces) - 1
+    # The last real position t - 1 lives in piece p* at offset o*; piece p* is device d*'s j*-th. Every device
+    # takes its own row at that local offset and the caller keeps device d*'s.
+    size = t_pad // table.size
+    d_last, j_last = (int(a[0]) for a in np.nonzero(table == (t - 1) // size))
+    t_local = t_pad // cp
+    last_local = j_last * size + (t - 1) % size
 
-    def local(graphdef, state, ids, positions, layers, page_table, kv_lengths):
+    def local(graphdef, state, ids, positions, valid, layers, page_table, kv_lengths):
         model = nnx.merge(graphdef, state)
         info = StepInfo(
             positions=positions,
-            valid=jnp.ones((b, t_local), bool),
+            valid=valid,
             n_new=jnp.full((b,), t, jnp.int32),
             page_table=page_table,
             kv_lengths=kv_lengths,
@@ -50,14 +60,14 @@ def _compiled(mesh: Mesh, axis: str, layout: str, cp: int, b: int, t: int, last_
         return (logits[None] if last_only else logits), new_layers
 
     seq = P(None, axis)
-    order = layout_order(t, cp, layout)
+    order = layout_order(t_pad, cp, layout)
 
     # The model is a jit argument (a pytree: cheaper to pass than nnx.split on the host every call); its
     # graph definition is static, so it is closed over inside the trace.
     def run(model, ids, start, layers, page_table):
         graphdef, state = nnx.split(model)
-        # in: parameters and cache replicated over cp; token ids and their positions split along time in
-        # layout order. out: logits split along time in layout order (last_only: one row per device,
+        # in: parameters and cache replicated over cp; token ids, their positions and validity split along time
+        # in layout order. out: logits split along time in layout order (last_only: one row per device,
         # stacked), the filled cache replicated. Only cp is manual: the other mesh axes (tp, dp) stay
         # automatic, so the tensor-parallel shardings of parameters and caches are kept and XLA partitions
         # each device's share. check_vma=False: the cache leaves are computed from all-gathered values,
@@ -65,14 +75,16 @@ def _compiled(mesh: Mesh, axis: str, layout: str, cp: int, b: int, t: int, last_
         fn = jax.shard_map(
             functools.partial(local, graphdef),
             mesh=mesh,
-            in_specs=(P(), seq, seq, P(), P(), P()),
+            in_specs=(P(), seq, seq, seq, P(), P(), P()),
             out_specs=(P(axis) if last_only else seq, P()),
             axis_names={axis},
             check_vma=not cached,
         )
         positions = start[:, None] + jnp.asarray(order, jnp.int32)[None, :]
-        logits, new_layers = fn(state, ids[:, order], positions, layers, page_table, start + t)
-        return (logits[d_last] if last_only else logits[:, np.argsort(order)]), new_layers
+        valid = jnp.broadcast_to(jnp.asarray(order < t)[None, :], (b, t_pad))
+        ids = jnp.pad(ids, [(0, 0), (0, t_pad - t)])  # id 0 at the pads: in every vocabulary, never read
+        logits, new_layers = fn(state, ids[:, order], positions, valid, layers, page_table, start + t)
+        return (logits[d_last] if last_only else logits[:, np.argsort(order)[:t]]), new_layers
 
     return jax.jit(run)
 
@@ -91,8 +103,9 @@ def prefill_context_parallel(
 
     Returns float32 logits [B, T, vocab] ([B, vocab] at position T-1 with `last_only`) and, when a cache is
     given, the cache filled for decode: the result equals `model.prefill(input_ids, cache)` (and the
-    logits `model(input_ids)` for an empty cache). T must be a multiple of the number of pieces (2*cp for
-    zigzag, cp for sequential) and each piece at least kda_conv_size - 1 tokens long."""
+    logits `model(input_ids)` for an empty cache). Any T: the sequence is padded to `padded_length` (a whole
+    number of pieces: 2*cp for zigzag, cp for sequential) with tokens that are not valid, which change no
+    logit, state or cache row; each piece must hold at least kda_conv_size - 1 tokens."""
     model._check_ids(input_ids)
     if axis not in mesh.shape:
         raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no context-parallel axis {axis!r}")
@@ -100,7 +113,7 @@ def prefill_context_parallel(
     b, t = np.shape(input_ids)
     if cp == 1:  # one device holds everything: zigzag's two pieces would only add a state summary
         layout = "sequential"
-    layout_order(t, cp, layout)  # raises when T does not split into the layout's pieces
+    t_pad = padded_length(t, cp, layout)
     if cache is None:
         start = jnp.zeros((b,), jnp.int32)
         layers, page_table = None, jnp.arange(b, dtype=jnp.int32)[:, None]
@@ -116,7 +129,7 @@ def prefill_context_parallel(
                     f"capacity max_len={cache.max_len}"
                 )
         start, layers, page_table = cache.lengths, cache.layers, cache.page_table
-    fn = _compiled(mesh, axis, layout, cp, b, t, last_only, cache is not None)
+    fn = _compiled(mesh, axis, layout, cp, b, t, t_pad, last_only, cache is not None)
     logits, new_layers = fn(model, jnp.asarray(input_ids), start, layers, page_table)
     if cache is None:
         return logits

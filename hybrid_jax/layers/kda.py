@@ -155,8 +155,9 @@ class KimiDeltaAttention(nnx.Module):
         """Prefill of a sequence split over info.cp.axis, every row taking all its tokens: each piece's short
         conv starts from the last W-1 raw inputs of the piece before it (a halo gathered over the axis; the
         cached conv tail for the first piece), and the recurrence runs state-parallel from the cached state
-        (pallas_kernels.linear_attention.context_parallel). With a cache, every device returns the same new
-        state: the last W-1 raw inputs of the sequence and its final recurrent state."""
+        (pallas_kernels.linear_attention.context_parallel). Tokens past the real ones (info.valid false: the
+        padding to whole pieces) get β = 0 and g = 0, so they change no state. With a cache, every device returns
+        the same new state: the last W-1 raw inputs of the real tokens and the final recurrent state."""
         cfg, cp = self.cfg, info.cp
         b, t, _ = x.shape
         n, hd, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
@@ -173,21 +174,31 @@ class KimiDeltaAttention(nnx.Module):
         full = jnp.full((b,), pieces[0].shape[1], jnp.int32)
         qkv = jnp.concatenate([self._short_conv(p, halos[mine[i]], full)[0] for i, p in enumerate(pieces)], axis=1)
         q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
-        beta = jax.nn.sigmoid(b_logits.astype(jnp.float32))
+        valid = info.valid
+        beta = jnp.where(valid[..., None], jax.nn.sigmoid(b_logits.astype(jnp.float32)), 0.0)
+        g = self._decay(f)
+        g = jnp.where(valid.reshape(valid.shape + (1,) * (g.ndim - 2)), g, 0.0)
         o, s_final = kda_sequence_parallel(
             q,
             k,
             v,
-            self._decay(f),
+            g,
             beta,
             axis=cp.axis,
             table=table,
             initial_state=None if state is None else state.recurrent,
             chunk_size=cfg.kda_chunk_size,
         )
-        new_state = (
-            None if state is None else _placed(KDAState(conv=tails[-1].astype(state.conv.dtype), recurrent=s_final))
-        )
+        if state is None:
+            return self._output(z, o), None
+        # The conv tail: the raw inputs at the last W-1 real positions, wherever they sit. Each device adds the
+        # rows it holds (one-hot, so the sum is exact) and the psum over the axis gathers them.
+        rel = info.positions - (info.kv_lengths - info.n_new)[:, None]  # position within this prefill [B, T]
+        want = info.n_new[:, None] - (w - 1) + jnp.arange(w - 1)[None, :]  # [B, W-1]
+        hit = (rel[:, :, None] == want[:, None, :]).astype(jnp.float32)  # [B, T, W-1]
+        picked = jnp.einsum("btj,btc->bjc", hit, xhat.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        tail = jax.lax.psum(picked, cp.axis)
+        new_state = _placed(KDAState(conv=tail.astype(state.conv.dtype), recurrent=s_final))
         return self._output(z, o), new_state
 
     def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):
