@@ -1,4 +1,9 @@
-"""Command line: `hybrid-jax generate` (also `python -m hybrid_jax`)."""
+"""Command line: `hybrid-jax generate` and `hybrid-jax convert` (also `python -m hybrid_jax`).
+
+A user error (a bad flag value, a missing folder, an id outside the vocabulary, a mesh that does not fit the
+devices) prints one line, `hybrid-jax: error: ...`, and exits with status 2; values are checked on the host
+before anything is compiled.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,59 @@ import time
 from pathlib import Path
 
 DEFAULT_PROMPT = "The hybrid model reads"
+PROG = "hybrid-jax"
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose own errors (an unknown flag, a value of the wrong type) are one line too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not an integer") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} {value} must be at least 1")
+        return value
+
+    return parse
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--top-p {text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--top-p {value} must lie in (0, 1]")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature {text!r} is not a number") from None
+    if not value >= 0.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"--temperature {value} must be >= 0 (0 is greedy)")
+    return value
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+    return ids
 
 
 def _load_config(name_or_path: str):
@@ -20,79 +78,157 @@ def _load_config(name_or_path: str):
     path = Path(name_or_path)
     if path.is_file():
         return HybridConfig.from_json(path)
-    raise SystemExit(f"--config {name_or_path!r}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+    raise UserError(f"--config {name_or_path!r}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+
+
+def _load_quant(path: str | None):
+    from hybrid_jax.quant.config import QuantConfig
+
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise UserError(f"--quant {path!r}: no such file")
+    return QuantConfig.from_yaml(path)
+
+
+class _Printer:
+    """Prints (or streams) what the command says; --quiet keeps only the generated text."""
+
+    def __init__(self, quiet: bool, main_process: bool):
+        self.quiet, self.on = quiet, main_process
+
+    def info(self, text: str, *, err: bool = False) -> None:
+        if self.on and not self.quiet:
+            print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+class _Stream:
+    """on_token for `generate`: prints row 0's text as it is generated (incrementally decoded)."""
+
+    def __init__(self, tok, eos_id: int | None, pad_id: int):
+        self.tok, self.eos_id, self.pad_id = tok, eos_id, pad_id
+        self.ids: list[int] = []
+        self.shown = ""
+        self.stopped = False
+
+    def __call__(self, step, tokens) -> None:
+        tok_id = int(tokens[0])
+        if self.stopped:
+            return
+        if tok_id == self.eos_id:
+            self.stopped = True
+            return
+        self.ids.append(tok_id)
+        if self.tok is None:
+            print(f"{tok_id} ", end="", flush=True)
+            return
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # a multi-byte character not complete yet
+            return
+        print(text[len(self.shown) :], end="", flush=True)
+        self.shown = text
+
+    def finish(self) -> None:
+        """Print what an incomplete character held back, then end the line."""
+        if self.tok is not None:
+            print(self.tok.decode(self.ids)[len(self.shown) :], end="")
+        print(flush=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from sharding.launch import initialize, spec_from
 
-    initialize(spec_from(args))  # multi-host: join the job before JAX touches a device
+    try:
+        initialize(spec_from(args))  # multi-host: join the job before JAX touches a device
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.model is not None and not Path(args.model).is_dir():
+        raise UserError(f"--model {args.model!r}: no such folder")
+    quant = _load_quant(args.quant)
+    cfg = None if args.model else _load_config(args.config)
+
     from hybrid_jax.compilation import CompileCounter, enable_persistent_cache
 
     if args.compile_cache:
         enable_persistent_cache(args.compile_cache)
-    counter = CompileCounter().__enter__()  # everything this command compiles or loads from the cache
     import jax
+
+    devices = jax.device_count()
+    if args.dp * args.tp not in (1, devices):
+        raise UserError(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices; this job has {devices}")
+    say = _Printer(args.quiet, jax.process_index() == 0)
+    counter = CompileCounter().__enter__()  # everything this command compiles or loads from the cache
     import jax.numpy as jnp
     from flax import nnx
 
     from hybrid_jax.generate import generate
     from hybrid_jax.model import HybridLM
-    from hybrid_jax.quant.config import QuantConfig
     from hybrid_jax.tokenizer import ByteTokenizer
 
-    quant = QuantConfig.from_yaml(args.quant) if args.quant else None
     if args.model:
         from checkpoints import from_pretrained, load_tokenizer
 
-        model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), quant=quant)
+        model = from_pretrained(args.model, dtype=args.dtype, quant=quant)
         cfg = model.config
         tok = _HFTokenizer(load_tokenizer(args.model), cfg)
-        print(f"model: {args.model} ({cfg.layer_pattern}), {args.dtype}, device {jax.devices()[0].platform}")
+        dtype = jnp.dtype(model.dtypes.compute).name
+        say.info(f"model: {args.model} ({cfg.layer_pattern}), {dtype}, device {jax.devices()[0].platform}")
     else:
-        cfg = _load_config(args.config)
         tok = ByteTokenizer()
         if cfg.vocab_size < tok.vocab_size:
-            raise SystemExit(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}, config has {cfg.vocab_size}")
-        print(
-            f"model: {args.config} ({cfg.layer_pattern}), random weights from seed {args.seed}, "
-            f"device {jax.devices()[0].platform}",
-            flush=True,
+            raise UserError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}, config has {cfg.vocab_size}")
+        dtypes = {} if args.dtype == "auto" else dict(dtype=jnp.dtype(args.dtype), param_dtype=jnp.dtype(args.dtype))
+        model = HybridLM(cfg, quant=quant, rngs=nnx.Rngs(args.weights_seed), **dtypes)
+        say.info(
+            f"model: {args.config} ({cfg.layer_pattern}), random weights from --weights-seed {args.weights_seed}, "
+            f"{jnp.dtype(model.dtypes.compute).name}, device {jax.devices()[0].platform}"
         )
-        model = HybridLM(cfg, quant=quant, rngs=nnx.Rngs(args.seed))
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
+    elif tok is None:
+        raise UserError(f"{args.model} has no tokenizer.json: pass the prompt as --prompt-ids 1,2,3")
+    else:
+        ids = tok.encode(args.prompt)
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise UserError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    if args.top_k is not None and args.top_k > cfg.vocab_size:
+        raise UserError(f"--top-k {args.top_k} exceeds the vocabulary size {cfg.vocab_size}")
+    total = len(ids) + args.max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise UserError(
+            f"prompt {len(ids)} + --max-new-tokens {args.max_new_tokens} = {total} tokens exceeds "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
     mesh_ctx = contextlib.nullcontext()
     if args.dp * args.tp > 1:
         from sharding import make_mesh, shard_params
 
         mesh = make_mesh(dp=args.dp, tp=args.tp)
         model = shard_params(model, mesh)
-        print(f"mesh: dp={args.dp} tp={args.tp} over {jax.device_count()} devices in {jax.process_count()} process(es)")
+        say.info(f"mesh: dp={args.dp} tp={args.tp} over {devices} devices in {jax.process_count()} process(es)")
         mesh_ctx = jax.set_mesh(mesh)  # activations follow the sharding rules (sequence-parallel inside TP)
-    if args.prompt_ids:
-        ids = jnp.asarray([[int(t) for t in args.prompt_ids.split(",")]], jnp.int32)
-    elif tok is None:
-        raise SystemExit(f"{args.model} has no tokenizer.json: pass the prompt as --prompt-ids 1,2,3")
-    else:
-        ids = jnp.asarray([tok.encode(args.prompt)], jnp.int32)
-    gen = jax.jit(generate, static_argnames=("max_new_tokens", "top_k", "eos_id"))
+
     eos = tok.eos_id if tok is not None else cfg.eos_token_id
-    kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_id=eos,
-        rng=jax.random.key(args.seed),
-    )
-
+    stream = _Stream(tok, eos, 0) if args.stream and say.on else None
+    static = dict(max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos_id=eos, on_token=stream)
+    dynamic = dict(temperature=args.temperature, top_p=args.top_p, rng=jax.random.key(args.seed))
+    prompt = jnp.asarray([ids], jnp.int32)
+    gen = jax.jit(generate, static_argnames=tuple(static))
     with mesh_ctx:
+        where = f"persistent cache {args.compile_cache}" if args.compile_cache else "persistent cache off"
+        say.info(f"compiling generate ({where}) ...", err=True)
         t0 = time.perf_counter()
-        out = jax.block_until_ready(gen(model, ids, **kw))
-        first = time.perf_counter() - t0
+        compiled = gen.lower(model, prompt, **static, **dynamic).compile()
+        compile_s = time.perf_counter() - t0
+        if stream is not None and not args.quiet:
+            print("generated: ", end="", flush=True)
         t0 = time.perf_counter()
-        out = jax.block_until_ready(gen(model, ids, **kw))
-        steady = time.perf_counter() - t0
-
+        out = jax.block_until_ready(compiled(model, prompt, **dynamic))
+        jax.effects_barrier()  # the streamed tokens are printed before the summary
+        run_s = time.perf_counter() - t0
+    if stream is not None:
+        stream.finish()
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -100,13 +236,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if jax.process_index() != 0:
             return 0  # one report per job
     n = int(out.lengths[0])
-    print(f"prompt: {args.prompt_ids or args.prompt!r}")
-    if tok is not None:
-        print(f"generated: {tok.decode(out.tokens[0, :n])!r}")
-    print(f"tokens: {out.tokens[0, :n].tolist()}")
-    print(f"{n} tokens in {steady:.3f} s: {n / steady:.1f} tokens/s (first call incl. compilation {first:.2f} s)")
-    where = f" (persistent cache: {args.compile_cache})" if args.compile_cache else " (persistent cache off)"
-    print(f"XLA compilations: {counter.compiled}, loaded from the persistent cache: {counter.cache_hits}{where}")
+    text = tok.decode(out.tokens[0, :n]) if tok is not None else None
+    if args.quiet:
+        if stream is None:
+            print(text if text is not None else ",".join(str(int(i)) for i in out.tokens[0, :n]))
+        return 0
+    say.info(f"prompt: {args.prompt if args.prompt_ids is None else args.prompt_ids!r}")
+    if text is not None and stream is None:
+        say.info(f"generated: {text!r}")
+    say.info(f"tokens: {out.tokens[0, :n].tolist()}")
+    say.info(f"{n} tokens in {run_s:.3f} s: {n / run_s:.1f} tokens/s (compilation {compile_s:.2f} s, before that)")
+    say.info(f"XLA compilations: {counter.compiled}, loaded from the persistent cache: {counter.cache_hits} ({where})")
     return 0
 
 
@@ -129,13 +269,14 @@ class _HFTokenizer:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    import jax.numpy as jnp
-
+    if not Path(args.hf_dir).is_dir():
+        raise UserError(f"{args.hf_dir!r}: no such folder")
+    if Path(args.out_dir).exists() and not args.force:
+        raise UserError(f"{args.out_dir!r} exists; pass --force to replace it")
+    quant = _load_quant(args.quant)
     from checkpoints import convert
-    from hybrid_jax.quant.config import QuantConfig
 
-    quant = QuantConfig.from_yaml(args.quant) if args.quant else None
-    out = convert(args.hf_dir, args.out_dir, dtype=jnp.dtype(args.dtype), quant=quant, force=args.force)
+    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, quant=quant, force=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -143,33 +284,53 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from sharding.launch import add_arguments as add_distributed_arguments
 
-    p = argparse.ArgumentParser(prog="hybrid-jax", description=__doc__)
-    sub = p.add_subparsers(dest="command")
-    g = sub.add_parser("generate", help="generate text with a model (default: the embedded tiny model)")
-    g.add_argument("--config", default="tiny", help="preset name or HybridConfig JSON file (default: tiny)")
-    g.add_argument("--prompt", default=DEFAULT_PROMPT)
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=fmt)
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    g = sub.add_parser(
+        "generate",
+        help="generate text with a model (default: the embedded tiny model)",
+        description="Generate text after a prompt: greedy (--temperature 0) or sampled.",
+        formatter_class=fmt,
+    )
+    g.add_argument("--config", default="tiny", help="preset name or HybridConfig JSON file (random weights)")
+    g.add_argument("--model", default=None, help="a Hugging Face or converted (orbax) folder, instead of --config")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="compute and weight dtype; auto: the checkpoint's own dtype (float32 for --config)",
+    )
+    g.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (tokenized with the model's tokenizer)")
+    g.add_argument(
+        "--prompt-ids", type=_prompt_ids, default=None, help="the prompt as comma-separated token ids, e.g. 1,2,3"
+    )
+    g.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=32, help="tokens to generate")
+    g.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature; 0 is greedy")
+    g.add_argument("--top-k", type=_positive("--top-k"), default=None, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling: smallest set of mass >= p")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling (not of the weights)")
+    g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a --config preset")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--quiet", action="store_true", help="print only the generated text")
     g.add_argument(
         "--compile-cache",
         default=os.path.expanduser("~/.cache/hybrid_jax/jit"),
         help="JAX persistent compilation cache folder ('' to disable)",
     )
-    g.add_argument("--model", default=None, help="Hugging Face or converted folder (instead of --config)")
-    g.add_argument("--dtype", default="bfloat16", help="weights/activations dtype with --model")
-    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids (for folders without tokenizer)")
     g.add_argument("--quant", default=None, help="QuantConfig YAML file (indexer / kv_cache / projection)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel mesh size")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel mesh size (dp * tp = all devices)")
+    g.add_argument("--dp", type=_positive("--dp"), default=1, help="data-parallel mesh size")
+    g.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel mesh size (dp x tp = devices)")
     add_distributed_arguments(g)
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("convert", help="convert a Hugging Face folder to an orbax checkpoint (atomic)")
-    c.add_argument("hf_dir")
-    c.add_argument("out_dir")
-    c.add_argument("--dtype", default="bfloat16")
+    c = sub.add_parser(
+        "convert",
+        help="convert a Hugging Face folder to an orbax checkpoint (atomic)",
+        description="Convert a Hugging Face folder to an orbax checkpoint; nothing is left half-written.",
+        formatter_class=fmt,
+    )
+    c.add_argument("hf_dir", help="the Hugging Face folder (config.json + safetensors)")
+    c.add_argument("out_dir", help="the orbax folder to write")
+    c.add_argument("--dtype", default="auto", help="weight dtype to store; auto: the checkpoint's own dtype")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--quant", default=None, help="QuantConfig YAML; projection: fp8 stores FP8-resident weights")
     c.set_defaults(func=cmd_convert)
@@ -181,7 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["generate", *argv]  # `hybrid-jax` alone runs the default job
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (UserError, ValueError, OSError) as e:
+        # UserError, and what a bad config, checkpoint or quant file raises (ValueError / CheckpointError,
+        # a missing or unreadable file): one line. HYBRID_JAX_DEBUG=1 shows the traceback instead.
+        if os.environ.get("HYBRID_JAX_DEBUG"):
+            raise
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

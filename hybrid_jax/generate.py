@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -13,8 +14,12 @@ from hybrid_jax.model import HybridLM
 
 
 class GenerateOutput(NamedTuple):
-    tokens: jax.Array  # [B, max_new_tokens] int32; after a sequence stops, filled with pad_id
-    lengths: jax.Array  # [B] int32 generated tokens per sequence, the EOS included
+    tokens: jax.Array  # [B, max_new_tokens] int32; after a sequence stops (and on an `error` row), pad_id
+    lengths: jax.Array  # [B] int32 generated tokens per sequence, the EOS included; 0 on an `error` row
+    # [B] bool: the row's inputs failed a check that cannot raise under jit (a token id outside the vocabulary,
+    # a prompt length outside [1, T], temperature < 0 or top_p outside (0, 1] given as traced values). With
+    # concrete inputs `generate` raises ValueError instead, so under eager use this is all False.
+    error: jax.Array
 
 
 def sample_logits(
@@ -97,16 +102,22 @@ def generate(
     eos_id=None,
     rng=None,
     pad_id: int = 0,
+    on_token: Callable | None = None,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
     input_ids [B, T] int32, right-padded; prompt_lengths [B] real prompt tokens per row (default T).
     One compiled prefill, then a `lax.while_loop` of decode steps that ends when every sequence has emitted
     `eos_id` or `max_new_tokens` tokens. Greedy when temperature == 0, else sampling with `rng` (a PRNG key;
-    required). Returns GenerateOutput(tokens [B, max_new_tokens], lengths [B]).
+    required). Returns GenerateOutput(tokens [B, max_new_tokens], lengths [B], error [B]).
 
-    Under `jax.jit`, mark `max_new_tokens` and `top_k` static:
-    `jax.jit(generate, static_argnames=("max_new_tokens", "top_k"))`.
+    Inputs are checked on the host wherever they are concrete (ValueError naming the value). Under a caller's
+    `jax.jit` the values are traced and cannot raise: a row whose inputs are invalid comes back with
+    `error` set, pad tokens and length 0 (the other rows are unaffected).
+    on_token: called from the compiled loop (`jax.debug.callback`, in order) as on_token(step, tokens) with
+    each new token of every row (int32 [B]; pad_id for a row that has stopped), step 0 being the token after
+    the prompt: for streaming output. Under `jax.jit`, mark `max_new_tokens`, `top_k`, `eos_id` and
+    `on_token` static: `jax.jit(generate, static_argnames=("max_new_tokens", "top_k", "eos_id", "on_token"))`.
     """
     _validate(model, input_ids, prompt_lengths, max_new_tokens, top_k, top_p, temperature, eos_id)
     greedy = isinstance(temperature, (int, float)) and temperature == 0
@@ -117,6 +128,10 @@ def generate(
     input_ids = jnp.asarray(input_ids, jnp.int32)
     b, t = input_ids.shape
     lens = jnp.full((b,), t, jnp.int32) if prompt_lengths is None else jnp.asarray(prompt_lengths, jnp.int32)
+    error = _row_errors(input_ids, lens, model.config.vocab_size, temperature, top_p)
+    # an invalid row runs on harmless inputs (id 0, one token) and is marked done from the start
+    input_ids = jnp.where(error[:, None], 0, input_ids)
+    lens = jnp.where(error, 1, lens)
 
     cache = model.init_cache(b, t + max_new_tokens)
     logits, cache = model.prefill(input_ids, cache, lens, last_only=True)
@@ -124,10 +139,15 @@ def generate(
     def pick(logits, step):
         return sample_logits(logits, jax.random.fold_in(rng, step), temperature=temperature, top_k=top_k, top_p=top_p)
 
-    first = pick(logits, 0)
-    done = jnp.zeros((b,), bool) if eos_id is None else first == eos_id
+    def emit(step, tokens):
+        if on_token is not None:
+            jax.debug.callback(on_token, step, tokens, ordered=True)
+
+    first = jnp.where(error, pad_id, pick(logits, 0))
+    emit(jnp.int32(0), first)
+    done = error if eos_id is None else error | (first == eos_id)
     tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
-    lengths = jnp.ones((b,), jnp.int32)
+    lengths = (~error).astype(jnp.int32)
 
     def cond(carry):
         step, _, _, done, _, _ = carry
@@ -137,6 +157,7 @@ def generate(
         step, last, cache, done, tokens, lengths = carry
         logits, cache = model.decode_step(last, cache, active=~done)
         nxt = jnp.where(done, pad_id, pick(logits, step))
+        emit(step, nxt)
         tokens = tokens.at[:, step].set(nxt)
         lengths = lengths + (~done).astype(jnp.int32)
         if eos_id is not None:
@@ -145,4 +166,17 @@ def generate(
 
     carry = (jnp.int32(1), first, cache, done, tokens, lengths)
     _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
-    return GenerateOutput(tokens=tokens, lengths=lengths)
+    return GenerateOutput(tokens=tokens, lengths=lengths, error=error)
+
+
+def _row_errors(ids, lens, vocab: int, temperature, top_p) -> jax.Array:
+    """[B] bool: rows whose (traced) inputs are invalid; see GenerateOutput.error."""
+    t = ids.shape[1]
+    inside = jnp.arange(t)[None, :] < lens[:, None]
+    error = jnp.any(inside & ((ids < 0) | (ids >= vocab)), axis=1) | (lens < 1) | (lens > t)
+    if not isinstance(temperature, (int, float)):
+        error = error | (jnp.asarray(temperature) < 0)
+    if top_p is not None and not isinstance(top_p, (int, float)):
+        p = jnp.asarray(top_p)
+        error = error | (p <= 0) | (p > 1)
+    return error

@@ -78,3 +78,35 @@ def test_bad_input_raises_naming_the_value(tiny_model):
         generate(tiny_model, ok, max_new_tokens=2, top_p=1.5, temperature=1.0, rng=jax.random.key(0))
     # Token ids in the padding are never read, so they are not errors.
     generate(tiny_model, jnp.array([[1, 2, -1]]), prompt_lengths=jnp.array([2]), max_new_tokens=1)
+
+
+def test_under_jit_bad_rows_come_back_flagged_and_the_others_unchanged(tiny_model):
+    """Values jit cannot check raise nothing there: the row is flagged, gets pad tokens and length 0, and the
+    other rows generate exactly what they would alone."""
+    ids = random_ids(23, (3, 5))
+    good = GEN(tiny_model, ids, max_new_tokens=4)
+    assert not np.asarray(good.error).any()
+    bad_ids = ids.at[1, 2].set(100_000)  # outside the vocabulary, under jit
+    lens = jnp.array([5, 5, 0])  # row 2: an empty prompt
+    out = GEN(tiny_model, bad_ids, prompt_lengths=lens, max_new_tokens=4, pad_id=7)
+    np.testing.assert_array_equal(out.error, [False, True, True])
+    np.testing.assert_array_equal(out.lengths, [4, 0, 0])
+    assert (np.asarray(out.tokens[1:]) == 7).all()
+    np.testing.assert_array_equal(out.tokens[0], good.tokens[0])
+    # traced sampling parameters out of range flag every row
+    sample = jax.jit(generate, static_argnames=("max_new_tokens",))
+    for t, p in ((-0.5, 0.9), (1.0, 1.5), (1.0, 0.0)):
+        flagged = sample(tiny_model, ids, max_new_tokens=2, temperature=t, top_p=p, rng=jax.random.key(0))
+        assert np.asarray(flagged.error).all() and not np.asarray(flagged.lengths).any(), (t, p)
+
+
+def test_on_token_streams_every_token_in_order(tiny_model):
+    seen = []
+    ids = random_ids(24, (2, 4))
+    stream = jax.jit(generate, static_argnames=("max_new_tokens", "eos_id", "on_token"))
+    free = GEN(tiny_model, ids, max_new_tokens=5)
+    eos = int(free.tokens[0, 1])
+    out = stream(tiny_model, ids, max_new_tokens=5, eos_id=eos, on_token=lambda s, t: seen.append((int(s), t)))
+    jax.effects_barrier()
+    assert [s for s, _ in seen] == list(range(len(seen))) and 2 <= len(seen) <= 5
+    np.testing.assert_array_equal(np.stack([t for _, t in seen], axis=1), out.tokens[:, : len(seen)])

@@ -88,7 +88,7 @@ class QuantConfig:
 
     @classmethod
     def hierarchical(cls) -> QuantConfig:
-        """The article's recipe: MXFP8 indexer, FP8 KV cache, BF16 projections."""
+        """Quantization by sensitivity (docs/quantization.md): MXFP8 indexer, FP8 KV cache, BF16 projections."""
         return cls(IndexerQuant(), KVCacheQuant(), ProjectionQuant())
 
     @classmethod
