@@ -3,6 +3,9 @@
 Parameter names in `hybrid_jax` follow the Hugging Face checkpoints (`self_attn.q_proj`, `kv_b_proj`,
 `self_attn.indexer.wq_b`, `mlp.experts`, ...), so the mapping is one to one: a torch Linear
 `weight [out, in]` is our `kernel [in, out]`, and per-expert tensors stack into `[E, ...]`.
+
+A checkpoint folder is never trusted: headers, paths, config and orbax state are validated before loading, and
+every problem is a `CheckpointError` (a ValueError) naming the file and field.
 """
 
 from checkpoints.hf import load_tokenizer, save_pretrained

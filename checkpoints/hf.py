@@ -6,13 +6,20 @@ a few reshapes (conv kernels, A_log), per-expert tensors stacked into `[E, ...]`
 `gate_up_proj`), `block_sparse_moe` accepted for `mlp`, and FP8 weights with `weight_scale_inv` 128x128
 block scales dequantised. Tensors are read one at a time from memory-mapped files and placed directly on
 their target sharding, so host memory stays near the size of the largest (stacked) tensor.
+
+Nothing in the folder is trusted: `CheckpointFolder` validates every header and path before a byte of data is
+read, and here every tensor must exist, hold floating-point values for a floating-point parameter, have the
+parameter's shape, and every tensor of the checkpoint must be used (strict), so a config written for another
+checkpoint fails instead of loading a different model.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +32,17 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from checkpoints.hf_config import config_from_hf, config_to_hf
-from checkpoints.safetensors_io import CheckpointError, CheckpointFolder, write_safetensors
+from checkpoints.hf_config import config_from_hf, config_to_hf, mtp_layers
+from checkpoints.safetensors_io import (
+    FLOAT_DTYPES,
+    CheckpointError,
+    CheckpointFolder,
+    read_json,
+    regular_file,
+    resolve_folder,
+    resolve_inside,
+    write_safetensors,
+)
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import quantize_fp8_blocks
 from hybrid_jax.model import HybridLM
@@ -36,6 +52,7 @@ from sharding.rules import LOGICAL_AXIS_RULES, param_sharding
 FP8_BLOCK = 128
 # Tensors a checkpoint may carry that inference does not use.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -51,11 +68,17 @@ def _t(x: np.ndarray) -> np.ndarray:
 
 
 def _weight(reader: CheckpointFolder, name: str) -> np.ndarray:
-    """A tensor as float32-or-native numpy, FP8 block-scaled weights dequantised (ARCH_SPEC §4.3)."""
+    """A tensor as float32-or-native numpy, FP8 block-scaled weights dequantised (docs/architecture.md §9)."""
     w = reader[name]
     scale_name = name + "_scale_inv" if name.endswith(".weight") else None
     if scale_name and scale_name in reader:
         s = np.asarray(reader[scale_name], np.float32)
+        blocks = tuple(-(-n // FP8_BLOCK) for n in w.shape)
+        if w.ndim != 2 or s.shape != blocks:
+            raise CheckpointError(
+                f"tensor {scale_name!r} in {reader.path_of(scale_name)}: shape {s.shape} is not one scale per "
+                f"{FP8_BLOCK}x{FP8_BLOCK} block of {name!r} {w.shape}"
+            )
         rows, cols = w.shape
         s_full = np.repeat(np.repeat(s, FP8_BLOCK, axis=0)[:rows], FP8_BLOCK, axis=1)[:, :cols]
         return w.astype(np.float32) * s_full
@@ -118,8 +141,6 @@ def _fp8_param(path: tuple, cfg: HybridConfig, reader: CheckpointFolder) -> tupl
     src = _source(base, cfg, reader)
     wname = src.names[0]
     sname = wname + "_scale_inv"
-    if wname not in reader:
-        return np.zeros(0), [wname]  # reported as missing by the caller
     w = reader[wname]
     if sname in reader and w.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
         return (reader[sname].T if want_scale else w.T), [wname, sname]
@@ -128,13 +149,16 @@ def _fp8_param(path: tuple, cfg: HybridConfig, reader: CheckpointFolder) -> tupl
 
 
 def read_config(path: str | Path) -> HybridConfig:
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{path}: no config.json")
-    try:
-        return config_from_hf(json.loads(cfg_path.read_text()))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+    return _read_config(resolve_folder(path))[1]
+
+
+def _read_config(root: Path) -> tuple[dict, HybridConfig]:
+    """config.json of the (resolved) folder `root`, which must be a file inside it: (raw dict, HybridConfig)."""
+    what = str(root / "config.json")
+    if not (root / "config.json").exists() and not (root / "config.json").is_symlink():
+        raise CheckpointError(f"{root}: no config.json")
+    raw = read_json(regular_file(resolve_inside(root, "config.json"), what), what)
+    return raw, config_from_hf(raw, source=what)
 
 
 def _sharding(var: nnx.Variable, mesh: Mesh | None, rules) -> jax.sharding.Sharding | None:
@@ -150,10 +174,49 @@ def abstract_model(config: HybridConfig, dtype, quant: QuantConfig | None = None
     return nnx.eval_shape(lambda: HybridLM(config, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=nnx.Rngs(0)))
 
 
+# Files that travel with the weights: `save_pretrained` and `convert` copy them from the folder a model came from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# The folder each loaded model came from (by object, not an attribute: a model's static attributes are part of
+# what jit compiles for, and two loads of the same weights must share their compiled code).
+LOADED_FROM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+FLOAT_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float32"}
+
+
+def checkpoint_dtype(root: Path, raw: dict, reader: CheckpointFolder) -> jnp.dtype:
+    """The dtype a folder's weights are in: config.json's `dtype` (or the older `torch_dtype`) when it names a
+    floating dtype, else the most common floating dtype of its tensors (FP8 block-scaled weights count as
+    bfloat16, the dtype they are published for)."""
+    for key in ("dtype", "torch_dtype"):
+        name = raw.get(key) or (raw.get("text_config") or {}).get(key)
+        if isinstance(name, str) and name.removeprefix("torch.") in FLOAT_NAMES:
+            return jnp.dtype(FLOAT_NAMES[name.removeprefix("torch.")])
+    counts: dict[str, int] = {}
+    for n in reader:
+        kind = reader.dtype_name(n)
+        kind = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float32"}.get(
+            kind, "bfloat16" if kind.startswith("F8") else None
+        )
+        if kind is not None:
+            counts[kind] = counts.get(kind, 0) + 1
+    if not counts:
+        raise CheckpointError(f"{root}: no floating-point tensor to take the dtype from; pass dtype=")
+    return jnp.dtype(max(counts, key=counts.get))
+
+
+def resolve_dtype(dtype, root: Path, raw: dict, reader: CheckpointFolder) -> jnp.dtype:
+    """`dtype` as a jnp dtype; "auto" (or None) is the checkpoint's own (`checkpoint_dtype`)."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return checkpoint_dtype(root, raw, reader)
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype={dtype!r} is not a dtype name (e.g. 'auto', 'bfloat16', 'float32')") from None
+
+
 def load_safetensors_model(
     path: str | Path,
     *,
-    dtype=jnp.bfloat16,
+    dtype="auto",
     mesh: Mesh | None = None,
     quant: QuantConfig | None = None,
     strict: bool = True,
@@ -162,34 +225,58 @@ def load_safetensors_model(
 ) -> HybridLM:
     """Build a HybridLM from a Hugging Face folder (see module docstring)."""
     path = Path(path)
-    config = read_config(path)
-    reader = CheckpointFolder(path)
-    graphdef, state = nnx.split(abstract_model(config, dtype, quant))
+    root = resolve_folder(path)
+    raw, config = _read_config(root)
+    reader = CheckpointFolder(root)
+    _check_layers(root, config, reader)
+    dtype = resolve_dtype(dtype, root, raw, reader)
+    try:
+        graphdef, state = nnx.split(abstract_model(config, dtype, quant))
+    except (ValueError, TypeError, ZeroDivisionError, AssertionError) as e:
+        raise CheckpointError(
+            f"{root / 'config.json'}: the model it describes cannot be built with dtype {dtype.name} and this "
+            f"quant policy ({' '.join(str(e).split())})"
+        ) from None
     flat = list(nnx.to_flat_state(state))
     used: set[str] = set()
     for p, var in tqdm(flat, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        fp8 = p[-1] == "kernel_scale_inv" or (p[-1] == "kernel" and var.get_value().dtype == jnp.float8_e4m3fn)
-        if fp8:
-            built, names = _fp8_param(p, config, reader)
-            src = Source(names, lambda _, built=built: built)
-        else:
-            src = _source(p, config, reader)
+        key = ".".join(map(str, p))
+        target = var.get_value().dtype
+        want = tuple(var.get_value().shape)
+        fp8 = p[-1] == "kernel_scale_inv" or (p[-1] == "kernel" and target == jnp.float8_e4m3fn)
+        src = _source((*p[:-1], "kernel") if fp8 else p, config, reader)
         missing = [n for n in src.names if n not in reader]
         if missing:
             raise CheckpointError(
-                f"tensor {missing[0]!r} (for parameter {'.'.join(map(str, p))}) is missing from "
-                f"{', '.join(reader.files)} in {path}"
+                f"tensor {missing[0]!r} (for parameter {key}) is missing from {', '.join(reader.files)} in {root}"
             )
-        arr = src.build(None) if fp8 else src.build([_weight(reader, n) for n in src.names])
-        want = tuple(var.get_value().shape)
+        for n in src.names + [n + "_scale_inv" for n in src.names if n + "_scale_inv" in reader]:
+            if jnp.issubdtype(target, jnp.floating) and reader.dtype_name(n) not in FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"tensor {n!r} in {reader.path_of(n)}: dtype {reader[n].dtype} cannot hold the floating "
+                    f"point parameter {key}"
+                )
+        try:
+            if fp8:
+                arr, names = _fp8_param(p, config, reader)
+                src = Source(names, src.build)
+            else:
+                arr = src.build([_weight(reader, n) for n in src.names])
+        except (ValueError, TypeError, IndexError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            shown = ", ".join(repr(n) for n in src.names[:3]) + (", ..." if len(src.names) > 3 else "")
+            raise CheckpointError(
+                f"tensor(s) {shown} in {reader.path_of(src.names[0])}: cannot be arranged into "
+                f"parameter {key} {want} ({' '.join(str(e).split())})"
+            ) from None
         if tuple(arr.shape) != want:
             raise CheckpointError(
-                f"tensor {src.names[0]!r} in {reader.file_of(src.names[0])}: shape {arr.shape} "
-                f"does not match the model's {want} for {'.'.join(map(str, p))}"
+                f"tensor {src.names[0]!r} in {reader.path_of(src.names[0])}: shape {arr.shape} "
+                f"does not match the model's {want} for {key}"
             )
         used.update(src.names)
         used.update(n + "_scale_inv" for n in src.names)
-        target = var.get_value().dtype
         # At most one host copy (cast or transpose); device_put then reads the memory-mapped bytes directly.
         host = np.ascontiguousarray(arr if arr.dtype == target else arr.astype(target))
         var.set_value(jax.device_put(host, _sharding(var, mesh, rules)))
@@ -199,17 +286,31 @@ def load_safetensors_model(
             reader.release(n)
             if n + "_scale_inv" in reader:
                 reader.release(n + "_scale_inv")
-    extra = sorted(n for n in reader if n not in used and not _IGNORED.match(n) and not _is_mtp(n, config))
+    mtp = mtp_layers(raw, config)
+    extra = sorted(n for n in reader if n not in used and not _IGNORED.match(n) and not _is_mtp(n, mtp))
     if extra and strict:
         shown = ", ".join(extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10 else "")
-        raise CheckpointError(f"{len(extra)} unexpected tensor(s) in {path}: {shown} (strict=False ignores them)")
-    return nnx.merge(graphdef, state)
+        raise CheckpointError(f"{len(extra)} unexpected tensor(s) in {root}: {shown} (strict=False ignores them)")
+    model = nnx.merge(graphdef, state)
+    LOADED_FROM[model] = root
+    return model
 
 
-def _is_mtp(name: str, cfg: HybridConfig) -> bool:
-    """DeepSeek ships its multi-token-prediction module as layers >= num_layers; inference skips it."""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return bool(m) and int(m.group(1)) >= cfg.num_layers
+def _check_layers(root: Path, config: HybridConfig, reader: CheckpointFolder) -> None:
+    """A config with more layers than the checkpoint holds fails here, before the (abstract) model is built."""
+    present = {int(m.group(1)) for n in reader if (m := _LAYER.match(n))}
+    if config.num_layers > 1 + max(present, default=-1):
+        raise CheckpointError(
+            f"{root / 'config.json'}: {config.num_layers} layers, but {', '.join(reader.files)} hold tensors of "
+            f"{1 + max(present, default=-1)} layers (model.layers.N.*)"
+        )
+
+
+def _is_mtp(name: str, mtp: range) -> bool:
+    """DeepSeek ships its multi-token-prediction module as layers num_layers.. (num_nextn_predict_layers of
+    them); inference skips it. Any other layer past num_layers is unexpected."""
+    m = _LAYER.match(name)
+    return bool(m) and int(m.group(1)) in mtp
 
 
 def save_pretrained(model: HybridLM, path: str | Path) -> None:
@@ -235,13 +336,19 @@ def save_pretrained(model: HybridLM, path: str | Path) -> None:
             value = value.T
         tensors[name] = value
     write_safetensors(path / "model.safetensors", tensors, {"format": "hybrid-jax"})
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    raw = {**config_to_hf(cfg), "dtype": jnp.dtype(model.dtypes.compute).name}
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    source = LOADED_FROM.get(model)
+    for f in TOKENIZER_FILES if source is not None else ():
+        src = source / f
+        if (src.exists() or src.is_symlink()) and not (path / f).exists():
+            shutil.copyfile(regular_file(resolve_inside(source, f), str(src)), path / f)
 
 
 def load_tokenizer(path: str | Path):
     """The folder's `tokenizer.json` as a `tokenizers.Tokenizer`, or None (with a warning) when absent."""
     tok = Path(path) / "tokenizer.json"
-    if not tok.is_file():
+    if not tok.exists() and not tok.is_symlink():
         warnings.warn(
             f"{path} has no tokenizer.json: pass token ids directly, or a tokenizer object of your own", stacklevel=2
         )
@@ -250,4 +357,8 @@ def load_tokenizer(path: str | Path):
         from tokenizers import Tokenizer
     except ImportError as e:
         raise ImportError("reading tokenizer.json needs the `tokenizers` package: pip install tokenizers") from e
-    return Tokenizer.from_file(str(tok))
+    tok = regular_file(resolve_inside(resolve_folder(path), "tokenizer.json"), str(tok))
+    try:
+        return Tokenizer.from_file(str(tok))
+    except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
+        raise CheckpointError(f"{tok}: not a valid tokenizer.json ({' '.join(str(e).split())})") from None

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from checkpoints.hf import load_safetensors_model, load_tokenizer
 from checkpoints.orbax_io import is_orbax_folder, restore_orbax
-from checkpoints.safetensors_io import CheckpointError
+from checkpoints.safetensors_io import resolve_folder
 from hybrid_jax.model import HybridLM
 from hybrid_jax.quant.config import QuantConfig
 from sharding.rules import LOGICAL_AXIS_RULES
@@ -18,7 +17,7 @@ from sharding.rules import LOGICAL_AXIS_RULES
 def from_pretrained(
     path: str | Path,
     *,
-    dtype=jnp.bfloat16,
+    dtype="auto",
     mesh: Mesh | None = None,
     quant: QuantConfig | str | Path | None = None,
     strict: bool = True,
@@ -29,14 +28,20 @@ def from_pretrained(
 
     `path` is a Hugging Face folder (config.json with model_type kimi_linear, deepseek_v32 or hybrid;
     model.safetensors or shards with model.safetensors.index.json) or a folder written by
-    `hybrid-jax convert`. Weights are cast to `dtype` (the float32-by-design parameters stay float32, and a
-    quant policy's projection dtype wins); `quant` is a QuantConfig or the path of its YAML file. With a
-    `mesh`, each parameter is placed on its NamedSharding from the logical-axis `rules`. strict=False
-    ignores unexpected extra tensors. The tokenizer is separate: `load_tokenizer(path)`.
+    `hybrid-jax convert`. `dtype` is the compute and weight dtype: "auto" (the default) is the checkpoint's
+    own — config.json's `dtype` / `torch_dtype`, else its tensors' (an orbax folder: the dtype it was stored
+    in) —, so a float32 checkpoint loads float32 and a bf16 one bf16; any other dtype casts the weights (the
+    float32-by-design parameters stay float32, and a quant policy's projection dtype wins). `quant` is a
+    QuantConfig or the path of its YAML file. With a `mesh`, each parameter is placed on its NamedSharding from
+    the logical-axis `rules`. strict=False ignores unexpected extra tensors. The tokenizer is separate:
+    `load_tokenizer(path)`; `save_pretrained` copies the tokenizer files of the folder a model came from.
+
+    The folder is not trusted: every safetensors header is validated completely before any data is read,
+    every file it names must resolve inside the folder, and config.json and an orbax state must match each
+    other; anything else is a one-line CheckpointError (a ValueError) naming the file and the field.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a folder")
+    resolve_folder(path)  # a CheckpointError unless it is a folder (or a link to one)
     if isinstance(quant, (str, Path)):
         quant = QuantConfig.from_yaml(quant)
     if is_orbax_folder(path):
@@ -44,6 +49,6 @@ def from_pretrained(
     model = load_safetensors_model(
         path, dtype=dtype, mesh=mesh, quant=quant, strict=strict, rules=rules, progress=progress
     )
-    if not (path / "tokenizer.json").is_file():
+    if not (path / "tokenizer.json").exists():
         load_tokenizer(path)  # warns that ids or a tokenizer object must be passed
     return model

@@ -1,12 +1,21 @@
 import gc
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import settings
 
 from hybrid_jax import HybridConfig, HybridLM
+
+# Hypothesis draws the same examples on every run ("ci": derandomized, no deadline: interpret-mode kernels and
+# first-call compiles take seconds). The tests' own @settings (max_examples) inherit this profile; set
+# HYPOTHESIS_PROFILE=explore to draw fresh examples locally.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The tests compare float32 paths against each other; on a GPU, XLA's default float32 matmul precision
 # (TF32) would add ~1e-4 noise that differs between shapes. (A no-op on the CPU.)

@@ -1,7 +1,9 @@
 """Day-0 loading: parity with transformers on the committed fixtures, formats, conversion and bad input."""
 
 import json
+import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -118,7 +120,7 @@ def test_truncated_and_corrupted_files_fail_clearly(tmp_path):
     d = _copy_fixture(tmp_path)
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="truncated or corrupted"):
+    with pytest.raises(CheckpointError, match=r"model.safetensors: the file is shorter than its header promises"):
         from_pretrained(d, progress=False)
     (d / "model.safetensors").write_bytes(data[:8] + b"{not json" + data[17:])
     with pytest.raises(CheckpointError, match="corrupted safetensors header"):
@@ -302,3 +304,390 @@ def test_convert_keeps_fp8_projections_and_restores_them(tmp_path):
     q.write_text("projection: {dtype: bf16}\n")
     with pytest.raises(CheckpointError, match="converted with projection dtype 'fp8'"):
         from_pretrained(tmp_path / "o", quant=q)
+
+
+# ---------------------------------------------------------------- a checkpoint folder is never trusted
+
+
+def _read_raw(path: Path) -> tuple[dict, bytes]:
+    b = path.read_bytes()
+    (n,) = struct.unpack("<Q", b[:8])
+    return json.loads(b[8 : 8 + n]), b[8 + n :]
+
+
+def _write_raw(path: Path, header: dict | bytes, data: bytes) -> None:
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+A, B = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"  # both [64] F32
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+    """The issue's alteration: B's data_offsets point at A's bytes. Both loaded as equal weights before."""
+    d = _copy_fixture(tmp_path)
+    header, data = _read_raw(d / "model.safetensors")
+    header[B]["data_offsets"] = header[A]["data_offsets"]
+    _write_raw(d / "model.safetensors", header, data)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor '.*layernorm.weight'.*overlap.*layernorm"):
+        from_pretrained(d, progress=False)
+
+
+def test_overlap_is_refused_even_when_the_data_is_covered_exactly(tmp_path):
+    """B's bytes removed and every later offset shifted: no gap, no trailing bytes, only the overlap is wrong."""
+    d = _copy_fixture(tmp_path)
+    header, data = _read_raw(d / "model.safetensors")
+    lo, hi = header[B]["data_offsets"]
+    data = data[:lo] + data[hi:]
+    for name, info in header.items():
+        if name != "__metadata__" and info["data_offsets"][0] >= hi:
+            info["data_offsets"] = [o - (hi - lo) for o in info["data_offsets"]]
+    header[B]["data_offsets"] = header[A]["data_offsets"]
+    _write_raw(d / "model.safetensors", header, data)
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '{B}' data_offsets \[155648, 155904\] "):
+        SafetensorsFile(d / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda h, d: (h, d + b"\0" * 8), r"8 bytes after the last tensor"),
+        (lambda h, d: ({**h, B: {**h[B], "data_offsets": [155904 + 8, 156160 + 8]}}, d), r"'.*post_attention.*' data_"),
+        (lambda h, d: ({**h, A: {**h[A], "dtype": "F33"}}, d), r"'.*input_layernorm.weight' dtype 'F33' is not a "),
+        (lambda h, d: ({**h, A: {**h[A], "dtype": "f32"}}, d), r"dtype 'f32' is not a safetensors dtype"),
+        (lambda h, d: ({**h, A: {**h[A], "dtype": "C64"}}, d), r"dtype 'C64'.*not supported"),
+        (
+            lambda h, d: ({**h, A: {**h[A], "shape": [65]}}, d),
+            r"'.*input_layernorm.weight'.*\(65,\) F32 needs 260 bytes",
+        ),
+        (lambda h, d: ({**h, A: {**h[A], "shape": [64.0]}}, d), r"'.*input_layernorm.weight' shape"),
+        (lambda h, d: ({**h, A: {**h[A], "shape": [-64]}}, d), r"'.*input_layernorm.weight' shape"),
+        (lambda h, d: ({**h, A: {**h[A], "data_offsets": [True, 256]}}, d), r"'.*input_layernorm.weight' data_offsets"),
+        (lambda h, d: ({**h, A: {**h[A], "data_offsets": [0]}}, d), r"'.*input_layernorm.weight' data_offsets"),
+        (lambda h, d: ({**h, "__metadata__": {"format": 1}}, d), r"__metadata__"),
+        (lambda h, d: (json.dumps(h).encode().replace(b'"model.norm.weight"', f'"{A}"'.encode()), d), "duplicate"),
+        (lambda h, d: (b" " + json.dumps(h).encode(), d), r"header does not start with '\{'"),
+        (lambda h, d: (json.dumps(h).encode() + b"\0", d), r"header"),
+    ],
+)
+def test_every_header_field_is_validated(tmp_path, edit, match):
+    d = _copy_fixture(tmp_path)
+    header, data = _read_raw(d / "model.safetensors")
+    _write_raw(d / "model.safetensors", *edit(header, data))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: .*" + match):
+        from_pretrained(d, progress=False)
+
+
+def test_header_length_is_bounded(tmp_path):
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(struct.pack("<Q", 100_000_001) + b"{}" + b" " * 6)
+    with pytest.raises(CheckpointError, match=r"big.safetensors: header length 100000001 .*100000000"):
+        SafetensorsFile(path)
+
+
+def test_tensors_listed_in_any_order_with_empty_ones_load(tmp_path):
+    """What the spec allows: entries in any JSON order, zero-size tensors at any boundary, metadata."""
+    header = {
+        "b": {"dtype": "BF16", "shape": [2], "data_offsets": [8, 12], "other": "ignored, as the library does"},
+        "e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [12, 12]},
+        "__metadata__": {"format": "pt"},
+        "a": {"dtype": "F8_E8M0", "shape": [2, 4], "data_offsets": [0, 8]},
+    }
+    _write_raw(tmp_path / "x.safetensors", header, bytes(range(12)))
+    f = SafetensorsFile(tmp_path / "x.safetensors")
+    assert f.get("a").dtype == ml_dtypes.float8_e8m0fnu and f.get("a").shape == (2, 4)
+    assert f.get("b").view(np.uint8).tolist() == [8, 9, 10, 11] and f.get("e").shape == (0, 3)
+
+
+def _sharded(tmp_path: Path, name: str = "kimi_linear") -> Path:
+    """The fixture as one shard plus model.safetensors.index.json."""
+    d = _copy_fixture(tmp_path, name)
+    shard = "model-00001-of-00001.safetensors"
+    (d / "model.safetensors").rename(d / shard)
+    header, _ = _read_raw(d / shard)
+    weight_map = {k: shard for k in header if k != "__metadata__"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d
+
+
+def _point_index_at(d: Path, target: str, only: str | None = None) -> None:
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    for k in index["weight_map"]:
+        if only is None or k == only:
+            index["weight_map"][k] = target
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "ABS", "sub/../../outside.safetensors", "link"])
+def test_an_index_never_reaches_outside_the_folder(tmp_path, target):
+    """A valid copy of the weights sits next to the folder: naming it (relative, absolute, or through a
+    symlink in the folder) loaded it before."""
+    d = _sharded(tmp_path)
+    shutil.copy(d / "model-00001-of-00001.safetensors", tmp_path / "outside.safetensors")
+    if target == "ABS":
+        target = str(tmp_path / "outside.safetensors")
+    elif target == "link":
+        (d / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+        target = "link.safetensors"
+    (d / "sub").mkdir()
+    _point_index_at(d, target, only=A)
+    with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json: weight_map\['{A}'\] = .*outside"):
+        from_pretrained(d, progress=False)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_symlink_out_of_the_folder_is_refused(tmp_path, name):
+    d = _copy_fixture(tmp_path)
+    (d / name).rename(tmp_path / name)
+    (d / name).symlink_to(tmp_path / name)
+    with pytest.raises(CheckpointError, match=rf"{name} .*outside the checkpoint folder"):
+        from_pretrained(d, progress=False)
+
+
+def test_symlinks_inside_the_folder_and_a_symlinked_folder_load(tmp_path):
+    d = _sharded(tmp_path)
+    (d / "blobs").mkdir()
+    (d / "model-00001-of-00001.safetensors").rename(d / "blobs" / "abc")
+    (d / "model-00001-of-00001.safetensors").symlink_to(Path("blobs") / "abc")
+    (tmp_path / "alias").symlink_to(d)
+    model = from_pretrained(tmp_path / "alias", dtype=jnp.float32, progress=False)
+    ref = from_pretrained(FIXTURES / "kimi_linear", dtype=jnp.float32, progress=False)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(nnx.state(model)), jax.tree_util.tree_leaves(nnx.state(ref)), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_hugging_face_cache_snapshot_links_to_its_blobs_load(tmp_path):
+    """`snapshot_download` without local_dir: snapshots/<rev>/<file> -> ../../blobs/<hash>."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(FIXTURES / "kimi_linear" / f, repo / "blobs" / f"hash-{f}")
+        (snap / f).symlink_to(Path("../../blobs") / f"hash-{f}")
+    assert isinstance(from_pretrained(snap, dtype=jnp.float32, progress=False), HybridLM)
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to(Path("../../other"))
+    (repo / "other").write_bytes((repo / "blobs" / "hash-model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        from_pretrained(snap, progress=False)
+
+
+@pytest.mark.parametrize(
+    "index,match",
+    [
+        ("{not json", r"index.json: invalid JSON"),
+        ('{"metadata": {}}', r"index.json: no 'weight_map'"),
+        ('{"weight_map": ["a"]}', r"index.json: weight_map"),
+        ('{"weight_map": {"model.norm.weight": 3}}', r"index.json: weight_map\['model.norm.weight'\] = 3"),
+        ('{"weight_map": {"model.norm.weight": ""}}', r"index.json: weight_map\['model.norm.weight'\] = ''"),
+        ('{"weight_map": {"model.norm.weight": "nul\\u0000.safetensors"}}', r"weight_map\['model.norm.weight'\]"),
+        ('{"weight_map": {"model.norm.weight": "missing.safetensors"}}', r"weight_map\['model.norm.weight'\].*missing"),
+        ('{"weight_map": {"model.norm.weight": "."}}', r"weight_map\['model.norm.weight'\] = '.'.* not a file"),
+    ],
+)
+def test_a_malformed_index_is_named(tmp_path, index, match):
+    d = _sharded(tmp_path)
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=match):
+        from_pretrained(d, progress=False)
+
+
+def test_index_and_shards_must_agree(tmp_path):
+    d = _sharded(tmp_path)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.9.foo"] = "model-00001-of-00001.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"weight_map\['model.layers.9.foo'\].*not in that file"):
+        from_pretrained(d, progress=False)
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    d = _sharded(tmp_path)
+    write_safetensors(d / "model-extra.safetensors", {"model.norm.weight": np.zeros(64, np.float32)})
+    _point_index_at(d, "model-extra.safetensors", only="model.norm.weight")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.embed_tokens.weight"] = "model-00001-of-00001.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' is in both .*model-00001.*model-extra"):
+        from_pretrained(d, progress=False)
+
+
+def test_fewer_layers_in_config_than_in_the_checkpoint_is_refused(tmp_path):
+    """Layers past num_layers were skipped as if they were DeepSeek's MTP module, for every model type."""
+    d = tmp_path / "tiny"
+    save_pretrained(
+        HybridLM(
+            HybridConfig.tiny().replace(num_layers=2, layer_types=("linear", "full"), mlp_types=("dense", "moe")),
+            rngs=nnx.Rngs(0),
+        ),
+        d,
+    )
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(num_layers=1, layer_types=["linear"], mlp_types=["dense"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*model.layers.1"):
+        from_pretrained(d, progress=False)
+
+
+def test_an_integer_tensor_for_a_float_parameter_is_refused(tmp_path):
+    d = _copy_fixture(tmp_path)
+    header, data = _read_raw(d / "model.safetensors")
+    header[A]["dtype"] = "I32"
+    _write_raw(d / "model.safetensors", header, data)
+    with pytest.raises(CheckpointError, match=rf"'{A}' in .*/model.safetensors: dtype int32 .*floating"):
+        from_pretrained(d, progress=False)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"hidden_size": 64.5}, r"config.json: .*hidden_size"),
+        ({"hidden_size": "64"}, r"config.json: .*hidden_size"),
+        ({"linear_attn_config": 3}, r"config.json: .*linear_attn_config"),
+        (
+            {"layer_types": None, "linear_attn_config": {"full_attn_layers": [0], "kda_layers": [1, 2, 4, 5]}},
+            r"config.json: linear_attn_config.*full_attn_layers.*0",
+        ),
+        (
+            {"layer_types": None, "linear_attn_config": {"full_attn_layers": [3, 9], "kda_layers": [1, 2, 4, 5]}},
+            r"config.json: linear_attn_config.*full_attn_layers.*9",
+        ),
+        (
+            {"layer_types": None, "linear_attn_config": {"full_attn_layers": [3], "kda_layers": [1, 2, 3, 4, 5]}},
+            r"config.json: linear_attn_config.*layer 3 .*both",
+        ),
+    ],
+)
+def test_a_malformed_config_is_named(tmp_path, change, match):
+    d = _copy_fixture(tmp_path)
+    cfg = {**json.loads((d / "config.json").read_text()), **change}
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    with pytest.raises(CheckpointError, match=match):
+        from_pretrained(d, progress=False)
+
+
+@pytest.fixture(scope="module")
+def orbax_folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("orbax") / "o"
+    return convert(FIXTURES / "kimi_linear", out, dtype=jnp.float32, progress=False)
+
+
+def _orbax_variant(orbax_folder, tmp_path, edit_state=None, edit_config=None) -> Path:
+    import orbax.checkpoint as ocp
+
+    d = tmp_path / "variant"
+    shutil.copytree(orbax_folder, d, ignore=shutil.ignore_patterns("state") if edit_state else None)
+    if edit_state:
+        with ocp.StandardCheckpointer() as ckpt:
+            state = jax.tree_util.tree_map(np.asarray, ckpt.restore(orbax_folder / "state"))
+        edit_state(state)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(d / "state", state)
+            ckpt.wait_until_finished()
+    if edit_config:
+        cfg = json.loads((d / "config.json").read_text())
+        edit_config(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize(
+    "edit_state,edit_config,match",
+    [
+        (lambda s: s.pop("norm"), None, r"state: parameter norm.weight \(64,\) float32 is missing"),
+        (
+            lambda s: s["norm"].update(weight=np.ones(65, np.float32)),
+            None,
+            r"norm.weight has shape \(65,\), the model's is \(64,\)",
+        ),
+        (lambda s: s["norm"].update(weight=np.ones(64, np.int32)), None, r"norm.weight.*int32.*float"),
+        (lambda s: s.update(extra={"x": np.ones(3)}), None, r"state: unexpected array extra.x"),
+        (
+            None,
+            lambda c: c.update(hidden_size=32),
+            r"embed_tokens.embedding has shape \(160, 64\), the model's is \(160, 32\); .*written for another config",
+        ),
+        (
+            None,
+            lambda c: c.update(num_layers=4, layer_types=c["layer_types"][:4], mlp_types=c["mlp_types"][:4]),
+            r"unexpected array layers.4",
+        ),
+    ],
+)
+def test_orbax_restore_names_what_does_not_match(orbax_folder, tmp_path, edit_state, edit_config, match):
+    d = _orbax_variant(orbax_folder, tmp_path, edit_state, edit_config)
+    with pytest.raises(CheckpointError, match=match) as e:
+        from_pretrained(d, dtype=jnp.float32)
+    assert str(d) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "marker,match",
+    [
+        ("{oops", r"hybrid_jax_checkpoint.json: invalid JSON"),
+        ('{"format": "orbax"}', r"hybrid_jax_checkpoint.json: .*dtype"),
+        ('{"format": "orbax", "dtype": "float99"}', r"hybrid_jax_checkpoint.json: dtype 'float99'"),
+        ('{"format": "zip", "dtype": "float32"}', r"hybrid_jax_checkpoint.json: format 'zip'"),
+    ],
+)
+def test_orbax_marker_is_validated(orbax_folder, tmp_path, marker, match):
+    d = _orbax_variant(orbax_folder, tmp_path)
+    (d / "hybrid_jax_checkpoint.json").write_text(marker)
+    with pytest.raises(CheckpointError, match=match):
+        from_pretrained(d)
+
+
+def test_orbax_state_may_not_link_outside(orbax_folder, tmp_path):
+    d = _orbax_variant(orbax_folder, tmp_path)
+    shutil.move(d / "state", tmp_path / "state")
+    os.symlink(tmp_path / "state", d / "state")
+    with pytest.raises(CheckpointError, match=r"state .*outside the checkpoint folder"):
+        from_pretrained(d)
+
+
+def test_auto_dtype_is_the_checkpoints_own(tmp_path):
+    """dtype="auto" (the default): config.json's dtype, else the tensors'; a float32 checkpoint loads float32
+    (and so matches transformers without asking), a bf16 one bf16; convert keeps it; restoring a bf16 copy at
+    float32 warns that the precision is not there."""
+    f32 = from_pretrained(FIXTURES / "kimi_linear", progress=False)  # config.json says float32
+    assert f32.dtypes.compute == jnp.float32 and f32.dtypes.param == jnp.float32
+    no_field = tmp_path / "no_dtype_field"
+    shutil.copytree(FIXTURES / "kimi_linear", no_field)
+    raw = json.loads((no_field / "config.json").read_text())
+    raw.pop("dtype", None), raw.pop("torch_dtype", None)
+    (no_field / "config.json").write_text(json.dumps(raw))
+    assert from_pretrained(no_field, progress=False).dtypes.compute == jnp.float32  # from the F32 tensors
+    raw["torch_dtype"] = "bfloat16"  # the older field name, as released checkpoints write it
+    (no_field / "config.json").write_text(json.dumps(raw))
+    assert from_pretrained(no_field, progress=False).dtypes.compute == jnp.bfloat16
+    bf16 = tmp_path / "bf16"
+    save_pretrained(HybridLM(HybridConfig.tiny(), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), bf16)
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    assert from_pretrained(bf16, progress=False).dtypes.compute == jnp.bfloat16
+    kept = convert(FIXTURES / "kimi_linear", tmp_path / "orbax_f32", progress=False)
+    restored = from_pretrained(kept)
+    assert restored.dtypes.compute == jnp.float32
+    leaves = [v for v in jax.tree.leaves(nnx.state(restored)) if jnp.issubdtype(v.dtype, jnp.floating)]
+    assert {str(v.dtype) for v in leaves} == {"float32"}
+    low = convert(FIXTURES / "kimi_linear", tmp_path / "orbax_bf16", dtype="bfloat16", progress=False)
+    with pytest.warns(UserWarning, match="holds bfloat16 weights; loading them as float32 adds no precision"):
+        from_pretrained(low, dtype="float32")
+    with pytest.raises(ValueError, match="dtype='f33' is not a dtype name"):
+        from_pretrained(FIXTURES / "kimi_linear", dtype="f33", progress=False)
+
+
+def test_save_pretrained_copies_the_tokenizer_files_it_loaded_with(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "kimi_linear", src)
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 77}')
+    (src / "generation_config.json").write_text('{"do_sample": false}')
+    model = from_pretrained(src, progress=False)
+    save_pretrained(model, tmp_path / "out")
+    for f in ("tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "out" / f).read_text() == (src / f).read_text()
+    save_pretrained(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path / "fresh")  # built, not loaded
+    assert not (tmp_path / "fresh" / "tokenizer_config.json").exists()

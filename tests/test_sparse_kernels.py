@@ -463,6 +463,36 @@ def test_split_selection_from_given_statistics():
         top_k_split(xs, ls, stats=jnp.asarray(stats), stats_parts=5, **kw)
 
 
+def test_indexer_prefill_chunk_runs_the_gpu_default_path():
+    """A prefill chunk of 64-511 queries over a long context, as impl="auto" runs it on a GPU (here forced with
+    use_pallas, interpreted): the tiled score kernel (64-query tiles) then the split selection (fewer than 512
+    rows, at least 8 x top-k keys), fixed values against the reference. The K-th and (K+1)-th reference scores
+    are apart (a near tie would make either choice right)."""
+    from pallas_kernels import use_pallas
+    from pallas_kernels.indexer.api import default_selection
+    from pallas_kernels.indexer.tuning import TILED_MIN_QUERIES
+
+    t, topk = 70, 16
+    q, w, pool, table, _, _ = _indexer_case(42, 2, t, 4, 64, 8, [230, 170])
+    w = jnp.abs(w) + 0.1  # positive head weights: no run of exactly-zero scores at the K-th place
+    kv = jnp.asarray([230, 170], jnp.int32)
+    pos = jnp.stack([160 + jnp.arange(t), 100 + jnp.arange(t)]).astype(jnp.int32)  # the chunk's last 70 tokens
+    keys = table.shape[1] * pool.shape[1]
+    assert t >= TILED_MIN_QUERIES and default_selection(2 * t, keys, topk)[0] == "split"
+    kw = dict(q_positions=pos, kv_lengths=kv, topk=topk, scale=0.125)
+    ref_i, ref_v = indexer_topk(q, w, pool, table, impl="reference", **kw)
+    full_v = indexer_topk(q, w, pool, table, impl="reference", **{**kw, "topk": topk + 1})[1]
+    gap = np.asarray(full_v)[..., topk - 1] - np.asarray(full_v)[..., topk]
+    assert gap.min() > 1e-3, gap.min()
+    fn = lambda *a: indexer_topk(*a, precision="ieee", interpret=True, **kw)  # noqa: E731
+    with use_pallas(ops=["indexer"]):
+        got_i, got_v = fn(q, w, pool, table)
+        jaxpr = str(jax.make_jaxpr(fn)(q, w, pool, table))
+    assert "indexer_scores_tiled" in jaxpr and "indexer_split_" in jaxpr, "not the tiled scores + split selection"
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))
+    np.testing.assert_allclose(np.asarray(got_v), np.asarray(ref_v), rtol=1e-5, atol=1e-5)
+
+
 def test_indexer_split_path_matches_reference():
     """The decode path with the split selection: score kernels of 2 blocks each that also write their
     statistics, the selection's counting and compaction from them, the candidates ranked best first — the
