@@ -233,10 +233,12 @@ class HybridLM(nnx.Module):
                 )
         steps = jnp.arange(t, dtype=jnp.int32)
         positions = cache.lengths[:, None] + steps[None, :]
-        # Under jit the capacity check above cannot raise: rows that overflow write nothing and get NaN logits.
+        # Under jit the capacity check above cannot raise: a row that would overflow takes none of its tokens
+        # (its cache, state and length stay as they were; nothing is clamped) and gets NaN logits.
         overflow = cache.lengths + n_new > cache.max_len
-        valid = (steps[None, :] < n_new[:, None]) & (positions < cache.max_len)
-        kv_lengths = jnp.minimum(cache.lengths + n_new, cache.max_len)
+        n_new = jnp.where(overflow, 0, n_new)
+        valid = steps[None, :] < n_new[:, None]
+        kv_lengths = cache.lengths + n_new
         info = StepInfo(
             positions=positions, valid=valid, n_new=n_new, page_table=cache.page_table, kv_lengths=kv_lengths, mode=mode
         )
