@@ -29,44 +29,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message}\n")
 
 
-def _positive(name: str):
-    def parse(text: str) -> int:
+def _checked(kind: type, ok, rule: str):
+    """An argparse type: `kind(text)` that must satisfy `ok`, else a one-line error naming the value (argparse
+    puts the flag's name before it)."""
+
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} {text!r} is not an integer") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} {value} must be at least 1")
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):  # NaN fails every comparison: refused too
+            raise argparse.ArgumentTypeError(f"{value} {rule}")
         return value
 
     return parse
 
 
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--top-p {text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"--top-p {value} must lie in (0, 1]")
-    return value
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--temperature {text!r} is not a number") from None
-    if not value >= 0.0:  # NaN too
-        raise argparse.ArgumentTypeError(f"--temperature {value} must be >= 0 (0 is greedy)")
-    return value
+_positive = _checked(int, lambda v: v >= 1, "must be at least 1")
+_probability = _checked(float, lambda v: 0.0 < v <= 1.0, "must lie in (0, 1]")
+_temperature = _checked(float, lambda v: v >= 0.0, "must be >= 0 (0 is greedy)")
 
 
 def _prompt_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
     return ids
 
 
@@ -304,9 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prompt-ids", type=_prompt_ids, default=None, help="the prompt as comma-separated token ids, e.g. 1,2,3"
     )
-    g.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=32, help="tokens to generate")
+    g.add_argument("--max-new-tokens", type=_positive, default=32, help="tokens to generate")
     g.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature; 0 is greedy")
-    g.add_argument("--top-k", type=_positive("--top-k"), default=None, help="sample among the k most likely tokens")
+    g.add_argument("--top-k", type=_positive, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling: smallest set of mass >= p")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling (not of the weights)")
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a --config preset")
@@ -318,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="JAX persistent compilation cache folder ('' to disable)",
     )
     g.add_argument("--quant", default=None, help="QuantConfig YAML file (indexer / kv_cache / projection)")
-    g.add_argument("--dp", type=_positive("--dp"), default=1, help="data-parallel mesh size")
-    g.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel mesh size (dp x tp = devices)")
+    g.add_argument("--dp", type=_positive, default=1, help="data-parallel mesh size")
+    g.add_argument("--tp", type=_positive, default=1, help="tensor-parallel mesh size (dp x tp = devices)")
     add_distributed_arguments(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser(

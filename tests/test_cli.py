@@ -82,11 +82,11 @@ def test_help_documents_every_flag_with_its_default():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--max-new-tokens", "-5"], "--max-new-tokens -5 must be at least 1"),
-        (["--top-k", "0"], "--top-k 0 must be at least 1"),
-        (["--top-p", "1.5"], "--top-p 1.5 must lie in (0, 1]"),
-        (["--temperature", "-1"], "--temperature -1.0 must be >= 0"),
-        (["--prompt-ids", "a,b"], "--prompt-ids 'a,b': expected comma-separated integers"),
+        (["--max-new-tokens", "-5"], "argument --max-new-tokens: -5 must be at least 1"),
+        (["--top-k", "0"], "argument --top-k: 0 must be at least 1"),
+        (["--top-p", "1.5"], "argument --top-p: 1.5 must lie in (0, 1]"),
+        (["--temperature", "-1"], "argument --temperature: -1.0 must be >= 0"),
+        (["--prompt-ids", "a,b"], "argument --prompt-ids: 'a,b': expected comma-separated integers"),
         (["--model", "/missing"], "--model '/missing': no such folder"),
         (["--quant", "missing.yaml"], "--quant 'missing.yaml': no such file"),
         (["--config", "nope"], "--config 'nope': neither a preset"),
