@@ -200,7 +200,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     eos = tok.eos_id if tok is not None else cfg.eos_token_id
     stream = _Stream(tok, eos, 0) if args.stream and say.on else None
-    static = dict(max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos_id=eos, on_token=stream)
+    static = dict(
+        max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos_id=eos, on_token=stream,
+        prefill_chunk=args.prefill_chunk,
+    )  # fmt: skip
     dynamic = dict(temperature=args.temperature, top_p=args.top_p, rng=jax.random.key(args.seed))
     prompt = jnp.asarray([ids], jnp.int32)
     gen = jax.jit(generate, static_argnames=tuple(static))
@@ -299,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling: smallest set of mass >= p")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling (not of the weights)")
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a --config preset")
+    g.add_argument(
+        "--prefill-chunk",
+        type=_positive,
+        default=None,
+        help="prefill longer prompts this many tokens at a time (default: from the model's sizes and free memory)",
+    )
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     g.add_argument("--quiet", action="store_true", help="print only the generated text")
     g.add_argument(

@@ -103,6 +103,7 @@ def generate(
     rng=None,
     pad_id: int = 0,
     on_token: Callable | None = None,
+    prefill_chunk: int | None = None,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
@@ -114,6 +115,10 @@ def generate(
     Inputs are checked on the host wherever they are concrete (ValueError naming the value). Under a caller's
     `jax.jit` the values are traced and cannot raise: a row whose inputs are invalid comes back with
     `error` set, pad tokens and length 0 (the other rows are unaffected).
+    prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk through the caches
+    (`prefill_chunked`: one compiled chunk shape in a `lax.fori_loop`, the last chunk padded), so peak memory
+    stays that of one chunk beyond the cache itself; the outputs equal a one-shot prefill's. None: one shot up
+    to `default_prefill_chunk(model)` tokens, in chunks of it beyond. Static under jit.
     on_token: called from the compiled loop (`jax.debug.callback`, in order) as on_token(step, tokens) with
     each new token of every row (int32 [B]; pad_id for a row that has stopped), step 0 being the token after
     the prompt: for streaming output. Under `jax.jit`, mark `max_new_tokens`, `top_k`, `eos_id` and
@@ -134,7 +139,11 @@ def generate(
     lens = jnp.where(error, 1, lens)
 
     cache = model.init_cache(b, t + max_new_tokens)
-    logits, cache = model.prefill(input_ids, cache, lens, last_only=True)
+    chunk = default_prefill_chunk(model) if prefill_chunk is None else prefill_chunk
+    if t > chunk:
+        logits, cache = prefill_chunked(model, input_ids, cache, lens, chunk=chunk)
+    else:
+        logits, cache = model.prefill(input_ids, cache, lens, last_only=True)
 
     def pick(logits, step):
         return sample_logits(logits, jax.random.fold_in(rng, step), temperature=temperature, top_k=top_k, top_p=top_p)
@@ -167,6 +176,60 @@ def generate(
     carry = (jnp.int32(1), first, cache, done, tokens, lengths)
     _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
     return GenerateOutput(tokens=tokens, lengths=lengths, error=error)
+
+
+# Bounds of the prefill chunk `generate` picks: at least MIN (a chunk keeps the GPU busy: thousands of rows per
+# projection and MoE call), at most MAX; in between, as many tokens as a share of the free device memory holds.
+MIN_PREFILL_CHUNK, MAX_PREFILL_CHUNK = 1024, 16384
+# The share of the free device memory one chunk's activations may take: a layer holds several of its widest
+# activations at once, and XLA keeps some alive across layers.
+CHUNK_MEMORY_SHARE = 1 / 16
+
+
+def default_prefill_chunk(model: HybridLM) -> int:
+    """The prefill chunk `generate(prefill_chunk=None)` uses: the largest power of two of tokens whose widest
+    per-layer activations (float32: the residual, a KDA layer's q / k / v / decay, the routed experts' hidden
+    rows, an MLA layer's expanded keys and values) take at most CHUNK_MEMORY_SHARE of the first device's free
+    memory, within [MIN_PREFILL_CHUNK, MAX_PREFILL_CHUNK]; MAX_PREFILL_CHUNK where the device reports no memory
+    statistics (a CPU)."""
+    cfg = model.config
+    widest = [cfg.hidden_size, 4 * cfg.kda_dim, 2 * cfg.num_experts_per_tok * cfg.moe_intermediate_size]
+    widest += [2 * cfg.intermediate_size, cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)]
+    per_token = 4 * (cfg.hidden_size + max(widest))
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return MAX_PREFILL_CHUNK
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    fits = int(free * CHUNK_MEMORY_SHARE // per_token)
+    chunk = 1 << max(0, fits.bit_length() - 1)  # the largest power of two <= fits
+    return int(min(MAX_PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, chunk)))
+
+
+def prefill_chunked(model: HybridLM, input_ids, cache, lengths, *, chunk: int):
+    """`model.prefill(input_ids, cache, lengths, last_only=True)` in chunks of `chunk` tokens: one compiled
+    chunk shape run in a `lax.fori_loop` (the ids padded to whole chunks; a row that has no tokens left in a
+    chunk takes none). Returns (logits [B, vocab] at each row's last real token, the cache) — the one-shot
+    result, with a chunk's activations in memory at a time instead of the whole prompt's."""
+    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"prefill_chunk={chunk!r} must be a positive int (static under jit)")
+    b, t = input_ids.shape
+    n = -(-t // chunk)
+    ids = jnp.pad(input_ids, [(0, 0), (0, n * chunk - t)])
+    lengths = jnp.asarray(lengths, jnp.int32)
+    vocab = model.config.vocab_size
+
+    def body(i, carry):
+        logits, cache = carry
+        start = i * chunk
+        piece = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
+        n_new = jnp.clip(lengths - start, 0, chunk)
+        out, cache = model.prefill(piece, cache, n_new, last_only=True)
+        # each row's logits come from the chunk that holds its last real token
+        last = (lengths - 1) // chunk == i
+        return jnp.where(last[:, None], out, logits), cache
+
+    init = (jnp.zeros((b, vocab), jnp.float32), cache)
+    return jax.lax.fori_loop(0, n, body, init)
 
 
 def _row_errors(ids, lens, vocab: int, temperature, top_p) -> jax.Array:
