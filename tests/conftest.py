@@ -10,6 +10,39 @@ from hypothesis import settings
 
 from hybrid_jax import HybridConfig, HybridLM
 
+# XLA's LLVM optimisation level 0 for the tests: the suite is dominated by compiling (thousands of small
+# interpret-mode and whole-model programs), and level 0 compiles them about a third faster; the tests compare
+# paths within one process, so the generated code's speed does not matter. Set before any backend starts;
+# subprocesses take the same flags through `xla_flags(n)`.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+
+
+QUICK = False  # the quick tier (`-m "not slow"`): set by pytest_configure before the test modules are collected
+
+
+def pytest_configure(config):
+    global QUICK
+    QUICK = "not slow" in (config.getoption("markexpr") or "")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (a stable sort): with two workers, the long ones start early and the short ones fill
+    the gaps at the end instead of one long test running alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def examples(n: int) -> int:
+    """A hypothesis test's example count: n in the full suite, 2 in the quick tier (every kernel still runs,
+    on fewer drawn shapes)."""
+    return min(n, 2) if QUICK else n
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test subprocess on `devices` fake CPU devices."""
+    return f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
+
+
 # Hypothesis draws the same examples on every run ("ci": derandomized, no deadline: interpret-mode kernels and
 # first-call compiles take seconds). The tests' own @settings (max_examples) inherit this profile; set
 # HYPOTHESIS_PROFILE=explore to draw fresh examples locally.

@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tests.conftest import random_ids, rel_err
 from tests.test_model import _info
@@ -20,6 +21,7 @@ def _mix(module, sources):
     return jnp.asarray((p[..., None] * src).sum(-2), jnp.float32)
 
 
+@pytest.mark.slow
 def test_block_attnres_matches_the_sub_layer_formulation(tiny_model, jitted):
     model = tiny_model
     cfg = model.config

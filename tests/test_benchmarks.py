@@ -20,6 +20,7 @@ def fast_ceilings(monkeypatch):
     monkeypatch.setattr(benchmarks.common, "ceilings", lambda: (1e11, 1e12))
 
 
+@pytest.mark.slow
 def test_e2e_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     from benchmarks import e2e
 
@@ -32,6 +33,7 @@ def test_e2e_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     assert "16 steps per executable; 0 compilations in all timed calls" in out  # no recompilation
 
 
+@pytest.mark.slow
 def test_e2e_startup_rows_alone_and_a_second_start_compiles_nothing(fast_ceilings, monkeypatch, capsys):
     """`--models` with no model: only the start-up rows, two fresh CLI processes sharing a new persistent
     compilation cache; the second loads every executable the first compiled."""
@@ -91,6 +93,7 @@ def test_e2e_floors_count_what_a_step_moves(tiny_model):
     assert prefill_flops(tiny_model, 256) > 2 * prefill_flops(tiny_model, 128) > 0  # attention grows faster
 
 
+@pytest.mark.slow
 def test_stage_breakdown_runs_on_cpu(monkeypatch, capsys):
     from benchmarks import e2e_stages
 
@@ -324,6 +327,7 @@ def test_sparse_mla_bound_probes_compute_what_they_claim():
             assert [k["name"] for k in triton_kernels(fn, *shapes)] == [f"sparse_mla_probe_{mode}"]
 
 
+@pytest.mark.slow
 def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     """The issue-6 benchmark end to end at toy sizes in interpret mode: indexer decode rows (the default
     selection against the jnp reference, the selections alone), sparse MLA decode rows (defaults, the

@@ -19,6 +19,7 @@ from flax import nnx
 from checkpoints import CheckpointError, config_from_hf, convert, from_pretrained, save_pretrained
 from checkpoints.safetensors_io import CheckpointFolder, SafetensorsFile, write_safetensors
 from hybrid_jax import HybridConfig, HybridLM, generate
+from tests.conftest import xla_flags
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GEN = jax.jit(generate, static_argnames=("max_new_tokens",))
@@ -217,7 +218,7 @@ def test_orbax_restore_on_8_fake_devices_carries_the_rule_shardings(tmp_path):
         print("OK", len(flat), sharded)
     """)
     env = {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": xla_flags(8),
         "JAX_PLATFORMS": "cpu",
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
@@ -649,6 +650,7 @@ def test_orbax_state_may_not_link_outside(orbax_folder, tmp_path):
         from_pretrained(d)
 
 
+@pytest.mark.slow
 def test_auto_dtype_is_the_checkpoints_own(tmp_path):
     """dtype="auto" (the default): config.json's dtype, else the tensors'; a float32 checkpoint loads float32
     (and so matches transformers without asking), a bf16 one bf16; convert keeps it; restoring a bf16 copy at

@@ -21,6 +21,7 @@ def _run(*args, cwd=None):
     )
 
 
+@pytest.mark.slow
 def test_cli_default_prints_text_and_tokens_per_second(capsys):
     assert main(FAST) == 0
     captured = capsys.readouterr()
@@ -32,6 +33,7 @@ def test_cli_default_prints_text_and_tokens_per_second(capsys):
     assert "compiling generate" in captured.err  # the notice while the one generate call compiles
 
 
+@pytest.mark.slow
 def test_cli_takes_a_quant_file(tmp_path, capsys):
     q = tmp_path / "q.yaml"
     q.write_text("indexer: {dtype: mxfp8}\nkv_cache: {dtype: fp8, tile_size: 16}\nprojection: {dtype: bf16}\n")
@@ -39,6 +41,7 @@ def test_cli_takes_a_quant_file(tmp_path, capsys):
     assert "tokens/s" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_quiet_and_stream_print_the_same_text(capsys):
     from hybrid_jax.tokenizer import ByteTokenizer
 
@@ -54,6 +57,7 @@ def test_quiet_and_stream_print_the_same_text(capsys):
     assert f"generated: {quiet}" in out and "tokens/s" in out
 
 
+@pytest.mark.slow
 def test_seed_seeds_sampling_not_the_weights(capsys):
     def tokens(*extra):
         assert main([*FAST, "--quiet", "--prompt-ids", "1,2,3", *extra]) == 0
@@ -112,3 +116,11 @@ def test_convert_refuses_an_existing_folder(tmp_path):
     assert proc.stderr.strip() == f"hybrid-jax: error: '{out}' exists; pass --force to replace it"
     proc = _run("convert", str(tmp_path / "nothing"), str(tmp_path / "out2"))
     assert proc.returncode == 2 and "no such folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_prefill_chunk_changes_nothing_but_memory(capsys):
+    assert main([*FAST, "--quiet"]) == 0
+    one_shot = capsys.readouterr().out
+    assert main([*FAST, "--quiet", "--prefill-chunk", "4"]) == 0  # the default prompt is 23 tokens: 6 chunks
+    assert capsys.readouterr().out == one_shot

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sharding.zigzag import causal_work, from_zigzag, layout_order, to_zigzag
+from tests.conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_on_fake_devices(script: str, n: int = 8, timeout: int = 900) -> str:
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+        "XLA_FLAGS": xla_flags(n),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }
@@ -46,6 +47,7 @@ def test_zigzag_balances_causal_work(cp):
     assert zig.sum() == seq.sum() == 4096 * 4097 // 2
 
 
+@pytest.mark.slow
 def test_state_parallel_kda_equals_single_device():
     out = run_on_fake_devices("""
         import jax, jax.numpy as jnp, numpy as np
@@ -76,6 +78,7 @@ def test_state_parallel_kda_equals_single_device():
     assert "OK" in out
 
 
+@pytest.mark.slow
 def test_tensor_parallel_forward_and_generate_equal_single_device():
     out = run_on_fake_devices("""
         import jax, jax.numpy as jnp, numpy as np
@@ -129,7 +132,7 @@ def _run_two_processes(argv_and_env, timeout=600) -> list[str]:
     coordinator = f"127.0.0.1:{_free_port()}"
     base = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }
@@ -145,6 +148,7 @@ def _run_two_processes(argv_and_env, timeout=600) -> list[str]:
     return [o for o, _ in outs]
 
 
+@pytest.mark.slow
 def test_two_processes_build_one_mesh_and_reproduce_single_process_logits(tmp_path):
     import jax
     from flax import nnx
@@ -182,6 +186,7 @@ def test_two_processes_build_one_mesh_and_reproduce_single_process_logits(tmp_pa
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_cli_generate_on_two_processes_matches_one(capsys):
     from hybrid_jax.cli import main
 
@@ -226,6 +231,7 @@ def test_distributed_spec_errors_name_the_value():
         DistributedSpec("host", 2, 0)
 
 
+@pytest.mark.slow
 def test_whole_model_context_parallel_prefill_equals_single_device():
     out = run_on_fake_devices("""
         import jax, jax.numpy as jnp, numpy as np
@@ -257,6 +263,7 @@ def test_whole_model_context_parallel_prefill_equals_single_device():
     assert "OK" in out
 
 
+@pytest.mark.slow
 def test_context_parallel_prefill_fills_the_decode_cache():
     out = run_on_fake_devices("""
         import jax, jax.numpy as jnp, numpy as np
@@ -304,11 +311,12 @@ def test_context_parallel_prefill_fills_the_decode_cache():
     assert "OK" in out
 
 
+@pytest.mark.slow
 def test_multigpu_benchmark_runs_on_fake_devices():
     """The issue-9 benchmark script end to end at toy size (4 fake devices): CP and TP rows, outputs checked."""
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags(4),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }

@@ -11,6 +11,7 @@ from tests.conftest import random_ids
 GEN = jax.jit(generate, static_argnames=("max_new_tokens", "top_k"))
 
 
+@pytest.mark.slow
 def test_greedy_equals_repeated_argmax_of_full_forward(tiny_model, jitted):
     lens = [9, 4]
     ids = random_ids(20, (2, 9))
@@ -23,6 +24,7 @@ def test_greedy_equals_repeated_argmax_of_full_forward(tiny_model, jitted):
         np.testing.assert_array_equal(jnp.argmax(logits[n - 1 : n + 5], axis=-1), out.tokens[i])
 
 
+@pytest.mark.slow
 def test_eos_stops_each_sequence(tiny_model):
     ids = random_ids(21, (2, 5))
     free = GEN(tiny_model, ids, max_new_tokens=6)
@@ -36,6 +38,7 @@ def test_eos_stops_each_sequence(tiny_model):
     assert int(out.lengths[1]) == (hits[0] + 1 if hits.size else 6)
 
 
+@pytest.mark.slow
 def test_jitted_sampling_is_deterministic_for_a_key(tiny_model):
     ids = random_ids(22, (2, 4))
     kw = dict(max_new_tokens=8, temperature=0.9, top_k=50, top_p=0.95)
@@ -60,6 +63,7 @@ def test_sample_logits_respects_top_k_top_p_and_temperature():
     assert abs((free == 0).mean() - 0.5) < 0.05
 
 
+@pytest.mark.slow
 def test_bad_input_raises_naming_the_value(tiny_model):
     ok = jnp.array([[1, 2, 3]])
     with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
@@ -80,6 +84,7 @@ def test_bad_input_raises_naming_the_value(tiny_model):
     generate(tiny_model, jnp.array([[1, 2, -1]]), prompt_lengths=jnp.array([2]), max_new_tokens=1)
 
 
+@pytest.mark.slow
 def test_under_jit_bad_rows_come_back_flagged_and_the_others_unchanged(tiny_model):
     """Values jit cannot check raise nothing there: the row is flagged, gets pad tokens and length 0, and the
     other rows generate exactly what they would alone."""
@@ -100,6 +105,7 @@ def test_under_jit_bad_rows_come_back_flagged_and_the_others_unchanged(tiny_mode
         assert np.asarray(flagged.error).all() and not np.asarray(flagged.lengths).any(), (t, p)
 
 
+@pytest.mark.slow
 def test_on_token_streams_every_token_in_order(tiny_model):
     seen = []
     ids = random_ids(24, (2, 4))
@@ -110,3 +116,29 @@ def test_on_token_streams_every_token_in_order(tiny_model):
     jax.effects_barrier()
     assert [s for s, _ in seen] == list(range(len(seen))) and 2 <= len(seen) <= 5
     np.testing.assert_array_equal(np.stack([t for _, t in seen], axis=1), out.tokens[:, : len(seen)])
+
+
+@pytest.mark.slow
+def test_chunked_prefill_equals_one_shot(tiny_model):
+    """generate(prefill_chunk=C) prefills through the caches C tokens at a time (the last chunk padded, rows of
+    mixed lengths running out at different chunks) and decodes exactly what the one-shot prefill does."""
+    from hybrid_jax.generate import prefill_chunked
+
+    ids = random_ids(25, (3, 19))
+    lens = jnp.array([19, 11, 4])
+    one = GEN(tiny_model, ids, prompt_lengths=lens, max_new_tokens=5)
+    chunked = jax.jit(generate, static_argnames=("max_new_tokens", "prefill_chunk"))
+    for chunk in (4, 7):  # 19 = 4 x 4 + 3 and 2 x 7 + 5: neither divides the prompt
+        out = chunked(tiny_model, ids, prompt_lengths=lens, max_new_tokens=5, prefill_chunk=chunk)
+        np.testing.assert_array_equal(out.tokens, one.tokens)
+        np.testing.assert_array_equal(out.lengths, one.lengths)
+    ref_logits, ref_cache = tiny_model.prefill(ids, tiny_model.init_cache(3, 24), lens, last_only=True)
+    got_logits, got_cache = jax.jit(lambda m, i, c, n: prefill_chunked(m, i, c, n, chunk=6))(
+        tiny_model, ids, tiny_model.init_cache(3, 24), lens
+    )
+    assert np.abs(np.asarray(got_logits - ref_logits)).max() < 1e-4 * np.abs(np.asarray(ref_logits)).max()
+    np.testing.assert_array_equal(got_cache.lengths, ref_cache.lengths)
+    for a, b in zip(jax.tree.leaves(got_cache.layers), jax.tree.leaves(ref_cache.layers), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="prefill_chunk=0"):
+        generate(tiny_model, ids, max_new_tokens=2, prefill_chunk=0)

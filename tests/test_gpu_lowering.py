@@ -335,6 +335,7 @@ def test_rms_norm_kernel_lowers(residual):
     assert _lowered_for_h200(run, x, w).count("xla.gpu.triton") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "preset, quant, batch",
     [

@@ -13,7 +13,7 @@ from hybrid_jax import HybridLM
 from hybrid_jax.layers.rope import attention_factor, inv_frequencies, rope_tables
 from pallas_kernels import use_pallas
 from pallas_kernels.indexer import api, indexer_prolog
-from tests.conftest import rel_err
+from tests.conftest import examples, rel_err
 
 
 def _case(seed, m, d, q_in, n, h, r, dtype=jnp.bfloat16):
@@ -32,7 +32,7 @@ def _case(seed, m, d, q_in, n, h, r, dtype=jnp.bfloat16):
     )
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     m=st.integers(1, 19),  # rows padded to a power of two >= 16 inside
@@ -55,6 +55,7 @@ def test_kernel_matches_reference(seed, m, d, q_in, n, hr, dtype):
     assert got[2].dtype == jnp.float32 and got[0].dtype == dtype
 
 
+@pytest.mark.slow
 def test_reference_and_layer_kernel_path_match_the_modules(tiny_cfg):
     """The op's reference reproduces the layer's module-by-module prolog (q, k, w), and the layer's fused path
     (the kernel, asked for with use_pallas) matches it up to bf16 rounding flips."""

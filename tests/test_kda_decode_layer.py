@@ -32,6 +32,7 @@ def _inputs(seed, b, n, hd, w, scalar, dtype):
     return (q, k, v, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid, n_new)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "b,n,hd,w,scalar,lower_bound,dtype",
     [
@@ -69,6 +70,7 @@ def _split_k(seed, values, splits, offset, dtype):
     return [SplitK(parts, int(st), v.shape[-1], (1, 1), jnp.dtype(dtype)) for st, v in zip(starts, values, strict=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scalar", [False, True], ids=["kda", "gated-deltanet"])
 def test_decode_layer_reads_split_k_partials(scalar):
     """The projections given as split-K partial sums (`projection.SplitK`, as the GEMV kernel leaves them at
@@ -125,6 +127,7 @@ def test_decode_layer_errors_and_auto(monkeypatch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scalar", [False, True], ids=["kda", "gated-deltanet"])
 def test_model_decode_through_fused_layer_kernel(tiny_cfg, scalar):
     """A model's decode steps (two sequences) with the fused KDA layer kernel forced: the same
@@ -144,6 +147,7 @@ def test_model_decode_through_fused_layer_kernel(tiny_cfg, scalar):
         assert rel_err(a.astype("float32"), b.astype("float32")) < 1e-5
 
 
+@pytest.mark.slow
 def test_model_batch1_decode_reads_projection_partials(tiny_cfg):
     """Batch 1 with the projection GEMV and the fused layer kernel: the KDA layers' projections reach the
     layer kernel (and the low-rank second halves) as unreduced partial sums — no XLA reduction between the

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.linear_attention import kda, kda_decode_step, kda_state_summary
-from tests.conftest import rel_err
+from tests.conftest import examples, rel_err
 
 
 def _decode_inputs(seed, b, n, dk, dv, scalar, dtype):
@@ -21,7 +21,7 @@ def _decode_inputs(seed, b, n, dk, dv, scalar, dtype):
     return q, k, v, g, beta, state
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     b=st.integers(1, 3),
@@ -69,7 +69,7 @@ def _prefill_inputs(seed, b, t, n, dk, dv, scalar, dtype, with_state):
     return (q, k, v, g, beta), state
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     b=st.integers(1, 2),
@@ -90,6 +90,7 @@ def test_chunked_prefill_kernel_matches_reference(seed, b, t, n, dk, dv, scalar,
     assert rel_err(o, ref_o) < 1e-5 and rel_err(s, ref_s) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dk", [16, 128])  # 128: the diagonal sub-blocks in two K-slices
 def test_chunked_prefill_kernel_strong_gates_and_bf16(dk):
     # log decays down to -40 per token: a factorised exp(G_i) exp(-G_j) would overflow within one chunk
@@ -121,6 +122,7 @@ def _exact_a(q, k, g, beta, scale):
     return (x.transpose(0, 1, 2, 4, 3).reshape(b, t, n, c) for x in (a_qk, a_kk))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate_scale", [0.05, 1.0, 25.0])
 def test_a_kernel_levels_match_exact_decays(gate_scale):
     """`_a_kernel` (every decayed pair through one level of a binary split of the chunk, exp(G_a − G_b) as two
@@ -140,6 +142,7 @@ def test_a_kernel_levels_match_exact_decays(gate_scale):
     np.testing.assert_allclose(np.asarray(akk), ref_kk, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_kernel_bf16_products():
     # fla-like precision: bfloat16 operands, float32 accumulation (and a float32 (I + A)^-1 chain)
     (q, k, v, g, beta), s0 = _prefill_inputs(5, 1, 90, 2, 32, 32, False, jnp.bfloat16, True)
@@ -152,7 +155,7 @@ def test_chunked_prefill_kernel_bf16_products():
         kda(q, k, v, g, beta, impl="pallas", solve="lu")
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     t=st.sampled_from([7, 64, 100]),
@@ -172,6 +175,7 @@ def test_state_summary_kernel_matches_reference(seed, t, dk, dv, scalar):
     assert rel_err(s_from_summary, s_end) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_variable_length_batch_equals_separate_sequences(impl):
     lengths = [5, 0, 70, 33, 64]  # an empty sequence too, one of whole chunks

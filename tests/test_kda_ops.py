@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.linear_attention import kda
-from tests.conftest import rel_err
+from tests.conftest import examples, rel_err
 
 
 def _inputs(seed, b, t, n, dk, dv, scalar=False, dtype=jnp.float32):
@@ -39,6 +39,7 @@ def _numpy_recurrence(q, k, v, g, beta, s0):
     return o, s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scalar", [False, True])
 def test_recurrent_matches_numpy(scalar):
     q, k, v, g, beta, s0 = _inputs(1, 2, 13, 3, 8, 5, scalar)
@@ -48,6 +49,7 @@ def test_recurrent_matches_numpy(scalar):
     assert rel_err(s, s_ref) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "t,chunk,scalar", [(37, 8, False), (64, 16, False), (50, 16, True), (1, 8, False), (5, 8, True)]
 )
@@ -59,7 +61,7 @@ def test_chunked_matches_recurrent(t, chunk, scalar):
     assert rel_err(s_c, s_r) < 1e-5
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     b=st.integers(1, 2),
     t=st.integers(1, 40),
@@ -78,6 +80,7 @@ def test_chunked_matches_recurrent_random_shapes(b, t, n, dk, dv, chunk, scalar,
     assert rel_err(s_c, s_r) < 1e-5
 
 
+@pytest.mark.slow
 def test_zero_initial_state_equals_none_and_split_sequences_compose():
     q, k, v, g, beta, _ = _inputs(3, 1, 30, 2, 8, 8)
     o_full, s_full = kda(q, k, v, g, beta, impl="reference", form="chunked", chunk_size=8)
@@ -116,6 +119,7 @@ def test_bad_arguments_are_named():
         kda(q, k, v, g[..., :2], beta)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scalar", [False, True])
 def test_state_summary_is_the_affine_map_of_the_shard(scalar):
     from pallas_kernels.linear_attention import apply_summary, compose_summaries, kda_state_summary

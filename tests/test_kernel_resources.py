@@ -13,9 +13,12 @@ pytest.importorskip("triton")
 @pytest.mark.parametrize(
     "preset,dtype,quant,batch",
     [
-        ("hybrid_small", "float32", "none", 16),  # KDA, indexer, sparse MLA, MoE with 4-byte operands
-        ("hybrid_small", "float32", "none", 64),  # the wider decode tiles of a larger batch
-        ("deepseek_v32", "float32", "hierarchical", 16),  # 128 heads on FP8 latent rows, float32 queries
+        # KDA, indexer, sparse MLA, MoE with 4-byte operands
+        pytest.param("hybrid_small", "float32", "none", 16, marks=pytest.mark.slow),
+        # the wider decode tiles of a larger batch
+        pytest.param("hybrid_small", "float32", "none", 64, marks=pytest.mark.slow),
+        # 128 heads on FP8 latent rows, float32 queries
+        pytest.param("deepseek_v32", "float32", "hierarchical", 16, marks=pytest.mark.slow),
         ("kimi_linear_48b", "bfloat16", "none", 16),  # dense MLA attention, the pipelined KDA state pass
     ],
 )

@@ -19,6 +19,7 @@ def variant_model():
     return HybridLM(variant_config(), rngs=nnx.Rngs(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["tiny", "variant"])
 def test_token_by_token_decode_reproduces_full_forward(which, tiny_model, variant_model, jitted):
     model = tiny_model if which == "tiny" else variant_model
@@ -29,6 +30,7 @@ def test_token_by_token_decode_reproduces_full_forward(which, tiny_model, varian
     np.testing.assert_array_equal(cache.lengths, [14, 14])
 
 
+@pytest.mark.slow
 def test_prefill_in_three_chunks_equals_one(tiny_model, jitted):
     ids = random_ids(8, (2, 13))
     one, cache1 = jitted["prefill"](tiny_model, ids, tiny_model.init_cache(2, 16), jnp.array([13, 13]))
@@ -44,6 +46,7 @@ def test_prefill_in_three_chunks_equals_one(tiny_model, jitted):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_padded_batch_equals_each_prompt_alone(tiny_model, jitted):
     lens = [13, 5, 9]
     ids = random_ids(9, (3, 13))
@@ -113,6 +116,7 @@ def _perturb(state, rows, delta):
     return state.replace(latent=latent, rope=rope)
 
 
+@pytest.mark.slow
 def test_small_topk_ignores_unselected_keys(tiny_cfg):
     cfg = tiny_cfg.replace(index_topk=3)
     layer, _ = _sparse_and_dense(cfg)
@@ -151,6 +155,7 @@ def test_bad_input_raises_naming_the_value(tiny_model):
         tiny_model.init_cache(1, 8, num_pages=2, page_table=[[5]])
 
 
+@pytest.mark.slow
 def test_overflow_under_jit_is_nan_not_silent(tiny_model):
     """Under jit a row that would overflow its cache takes none of its tokens (nothing clamped: its cache,
     state and length stay as they were) and gets NaN logits; the other rows are unaffected."""

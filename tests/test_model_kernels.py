@@ -12,6 +12,7 @@ from tests.conftest import prefill_then_decode, random_ids, rel_err
 from tests.test_quant import _quant
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16-pools", "fp8-latent+mxfp8-indexer"])
 def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized):
     # the sparse MLA kernel reads rope tiles of >= 16 values; the indexer prolog kernel column groups of >= 16

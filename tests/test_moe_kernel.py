@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels.moe import api, gemv, moe_experts
 from pallas_kernels.moe.gemv import auto_split_k
-from tests.conftest import rel_err
+from tests.conftest import examples, rel_err
 
 
 def _case(seed, n, d, f, e, k, skew):
@@ -24,7 +24,7 @@ def _case(seed, n, d, f, e, k, skew):
     return x, idx, w, gate, up, down
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     n=st.integers(1, 40),
@@ -117,7 +117,7 @@ def test_gathered_weights_match_reference(dtype):
     assert got.dtype == jnp.float32 and rel_err(got, ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     n=st.integers(1, 6),

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from pallas_kernels import use_pallas
 from pallas_kernels.moe import moe_route
 from pallas_kernels.moe.tuning import ROUTER_MAX_ROWS
+from tests.conftest import examples
 
 
 def _inputs(seed, n, d, e, dtype=jnp.bfloat16):
@@ -20,7 +21,7 @@ def _inputs(seed, n, d, e, dtype=jnp.bfloat16):
     return x, w, bias
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     n=st.sampled_from([1, 3, 16]),
@@ -82,6 +83,7 @@ def test_router_auto_choice_and_errors(monkeypatch):
         moe_route(x, w, bias, n_group=2, impl="pallas", **kw)
 
 
+@pytest.mark.slow
 def test_model_decode_step_through_router_kernel(tiny_cfg):
     """A bf16 model's decode step with the router kernel forced: the same logits as with XLA's routing."""
     from flax import nnx

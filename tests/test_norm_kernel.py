@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from pallas_kernels import use_pallas
 from pallas_kernels.norm import rms_norm
-from tests.conftest import rel_err
+from tests.conftest import examples, rel_err
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     rows=st.sampled_from([1, 3, 16]),
@@ -52,6 +52,7 @@ def test_rms_norm_errors_and_auto():
         assert "name=rms_norm" not in traced(jnp.ones((17, 64)))  # prefill-sized: XLA
 
 
+@pytest.mark.slow
 def test_model_decode_through_norm_kernel(tiny_cfg):
     """A bf16 model's decode steps with the norm kernel forced (every RMSNorm at decode, the post-attention
     norm with its residual add): the logits of XLA's norms up to bf16 rounding."""

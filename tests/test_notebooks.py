@@ -7,6 +7,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.conftest import TEST_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -24,13 +26,14 @@ def test_notebook_is_stored_without_outputs(path):
             assert not cell.outputs and cell.execution_count is None, f"{path.name}: a cell holds outputs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
     # The kernel inherits this environment: the repository on the path, CPU JAX, inline figures.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # figures become PNG outputs
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # no fake devices (a notebook asks for its own)
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError naming the cell on the first failure

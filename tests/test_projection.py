@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 import pallas_kernels
 from hybrid_jax.layers.common import DTypes, Projection, linear
 from pallas_kernels.projection import api, project, project_group
-from tests.conftest import rel_err
+from tests.conftest import examples, rel_err
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     lead=st.sampled_from([(1,), (1, 1), (3,), (2, 1), (16,), (1, 1, 5)]),
@@ -37,7 +37,7 @@ def test_kernel_matches_reference(seed, lead, kdim, width, dtype, split):
     assert rel_err(got, ref) < 1e-5
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     lead=st.sampled_from([(1,), (1, 1), (3,), (2, 1, 2)]),
@@ -87,7 +87,7 @@ def test_narrow_weight_rides_in_a_padded_tile():
     assert jaxpr.count("name=projection_gemv") == 1
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     lead=st.sampled_from([(1,), (1, 1)]),
@@ -237,6 +237,7 @@ def test_model_projection_through_kernel_matches_xla():
     assert "projection_gemv" in jaxpr and "projection_gemv" not in long
 
 
+@pytest.mark.slow
 def test_decode_step_groups_projections(tiny_cfg, monkeypatch):
     """At a batch-1 decode step the projections of one input run as one launch per group (`project_many`),
     with the values of the projections one by one and of XLA's path."""

@@ -133,6 +133,7 @@ def _quant(indexer=True, kv=True, proj="none"):
     )
 
 
+@pytest.mark.slow
 def test_quantized_model_decodes_like_its_full_forward_and_the_cache_shrinks(tiny_cfg, jitted):
     model = HybridLM(tiny_cfg, quant=_quant(), rngs=nnx.Rngs(0))
     ids = random_ids(30, (2, 12))
@@ -152,6 +153,7 @@ def test_quantized_model_decodes_like_its_full_forward_and_the_cache_shrinks(tin
     assert nbytes(q_state) < 0.45 * nbytes(p_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "indexer,kv,proj", [(i, k, p) for i in (0, 1) for k in (0, 1) for p in ("none", "bf16", "fp8")]
 )

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 NEEDS_DEVICES = re.compile(r"# needs (\d+) devices")
@@ -42,6 +44,7 @@ def test_readme_shows_every_public_entry_point():
     assert len(LOCAL) >= 4 and ON_DEVICES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line, code", LOCAL, ids=[f"line{line}" for line, _ in LOCAL])
 def test_readme_example_runs_on_its_own(line, code, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)  # examples name repository files (configs/...) relative to the root
@@ -54,12 +57,13 @@ def test_readme_example_runs_on_its_own(line, code, monkeypatch, tmp_path):
         assert namespace["logits"].shape == (2, namespace["model"].config.vocab_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line, code", ON_DEVICES, ids=[f"line{line}" for line, _ in ON_DEVICES])
 def test_readme_multi_device_example_runs(line, code):
     n = int(NEEDS_DEVICES.match(code).group(1))
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+        "XLA_FLAGS": xla_flags(n),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }

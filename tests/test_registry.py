@@ -103,6 +103,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "pallas_kernels", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_prints_the_dispatch_table_of_a_preset():
     out = _cli("--preset", "tiny", "--backend", "gpu", "--batch", "2", "--tokens", "70")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hybrid_jax.quant.formats import quantize_kv_fp8
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.sparse_attention import sparse_mla
-from tests.conftest import rel_err
+from tests.conftest import examples, rel_err
 
 
 def _case(seed, b, t, n, lat, rope, page, topk, lengths, pool_dtype):
@@ -32,7 +32,7 @@ def _case(seed, b, t, n, lat, rope, page, topk, lengths, pool_dtype):
     return ql, qr, pool, table.astype(jnp.int32), jnp.asarray(idx)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     b=st.integers(1, 2),
@@ -94,6 +94,7 @@ def test_sparse_mla_default_head_block():
     assert "grid=(1, 2)" in grid(block_h=16, heads_inner=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp8", [False, True])
 def test_sparse_mla_grid_orders_agree(fp8):
     """The grid's order only changes which programs run together: head blocks inner or queries inner give
@@ -206,7 +207,7 @@ def _indexer_case(seed, b, t, n, h, page, lengths):
     return q, w, pool, table.astype(jnp.int32), pos, kv
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     b=st.integers(1, 2),
@@ -239,6 +240,7 @@ def test_indexer_kernel_matches_reference(
     np.testing.assert_allclose(np.asarray(got_v)[fin], np.asarray(ref_v)[fin], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool_format", ["f32", "mxfp8"])
 def test_indexer_tiled_prefill_matches_reference(pool_format):
     """A causal prefill (70 queries after a 9-token prefix in one row, 45 from position 0 in the other: ragged
@@ -275,7 +277,7 @@ def test_indexer_tiled_prefill_matches_reference(pool_format):
     np.testing.assert_array_equal(np.asarray(raw_i), np.where(want == np.iinfo(np.int32).max, -1, want))
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     rows=st.integers(1, 4),
@@ -313,6 +315,7 @@ def test_selection_kernel_matches_top_k(seed, rows, chunks, k, ties, digit_bits,
         assert (idx[r, n:] == -1).all() and np.isneginf(vals[r, n:]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["normal", "ties", "cauchy", "lognormal", "mostly_neg_inf", "constant"])
 def test_prefiltered_selection_equals_full_selection(kind):
     """The prefilter narrows each long row to k..2k candidates at or above a bound it searches for, in
@@ -351,6 +354,7 @@ def test_prefiltered_selection_equals_full_selection(kind):
         assert np.sum(x[i] >= cand[i, :n].min()) == n
 
 
+@pytest.mark.slow
 def test_segmented_selection_equals_one_pass():
     """Rows cut into segments and merged: the same (positions, values) as one program per row, including
     ties across segment borders and rows shorter than k."""
@@ -379,6 +383,7 @@ def _tied_kth(rng, r, s):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["normal", "ties", "cauchy", "mostly_neg_inf", "constant", "skewed", "tied_kth"])
 def test_split_selection_equals_row_selection(kind):
     """The split selection (each row's statistics, counting and compaction over many programs, then one
@@ -432,6 +437,7 @@ def test_split_selection_equals_row_selection(kind):
             select_split.top_k_split(xs, ls, k=k, chunk=96, interpret=True)
 
 
+@pytest.mark.slow
 def test_split_selection_from_given_statistics():
     """Statistics from elsewhere (the score kernel's, one entry per program, the rows past `stats_parts`
     garbage) replace the first pass: the same result as the split's own statistics; a mis-shaped stats array
@@ -463,6 +469,7 @@ def test_split_selection_from_given_statistics():
         top_k_split(xs, ls, stats=jnp.asarray(stats), stats_parts=5, **kw)
 
 
+@pytest.mark.slow
 def test_indexer_prefill_chunk_runs_the_gpu_default_path():
     """A prefill chunk of 64-511 queries over a long context, as impl="auto" runs it on a GPU (here forced with
     use_pallas, interpreted): the tiled score kernel (64-query tiles) then the split selection (fewer than 512
@@ -493,6 +500,7 @@ def test_indexer_prefill_chunk_runs_the_gpu_default_path():
     np.testing.assert_allclose(np.asarray(got_v), np.asarray(ref_v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_indexer_split_path_matches_reference():
     """The decode path with the split selection: score kernels of 2 blocks each that also write their
     statistics, the selection's counting and compaction from them, the candidates ranked best first — the
@@ -556,6 +564,7 @@ def test_default_selection_rule():
     assert default_selection(511, 131072, 2048) == ("split", 1) and default_selection(512, 131072, 2048)[0] == "kernel"
 
 
+@pytest.mark.slow
 def test_selection_kernel_long_prefix_few_finite():
     """A prefix longer than k holding fewer than k finite scores (unreadable pages): the radix threshold
     lands on -inf, which is never taken; and a row whose k-th value is tied across chunks."""
@@ -620,6 +629,7 @@ def test_sparse_mla_kernel_fp8_latent_pool():
         sparse_mla(ql, qr, values, table, idx, scale=0.1, latent_scales=scales)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits", [2, 3, 6])
 def test_sparse_mla_split_rows_merge_to_the_reference(splits):
     """Decode at a small batch: the selected rows run in `splits` parts merged by LSE. Some queries select
@@ -649,6 +659,7 @@ def test_sparse_mla_default_splits_only_for_small_grids():
     assert num_splits(programs=64, rows=2048, block_k=64, target=256) == 4  # batch 64, one 16-head block
 
 
+@pytest.mark.slow
 def test_sparse_mla_fp8_pool_at_prefill_runs_the_bf16_row_kernel_on_the_dequantized_pool(monkeypatch):
     """Many query rows against a small pool (a prefill): the pool is dequantized once and the BF16-row kernel
     reads it — the same values as the reference and, up to summation order, as the FP8-row kernel."""

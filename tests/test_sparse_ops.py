@@ -46,6 +46,7 @@ def _brute_force_topk(q, w, keys, q_pos, kv_len, topk, scale):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topk", [1, 5, 40])
 def test_indexer_topk_matches_brute_force(topk):
     b, t, n, h, s, g = 2, 7, 3, 8, 24, 4
@@ -74,6 +75,7 @@ def test_indexer_ties_go_to_lower_position():
     np.testing.assert_array_equal(np.asarray(idx), [[[0, 1, 2]]])
 
 
+@pytest.mark.slow
 def test_sparse_mla_with_all_positions_equals_dense_absorbed_attention():
     b, t, n, lat, r, s, g = 2, 5, 4, 16, 8, 12, 4
     ks = jax.random.split(jax.random.key(3), 3)
@@ -174,6 +176,7 @@ def _sparse_inputs(seed, b=2, t=9, n=3, lat=8, r=4, s=16, k=5):
     return q_lat, q_pe, pool, table, jnp.asarray(idx, jnp.int32)
 
 
+@pytest.mark.slow
 def test_sparse_mla_gather_and_mask_forms_agree():
     from pallas_kernels.sparse_attention.reference import sparse_mla_reference
 
@@ -185,6 +188,7 @@ def test_sparse_mla_gather_and_mask_forms_agree():
     assert np.isneginf(np.asarray(lg)).any() and (np.asarray(og)[np.isneginf(np.asarray(lg))] == 0).all()
 
 
+@pytest.mark.slow
 def test_query_blocking_changes_nothing(tiny_blocks):
     import pallas_kernels._blocking as blocking
     from pallas_kernels.sparse_attention.reference import sparse_mla_reference
