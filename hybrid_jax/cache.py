@@ -26,7 +26,7 @@ from hybrid_jax.quant.formats import (
     quantize_kv_fp8,
     quantize_mxfp8,
 )
-from pallas_kernels.paged import write_rows
+from pallas_kernels.paged import gather_pages, write_rows
 
 POOL_FORMATS = ("dense", "fp8", "mxfp8")
 
@@ -87,6 +87,12 @@ class Pool:
     def read(self, dtype) -> jax.Array:
         """The dequantized pool [P, G, W] (what the reference ops read)."""
         return dequantize_rows(self.values, self.scales, self.fmt, dtype)
+
+    def gather(self, page_table: jax.Array, dtype) -> jax.Array:
+        """The rows of the pages `page_table` [B, n] names, in position order, dequantized: [B, n * G, W]
+        (only those pages are read and converted)."""
+        scales = None if self.scales is None else gather_pages(self.scales, page_table)
+        return dequantize_rows(gather_pages(self.values, page_table), scales, self.fmt, dtype)
 
 
 @struct.dataclass

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax import HybridLM
+from hybrid_jax import HybridConfig, HybridLM
 from hybrid_jax.cache import StepInfo
 from hybrid_jax.layers.common import DTypes
 from hybrid_jax.layers.mla import MultiHeadLatentAttention
@@ -173,3 +173,53 @@ def test_overflow_under_jit_is_nan_not_silent(tiny_model):
     rows0 = np.asarray(cache.page_table[0])  # row 0's pages: unchanged
     for before, after in pools:
         np.testing.assert_array_equal(np.asarray(after[rows0]), np.asarray(before[rows0]))
+
+
+def _dense_cfg():
+    """The tiny model with its sparse layers made dense: the dense MLA prefill's memory is what is measured."""
+    cfg = HybridConfig.tiny()
+    dense = tuple("full" if t == "sparse" else t for t in cfg.layer_types)
+    return cfg.replace(layer_types=dense, max_position_embeddings=4096)
+
+
+def test_prefill_against_a_long_cache_in_key_blocks_equals_one_block(monkeypatch):
+    """A dense MLA prefill whose cache spans more than PREFILL_KEY_BLOCK keys expands and attends block by
+    block, merging by LSE: the same logits, cache and next decode step as the one-block form."""
+    from hybrid_jax.layers import mla
+
+    model = HybridLM(_dense_cfg(), rngs=nnx.Rngs(0))
+    head, chunk = random_ids(30, (2, 29)), random_ids(31, (2, 11))
+
+    def run():
+        f = jax.jit(lambda m, i, c, n: m.prefill(i, c, n))
+        _, cache = f(model, head, model.init_cache(2, 48), jnp.array([29, 17]))
+        logits, cache = f(model, chunk, cache, jnp.array([11, 6]))
+        return logits, cache, jax.jit(lambda m, t, c: m.decode_step(t, c))(model, chunk[:, 0], cache)[0]
+
+    whole = run()
+    monkeypatch.setattr(mla, "PREFILL_KEY_BLOCK", 16)  # 48 keys: 3 blocks of 2 pages (page size 8)
+    blocked = run()
+    assert rel_err(blocked[0][0, :11], whole[0][0, :11]) < 1e-5 and rel_err(blocked[0][1, :6], whole[0][1, :6]) < 1e-5
+    assert rel_err(blocked[2], whole[2]) < 1e-5
+    for a, b in zip(jax.tree.leaves(blocked[1]), jax.tree.leaves(whole[1]), strict=True):
+        assert rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 1e-5
+
+
+def test_prefill_chunk_temporaries_do_not_grow_with_the_cached_length(monkeypatch):
+    """The compiled temporaries of one prefill chunk against a 1K-token and a 4K-token cache: with key blocks
+    they are the same size; expanding the whole cache at once, they grow with it."""
+    from hybrid_jax.layers import mla
+
+    model = HybridLM(_dense_cfg(), rngs=nnx.Rngs(0))
+    chunk = jax.ShapeDtypeStruct((1, 32), jnp.int32)
+
+    def temp_bytes(max_len):
+        cache = jax.eval_shape(lambda: model.init_cache(1, max_len))
+        lowered = jax.jit(lambda m, i, c: m.prefill(i, c, last_only=True)).lower(model, chunk, cache)
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    grows = temp_bytes(4096) - temp_bytes(1024)
+    monkeypatch.setattr(mla, "PREFILL_KEY_BLOCK", 256)
+    flat = temp_bytes(4096) - temp_bytes(1024)
+    assert grows > 3072 * 4 * 4  # at least the expanded keys and values of 3K more positions, float32
+    assert flat <= 4096, (flat, grows)  # the page table's few ints at most

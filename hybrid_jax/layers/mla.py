@@ -21,6 +21,10 @@ from pallas_kernels.paged import gather_pages
 from pallas_kernels.sparse_attention import sparse_mla
 
 HIGHEST = jax.lax.Precision.HIGHEST
+# Keys per block of a dense MLA prefill against a cache that spans more than this: the cached latents are expanded
+# through kv_b_proj one block at a time and the blocks' attention merged by LSE, so a prefill chunk's
+# temporaries are one block's whatever the cache holds (expanding all of it took 15 GiB at a 1M-token cache).
+PREFILL_KEY_BLOCK = 16384
 
 
 def _store(pool: Pool | None, rows: jax.Array, info: StepInfo, fmt: str, tile: int) -> Pool:
@@ -207,6 +211,44 @@ class MultiHeadLatentAttention(nnx.Module):
         causal = jnp.arange(ctx.shape[1])[None, None, None, :] <= info.positions[:, None, :, None]
         return jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
 
+    def _blocked_prefill(self, q_nope, q_pe, latent: Pool, rope: Pool, info: StepInfo) -> jax.Array:
+        """Dense (naive-form) attention of this call's queries over every cached key, PREFILL_KEY_BLOCK keys
+        at a time: each block's pages gathered and dequantized, its latents expanded to keys and values, the
+        flash kernel's (out, LSE) merged across blocks; blocks past the longest row's keys are not visited.
+        -> o [B, T, N, V] in the compute dtype."""
+        cfg = self.cfg
+        b, t, n = q_nope.shape[:3]
+        nope, vd, lat, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        g = latent.values.shape[1]
+        per = max(1, PREFILL_KEY_BLOCK // g)  # pages per block
+        span = per * g
+        blocks = -(-info.page_table.shape[1] // per)
+        # pages past the table repeat its first entry: their positions lie past every kv_length (masked)
+        table = jnp.pad(info.page_table, [(0, 0), (0, blocks * per - info.page_table.shape[1])], mode="edge")
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)
+
+        def block(i, carry):
+            m, l, acc = carry  # running max LSE, Σ exp(lse - m), Σ exp(lse - m) o: [B,T,N] f32, [B,T,N,V] f32
+            pages = jax.lax.dynamic_slice_in_dim(table, i * per, per, axis=1)
+            ctx = jnp.concatenate([pool.gather(pages, self.dt.compute) for pool in (latent, rope)], axis=-1)
+            kvx = self.kv_b_proj(ctx[..., :lat]).reshape(b, span, n, nope + vd)
+            k_rope = jnp.broadcast_to(ctx[:, :, None, lat:], (b, span, n, r)).astype(kvx.dtype)
+            off = i * span
+            o_b, lse_b = attention(
+                q, jnp.concatenate([kvx[..., :nope], k_rope], axis=-1), kvx[..., nope:],
+                q_positions=info.positions - off, kv_lengths=jnp.clip(info.kv_lengths - off, 0, span),
+                scale=cfg.softmax_scale,
+            )  # fmt: skip
+            m_new = jnp.maximum(m, lse_b)
+            safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            keep, w = jnp.exp(m - safe), jnp.exp(lse_b - safe)  # exp(-inf) = 0: nothing yet / nothing seen
+            return m_new, l * keep + w, acc * keep[..., None] + w[..., None] * o_b.astype(jnp.float32)
+
+        needed = -(-jnp.max(info.kv_lengths) // span)  # blocks holding any visible key
+        init = (jnp.full((b, t, n), -jnp.inf), jnp.zeros((b, t, n)), jnp.zeros((b, t, n, vd)))
+        _, l, acc = jax.lax.fori_loop(0, needed, block, init)
+        return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(self.dt.compute)
+
     def __call__(self, x: jax.Array, info: StepInfo, state: MLAState | None):
         cfg = self.cfg
         b, t, _ = x.shape
@@ -261,6 +303,8 @@ class MultiHeadLatentAttention(nnx.Module):
                 scale=scale, rope_pages=rope.values, latent_scales=latent.scales if self.latent_fmt == "fp8" else None,
             )  # fmt: skip
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
+        elif info.page_table.shape[1] * latent.values.shape[1] > PREFILL_KEY_BLOCK:
+            o = self._blocked_prefill(q_nope, q_pe, latent, rope, info)
         else:
             ctx = rows()  # [B,S,L+R]
             s = ctx.shape[1]
