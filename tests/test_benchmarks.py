@@ -482,3 +482,19 @@ def test_report_check_fails_on_a_stale_file_and_merge_adds_only_new_rows(tmp_pat
     assert merge(gpu, results_dir) == 1 and merge(gpu, results_dir) == 0
     assert main([*args, "--check"]) == 1  # a new row: the file is stale
     assert main(args) == 0 and "| 0.5 |" in out.read_text() and "| 1.0 |" not in out.read_text()
+
+
+@pytest.mark.slow
+def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
+    """The issue-42 benchmark at toy size: a 96-token prompt in 32-token chunks with TTFT and decode rows after
+    40 and 96 tokens, then a 2-row decode on a random-filled 48-token cache."""
+    from benchmarks import long_context
+
+    argv = ["long_context", "--preset", "tiny", "--lengths", "40", "96", "--chunk", "32", "--batch", "2",
+            "--batch-contexts", "48", "--no-record"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    long_context.main()
+    out = capsys.readouterr().out
+    for case, batch, tokens in [("TTFT (chunked prefill)", 1, 40), ("decode step (after the prefill)", 1, 96),
+                                ("decode step (random-filled cache)", 2, 48)]:  # fmt: skip
+        assert f"case={case} | batch={batch} | tokens={tokens} | ms=" in out, out[-3000:]

@@ -1,0 +1,157 @@
+"""Long context on one GPU: a preset (default the full Kimi-Linear-48B, random bf16 weights made on the device)
+prefills one long prompt chunk by chunk through the caches, and decodes after it.
+
+    python -m benchmarks.long_context [--preset kimi_linear_48b] [--lengths 32768 131072 524288 1048000]
+        [--chunk 16384] [--batch-contexts 32768 131072] [--batch 16] [--no-record]
+
+- TTFT: one prompt of max(--lengths) tokens is prefilled --chunk tokens at a time (one compiled chunk step; the
+  cache spans the whole prompt from the start, as `generate(prefill_chunk=)` does). Prefilling the first L
+  tokens is the same work as a prompt of L tokens, so TTFT(L) is the time at which the chunk holding token L
+  has finished (each chunk waited for). Floor: the counted FLOPs (`e2e.prefill_flops`) over the measured matmul
+  rate, or the weight bytes over the copy bandwidth if larger.
+- Decode after L (batch 1): when the prefill reaches each L, 16 greedy steps in one executable (the loop
+  `generate` compiles) on a copy of the cache; the prefill continues from the cache before them. Floor: the
+  bytes one step must move (`e2e.decode_floor_bytes`) over the copy bandwidth.
+- Decode at --batch rows after each of --batch-contexts: the caches filled with random rows of the right
+  length (no prefill: a step's cost depends on the lengths, not on the values), the same 16-step loop.
+- Peak: the device's peak bytes in use after each row (it only grows over a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+DECODE_STEPS = 16
+
+
+def _random_like(cache, key):
+    """The cache's arrays filled with small random values (pools, states); lengths and tables kept."""
+    leaves, treedef = jax.tree.flatten(cache.layers)
+    keys = jax.random.split(key, len(leaves))
+    filled = [
+        (0.1 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x
+        for k, x in zip(keys, leaves, strict=True)
+    ]  # fmt: skip
+    return cache.replace(layers=jax.tree.unflatten(treedef, filled))
+
+
+def _peak_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="kimi_linear_48b")
+    p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048000])
+    p.add_argument("--chunk", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=16, help="rows of the batched decode rows")
+    p.add_argument("--batch-contexts", type=int, nargs="*", default=[32768, 131072])
+    p.add_argument("--layers", type=int, default=None, help="keep the first N layers (a cut model)")
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    from flax import nnx
+
+    from benchmarks.common import ceilings, decode_loop, jit_module, report
+    from benchmarks.e2e import _param_bytes, decode_floor_bytes, prefill_flops
+    from hybrid_jax.config import PRESETS
+    from hybrid_jax.model import HybridLM
+
+    cfg = PRESETS[args.preset]()
+    if args.layers:
+        cfg = cfg.replace(layer_types=cfg.layer_types[: args.layers], mlp_types=cfg.mlp_types[: args.layers])
+    total = max(args.lengths)
+    if total + DECODE_STEPS + 1 > cfg.max_position_embeddings:
+        raise SystemExit(
+            f"--lengths {total} + {DECODE_STEPS + 1} decoded tokens exceed max_position_embeddings="
+            f"{cfg.max_position_embeddings}"
+        )
+    bw, rate = ceilings()
+    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    t0 = time.perf_counter()
+    model = HybridLM(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    jax.block_until_ready(nnx.state(model))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"{args.preset}: {params / 1e9:.2f} B parameters made in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    rows = []
+
+    def emit(**r):
+        rows.append(r)
+        print("  " + " | ".join(f"{k}={v}" for k, v in r.items()), flush=True)
+
+    weights = _param_bytes(model)[0]
+    chunk = args.chunk
+    n_chunks = -(-total // chunk)
+    ids = jax.random.randint(jax.random.key(1), (1, n_chunks * chunk), 0, cfg.vocab_size, jnp.int32)
+    step = jit_module(lambda m, i, c, n: m.prefill(i, c, n, last_only=True), model, donate_argnums=1)
+    loop = decode_loop(model, DECODE_STEPS)
+    cache = model.init_cache(1, total + DECODE_STEPS + 1)
+    # compile the chunk step and the decode loop before the clock runs (on throwaway caches of the same shapes)
+    warm = step(ids[:, :chunk], model.init_cache(1, total + DECODE_STEPS + 1), jnp.array([chunk], jnp.int32))
+    jax.block_until_ready(loop(jnp.zeros((1,), jnp.int32), warm[1]))
+    del warm
+    marks = sorted(args.lengths)
+    elapsed, done = 0.0, 0
+    for i in range(n_chunks):
+        n = min(chunk, total - done)
+        t0 = time.perf_counter()
+        logits, cache = step(ids[:, i * chunk : (i + 1) * chunk], cache, jnp.array([n], jnp.int32))
+        jax.block_until_ready(logits)
+        elapsed += time.perf_counter() - t0
+        done += n
+        while marks and marks[0] <= done:
+            length = marks.pop(0)
+            floor = max(prefill_flops(model, length) / rate, weights / bw) * 1e3
+            emit(case="TTFT (chunked prefill)", batch=1, tokens=length, ms=elapsed * 1e3, floor_ms=floor,
+                 peak=_peak_gib(), note=f"{length // chunk} chunks of {chunk}" if length >= chunk else "")  # fmt: skip
+            copy = jax.tree.map(jnp.copy, cache)
+            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            t1 = time.perf_counter()
+            jax.block_until_ready(loop(tok, copy))
+            ms = (time.perf_counter() - t1) * 1e3 / DECODE_STEPS
+            emit(case="decode step (after the prefill)", batch=1, tokens=length, ms=ms,
+                 floor_ms=decode_floor_bytes(model, cache, 1, length) / bw * 1e3, peak=_peak_gib(),
+                 note=f"{DECODE_STEPS} steps per executable")  # fmt: skip
+            del copy
+    del cache
+    b = args.batch
+    for ctx in args.batch_contexts:
+        if b < 2:
+            break
+        cache = model.init_cache(b, ctx + 2 * DECODE_STEPS + 2)
+        cache = _random_like(cache, jax.random.key(ctx)).replace(lengths=jnp.full((b,), ctx, jnp.int32))
+        tok = jnp.zeros((b,), jnp.int32)
+        tok, cache = loop(tok, cache)  # compile and warm
+        jax.block_until_ready(tok)
+        t1 = time.perf_counter()
+        jax.block_until_ready(loop(tok, cache))
+        ms = (time.perf_counter() - t1) * 1e3 / DECODE_STEPS
+        emit(case="decode step (random-filled cache)", batch=b, tokens=ctx, ms=ms,
+             floor_ms=decode_floor_bytes(model, cache, b, ctx) / bw * 1e3, peak=_peak_gib(),
+             note=f"{DECODE_STEPS} steps per executable")  # fmt: skip
+        del cache
+    table = [
+        {
+            "preset": args.preset, "case": r["case"], "batch": r["batch"], "tokens": r["tokens"],
+            "median ms": f"{r['ms']:.2f}", "floor ms": f"{r['floor_ms']:.2f}",
+            "x floor": f"{r['ms'] / r['floor_ms']:.2f}x" if r["floor_ms"] else "",
+            "peak GiB": "" if r["peak"] is None else f"{r['peak']:.1f}", "note": r["note"],
+        }
+        for r in rows
+    ]  # fmt: skip
+    title = (
+        f"Long context on one device ({args.preset}{f', {args.layers} layers' if args.layers else ''}, "
+        f"{params / 1e9:.2f} B parameters, random bf16 weights); chunks of {chunk}; ceilings: copy "
+        f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    )
+    report("long_context.py", title, table, record=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
