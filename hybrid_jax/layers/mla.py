@@ -142,14 +142,6 @@ class LightningIndexer(nnx.Module):
         return idx, pool
 
 
-def _every_position(info: StepInfo, page_size: int) -> jax.Array:
-    """[B, T, S] the positions each query sees (0 .. its own, below kv_lengths; -1 after), S = the page table's
-    span: dense attention as a selection of every visible position."""
-    span = jnp.arange(info.page_table.shape[1] * page_size, dtype=jnp.int32)
-    seen = (span[None, None, :] <= info.positions[:, :, None]) & (span[None, None, :] < info.kv_lengths[:, None, None])
-    return jnp.where(seen, span[None, None, :], -1)
-
-
 class MultiHeadLatentAttention(nnx.Module):
     """MLA with a compressed KV latent; dense (`full`) or over the indexer's Top-K (`sparse`).
 
@@ -293,15 +285,18 @@ class MultiHeadLatentAttention(nnx.Module):
                 inspect.attach(attention=self._dense_probs(q_lat, q_pe, pages(), info))
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         elif info.mode == "decode":
-            # Absorbed form over every visible position, read in place from the paged pools by the sparse-MLA
-            # op (its kernels split the context into parts merged by LSE): no copy of the context per step.
-            # its own kernel: at one row XLA otherwise fuses this product into its consumer as one serial
-            # reduction per output (docs/performance.md#projections)
+            ctx = rows()  # [B,S,L+R]
+            # its own kernel: at one row XLA otherwise runs this product inside the concatenate below as one
+            # serial reduction per output (docs/performance.md#projections)
             (q_lat,) = own_kernels(jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST))
-            o_lat, _ = sparse_mla(
-                q_lat, q_pe, latent.values, info.page_table, _every_position(info, latent.values.shape[1]),
-                scale=scale, rope_pages=rope.values, latent_scales=latent.scales if self.latent_fmt == "fp8" else None,
-            )  # fmt: skip
+            o_lat, _ = attention(
+                jnp.concatenate([q_lat, q_pe], axis=-1),
+                ctx[:, :, None, :],
+                ctx[:, :, None, :lat],
+                q_positions=info.positions,
+                kv_lengths=info.kv_lengths,
+                scale=scale,
+            )
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         elif info.page_table.shape[1] * latent.values.shape[1] > PREFILL_KEY_BLOCK:
             o = self._blocked_prefill(q_nope, q_pe, latent, rope, info)
