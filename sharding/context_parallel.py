@@ -41,7 +41,6 @@ def _compiled(mesh: Mesh, axis: str, layout: str, cp: int, b: int, t: int, t_pad
     # takes its own row at that local offset and the caller keeps device d*'s.
     size = t_pad // table.size
     d_last, j_last = (int(a[0]) for a in np.nonzero(table == (t - 1) // size))
-    t_local = t_pad // cp
     last_local = j_last * size + (t - 1) % size
 
     def local(graphdef, state, ids, positions, valid, layers, page_table, kv_lengths):
