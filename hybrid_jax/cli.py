@@ -124,8 +124,24 @@ class _Stream:
         print(flush=True)
 
 
+def _agreed_prefill_chunk(model) -> int:
+    """`default_prefill_chunk` on this host; with several processes, the smallest over them (the chunk
+    shapes the compiled program, which must be the same on every host)."""
+    import jax
+    import numpy as np
+
+    from hybrid_jax.generate import default_prefill_chunk
+
+    chunk = default_prefill_chunk(model)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        chunk = int(np.min(multihost_utils.process_allgather(np.int32(chunk))))
+    return chunk
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from sharding.launch import initialize, spec_from
+    from sharding.launch import barrier, initialize, spec_from
 
     try:
         initialize(spec_from(args))  # multi-host: join the job before JAX touches a device
@@ -202,7 +218,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stream = _Stream(tok, eos, 0) if args.stream and say.on else None
     static = dict(
         max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos_id=eos, on_token=stream,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk if args.prefill_chunk is not None else _agreed_prefill_chunk(model),
     )  # fmt: skip
     dynamic = dict(temperature=args.temperature, top_p=args.top_p, rng=jax.random.key(args.seed))
     prompt = jnp.asarray([ids], jnp.int32)
@@ -213,6 +229,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         compiled = gen.lower(model, prompt, **static, **dynamic).compile()
         compile_s = time.perf_counter() - t0
+        barrier("generate-compiled")  # hosts compile at different speeds; run together
         if stream is not None and not args.quiet:
             print("generated: ", end="", flush=True)
         t0 = time.perf_counter()

@@ -189,14 +189,18 @@ CHUNK_MEMORY_SHARE = 1 / 16
 def default_prefill_chunk(model: HybridLM) -> int:
     """The prefill chunk `generate(prefill_chunk=None)` uses: the largest power of two of tokens whose widest
     per-layer activations (float32: the residual, a KDA layer's q / k / v / decay, the routed experts' hidden
-    rows, an MLA layer's expanded keys and values) take at most CHUNK_MEMORY_SHARE of the first device's free
-    memory, within [MIN_PREFILL_CHUNK, MAX_PREFILL_CHUNK]; MAX_PREFILL_CHUNK where the device reports no memory
-    statistics (a CPU)."""
+    rows, an MLA layer's expanded keys and values) take at most CHUNK_MEMORY_SHARE of this process's first
+    device's free memory, within [MIN_PREFILL_CHUNK, MAX_PREFILL_CHUNK]; MAX_PREFILL_CHUNK where the device
+    reports no memory statistics (a CPU).
+
+    Free memory can differ between hosts, and the chunk shapes the compiled program: a multi-process job
+    must use one value everywhere (the CLI takes the smallest over the processes; a script passes
+    `prefill_chunk=` explicitly)."""
     cfg = model.config
     widest = [cfg.hidden_size, 4 * cfg.kda_dim, 2 * cfg.num_experts_per_tok * cfg.moe_intermediate_size]
     widest += [2 * cfg.intermediate_size, cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)]
     per_token = 4 * (cfg.hidden_size + max(widest))
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # devices()[0] may live on another host
     if "bytes_limit" not in stats:
         return MAX_PREFILL_CHUNK
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)

@@ -69,3 +69,20 @@ def initialize(spec: DistributedSpec | None) -> None:
     jax.distributed.initialize(
         coordinator_address=spec.coordinator, num_processes=spec.num_processes, process_id=spec.process_id
     )
+
+
+def barrier(name: str, timeout_s: float = 1800.0) -> None:
+    """Wait until every process reaches `name` (a no-op in one process).
+
+    The wait goes through the coordination service, not through a device collective: the first collective
+    of a program sets up the cross-process communicator with a short fixed deadline (gloo on CPU: 30 s), so
+    a process that finishes compiling much earlier than another must wait here, before running.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the coordination client; jax has no public barrier that avoids collectives
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(f"barrier({name!r}): {jax.process_count()} processes but no distributed client")
+    client.wait_at_barrier(f"hybrid_jax:{name}", timeout_in_ms=int(timeout_s * 1000))
