@@ -107,7 +107,8 @@ def test_kda_decode_step_kernel_lowers():
 
 
 @pytest.mark.parametrize("form,tokens", [("grouped", 40), ("gemv", 1)])
-def test_moe_kernels_lower(form, tokens):
+@pytest.mark.parametrize("swiglu_limit", [None, 7.0])  # 7.0: the clamped SwiGLU's min / max in the kernels
+def test_moe_kernels_lower(form, tokens, swiglu_limit):
     from pallas_kernels.moe import moe_experts
 
     e, d, f, k = 8, 256, 128, 2
@@ -118,7 +119,9 @@ def test_moe_kernels_lower(form, tokens):
     down = jnp.ones((e, f, d), jnp.bfloat16)
 
     def run(x, idx, w, gate, down):
-        return moe_experts(x, idx, w, gate, gate, down, impl="pallas", form=form, interpret=False)
+        return moe_experts(
+            x, idx, w, gate, gate, down, impl="pallas", form=form, interpret=False, swiglu_limit=swiglu_limit
+        )
 
     assert _lowered_for_h200(run, x, idx, w, gate, down).count("xla.gpu.triton") >= 1
 
@@ -264,7 +267,8 @@ def test_moe_router_kernel_lowers():
     assert text.count("xla.gpu.triton") == 2  # the logits' GEMV, the selection
 
 
-def test_moe_gemv_with_shared_expert_lowers():
+@pytest.mark.parametrize("swiglu_limit", [None, 7.0])
+def test_moe_gemv_with_shared_expert_lowers(swiglu_limit):
     from pallas_kernels.moe import moe_experts
 
     d, f, e, k = 256, 128, 8, 2
@@ -276,11 +280,15 @@ def test_moe_gemv_with_shared_expert_lowers():
     shared = (jnp.ones((d, f), jnp.bfloat16),) * 2 + (jnp.ones((f, d), jnp.bfloat16),)
 
     def run(x, idx, w, gate, down):
-        return moe_experts(x, idx, w, gate, gate, down, impl="pallas", form="gemv", interpret=False, shared=shared)
+        return moe_experts(
+            x, idx, w, gate, gate, down, impl="pallas", form="gemv", interpret=False, shared=shared,
+            swiglu_limit=swiglu_limit,
+        )  # fmt: skip
 
     text = _lowered_for_h200(run, x, idx, w, gate, down)
     assert text.count("xla.gpu.triton") == 2
-    assert text.count("stablehlo.reduce") == 1  # only the down partials: gate/up are combined in the down kernel
+    # only the down partials: gate/up are combined (and clamped, with a limit) in the down kernel
+    assert text.count("stablehlo.reduce") == 1
 
 
 def test_kda_decode_layer_kernel_lowers():

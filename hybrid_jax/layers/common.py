@@ -215,13 +215,21 @@ class LayerNorm(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """Dense MLP: down(SiLU(gate x) ⊙ up x); the product is formed in float32."""
+    """Dense MLP: down(SiLU(gate x) ⊙ up x); the product is formed in float32.
 
-    def __init__(self, dim: int, hidden: int, dt: DTypes, rngs: nnx.Rngs):
+    limit: the clamped SwiGLU (GLM-5.3-Flash): gate ← min(gate, limit), up ← clip(up, −limit, limit) on the
+    float32 products before they meet (as `pallas_kernels.moe`'s experts clamp); None: plain SwiGLU."""
+
+    def __init__(self, dim: int, hidden: int, dt: DTypes, rngs: nnx.Rngs, *, limit: float | None = None):
+        from pallas_kernels.moe.reference import check_swiglu_limit  # the MoE experts' rule for the same limit
+
+        self.limit = check_swiglu_limit(limit, "SwiGLU", "limit")
         self.gate_proj = linear(dim, hidden, ("embed", "mlp"), dt, rngs)
         self.up_proj = linear(dim, hidden, ("embed", "mlp"), dt, rngs)
         self.down_proj = linear(hidden, dim, ("mlp", "embed"), dt, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
         g, u = (y.astype(jnp.float32) for y in project_many([(self.gate_proj, x), (self.up_proj, x)]))
+        if self.limit is not None:
+            g, u = jnp.minimum(g, self.limit), jnp.maximum(jnp.minimum(u, self.limit), -self.limit)
         return self.down_proj((jax.nn.silu(g) * u).astype(x.dtype))

@@ -54,7 +54,9 @@ class MoE(nnx.Module):
         self.gate = Router(cfg, dt, rngs)
         self.experts = Experts(cfg, dt, rngs)
         if cfg.num_shared_experts:
-            self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, dt, rngs)
+            self.shared_experts = SwiGLU(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, dt, rngs, limit=cfg.swiglu_limit
+            )
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B,T,D] -> [B,T,D]
         shape = x.shape
@@ -64,8 +66,9 @@ class MoE(nnx.Module):
         shared = self._shared_weights()
         ex = self.experts
         y = moe_experts(  # routed experts as grouped matmuls (pallas_kernels/moe), the shared one with them
-            x2, idx, w, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...], shared=shared
-        )
+            x2, idx, w, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...], shared=shared,
+            swiglu_limit=self.cfg.swiglu_limit,
+        )  # fmt: skip
         if self.cfg.num_shared_experts and shared is None:
             y = y + self.shared_experts(x2).astype(jnp.float32)
         return y.astype(self.dt.compute).reshape(shape)

@@ -10,6 +10,7 @@ from pallas_kernels._pallas import pow2
 from pallas_kernels.moe.gemv import auto_split_k, down_gemv, gate_up_gemv
 from pallas_kernels.moe.kernel import grouped_gate_up_pallas, grouped_matmul_pallas
 from pallas_kernels.moe.reference import (
+    check_swiglu_limit,
     moe_experts_gather,
     moe_experts_reference,
     route_reference,
@@ -69,6 +70,7 @@ def moe_experts(
     precision: str = "tf32",
     interpret: bool | None = None,
     shared=None,
+    swiglu_limit: float | None = None,
 ):
     """Σ_j w_tj E_{idx_tj}(x_t) with E(x) = W_down(SiLU(W_gate x) ⊙ W_up x) [+ the shared expert S(x)].
 
@@ -90,8 +92,14 @@ def moe_experts(
     (what a separate SwiGLU of bf16 projections returns). With "gemv" and Fs = F it runs as one more
     program row per token in the routed experts' two launches (its four projection kernels and their
     epilogues saved at every decode step); otherwise as XLA products (`swiglu_reference`).
+    swiglu_limit: the clamped SwiGLU (GLM-5.3-Flash) of every expert, the shared one included: with L, gate ←
+    min(gate, L) and up ← clip(up, −L, L) on the float32 products before SiLU(gate) ⊙ up
+    (`reference.clamp_gate_up`, applied alike by every impl and form; a static float baked into the kernels).
+    None (the default): plain SwiGLU, the same program as without the argument. A ValueError unless None or a
+    finite number > 0.
     """
     registry.check_impl("moe", impl)
+    limit = check_swiglu_limit(swiglu_limit)
     n, d = x.shape
     e, d2, f = gate_proj.shape
     if idx.shape != w.shape or idx.shape[0] != n or d2 != d or up_proj.shape != gate_proj.shape:
@@ -131,19 +139,24 @@ def moe_experts(
         raise ValueError(f"moe_experts: shared expert weights {[a.shape for a in shared]} must be [D, Fs] x2, [Fs, D]")
     interpret = registry.interpret_default(interpret)
     if form == "gemv" and shared is not None and shared[0].shape[1] == f:  # the shared expert in the same launches
-        return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared)
+        return _experts_gemv(
+            x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared, limit=limit
+        )
     if shared is not None:
         return moe_experts(
             x, idx, w, gate_proj, up_proj, down_proj, impl=impl, form=form, block_m=block_m, block_n=block_n,
             block_k=block_k,
             split_k=split_k, num_warps=num_warps, num_stages=num_stages, precision=precision, interpret=interpret,
-        ) + swiglu_reference(x, *shared)  # fmt: skip
+            swiglu_limit=limit,
+        ) + swiglu_reference(x, *shared, swiglu_limit=limit)  # fmt: skip
     if form == "ragged_dot":
-        return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj)
+        return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj, swiglu_limit=limit)
     if form == "gather":
-        return moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj)
+        return moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj, swiglu_limit=limit)
     if form == "gemv":
-        return _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret)
+        return _experts_gemv(
+            x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, limit=limit
+        )
 
     k = idx.shape[1]
     order, sizes = sort_by_expert(idx, e)
@@ -175,7 +188,9 @@ def moe_experts(
     kw = dict(block_m=block_m, precision=precision, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
     gate, up = pad3(gate_proj, d_pad, f_pad), pad3(up_proj, d_pad, f_pad)
-    h = grouped_gate_up_pallas(xp, row_token, gate, up, block_expert, block_n=bn_f, block_k=bk_d, **kw)
+    h = grouped_gate_up_pallas(
+        xp, row_token, gate, up, block_expert, block_n=bn_f, block_k=bk_d, swiglu_limit=limit, **kw
+    )
     # each pair's output in x's dtype (as the reference model's per-expert products), summed in float32
     y = grouped_matmul_pallas(
         h, pad3(down_proj, f_pad, d_pad), block_expert, block_n=bn_d, block_k=bk_f, out_dtype=x.dtype, **kw
@@ -188,9 +203,10 @@ def moe_experts(
 
 
 def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared=None,
-                  mma=True):  # fmt: skip
+                  mma=True, limit=None):  # fmt: skip
     """form="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k; the
-    shared expert's (gate, up, down) as one more program row per token in the same launches."""
+    shared expert's (gate, up, down) as one more program row per token in the same launches. limit: the
+    SwiGLU limit, applied where the down kernels form h (routed pairs and shared rows alike)."""
     n, d = x.shape
     k = idx.shape[1]
     f = gate_proj.shape[-1]
@@ -223,7 +239,7 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     )  # fmt: skip
     y = down_gemv(
         e_ids, gu, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, shared=sh_d,
-        h_dtype=x.dtype, **kw,
+        h_dtype=x.dtype, swiglu_limit=limit, **kw,
     )  # fmt: skip
     out = jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y[:p, :d].reshape(n, k, d))
     # the shared expert rounded to x's dtype, as a separate SwiGLU returns it

@@ -14,6 +14,10 @@ The contraction is split S ways (split-K): each program sums one D / S (or F / S
 partial and XLA adds the S partials (and applies SiLU ⊙) afterwards — [P, S, N] floats, negligible beside
 the weights — so that a one-token call still launches enough programs to keep every SM streaming.
 
+A SwiGLU limit L (static, baked into the kernels) clamps the float32 sums where SiLU(gate) ⊙ up is formed
+(gate ← min(gate, L), up ← clip(up, −L, L); `reference.clamp_gate_up`): in `gate_up_gemv`'s epilogue, or in
+`down_gemv`'s kernels when they form h from the partial sums (routed pairs and shared rows alike).
+
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). The contraction length must be a
 multiple of S x BK and the output width of BN (powers of two); `moe_experts(impl="pallas", form="gemv")` pads.
 """
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import first_row, sum_rows, triton_params
+from pallas_kernels.moe.reference import check_swiglu_limit, clamp_gate_up
 from pallas_kernels.moe.tuning import MAX_SPLIT_K, SPLIT_TARGET  # programs `auto_split_k` aims for; its largest split
 
 MMA_ROWS = 16  # rows of one tensor-core tile: the pair's row broadcast to it
@@ -66,22 +71,23 @@ def _gate_up_mma_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed):
     _routed_or_shared(e_ref, (wg_ref, wu_ref), shared, n_routed, run)
 
 
-def _h_slab(h_refs, cols, dtype):
+def _h_slab(h_refs, cols, dtype, limit):
     """h's columns `cols` for this program's row: h itself, or from gate/up partial sums [S, F] (an
-    `gate_up_gemv(partials=True)`): SiLU(Σ gate) ⊙ Σ up rounded to `dtype`, as `gate_up_gemv` returns it."""
+    `gate_up_gemv(partials=True)`): SiLU(Σ gate) ⊙ Σ up rounded to `dtype`, as `gate_up_gemv` returns it
+    (the sums clamped first for a SwiGLU limit)."""
     if len(h_refs) == 1:
         return h_refs[0][cols]
-    g, u = sum_rows(h_refs[0], cols), sum_rows(h_refs[1], cols)
+    g, u = clamp_gate_up(sum_rows(h_refs[0], cols), sum_rows(h_refs[1], cols), limit)
     return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
 
 
-def _down_mma_kernel(e_ref, *refs, bk, nk, n_routed, n_h, dtype):
+def _down_mma_kernel(e_ref, *refs, bk, nk, n_routed, n_h, dtype, swiglu_limit):
     h_refs, (wd_ref, *shared, y_ref) = refs[:n_h], refs[n_h:]
 
     def run(w):
         def body(kk, acc):
             cols = pl.ds(kk * bk, bk)
-            return acc + _mma_step(_h_slab(h_refs, cols, dtype), w[0](cols))
+            return acc + _mma_step(_h_slab(h_refs, cols, dtype, swiglu_limit), w[0](cols))
 
         acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((MMA_ROWS, y_ref.shape[-1]), jnp.float32))
         y_ref[...] = first_row(acc)
@@ -110,13 +116,13 @@ def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed):
     _routed_or_shared(e_ref, (wg_ref, wu_ref), shared, n_routed, run)
 
 
-def _down_kernel(e_ref, *refs, bk, nk, n_routed, n_h, dtype):
+def _down_kernel(e_ref, *refs, bk, nk, n_routed, n_h, dtype, swiglu_limit):
     h_refs, (wd_ref, *shared, y_ref) = refs[:n_h], refs[n_h:]
 
     def run(w):
         def body(kk, acc):
             cols = pl.ds(kk * bk, bk)
-            h = _h_slab(h_refs, cols, dtype).astype(jnp.float32)
+            h = _h_slab(h_refs, cols, dtype, swiglu_limit).astype(jnp.float32)
             return acc + h[:, None] * w[0](cols).astype(jnp.float32)
 
         acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, y_ref.shape[-1]), jnp.float32))
@@ -184,10 +190,10 @@ def _pair_call(
 _STATIC = ("block_n", "block_k", "split_k", "mma", "interpret", "num_warps", "num_stages")
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "pairs_per_row", "partials"))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "pairs_per_row", "partials", "swiglu_limit"))
 def gate_up_gemv(
     e_ids, x_rows, gate, up, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3,
-    pairs_per_row=1, shared=None, partials=False,
+    pairs_per_row=1, shared=None, partials=False, swiglu_limit=None,
 ):  # fmt: skip
     """e_ids [P] int32, x_rows [P / pairs_per_row, D] (D a multiple of split_k * block_k; pair p reads row
     p // pairs_per_row), gate/up [E, D, F] (F a multiple of block_n) -> h [P, F] in x_rows.dtype:
@@ -195,7 +201,12 @@ def gate_up_gemv(
     after the pairs in the same launch: h [P + rows, F]. mma: each step one tensor-core product (the row
     broadcast to 16) with the weight tiles streamed through shared memory; else CUDA-core multiply-adds.
     partials: (gate, up) partial sums [P (+ rows), split_k, F] float32 instead of h, for `down_gemv` to
-    combine itself (no XLA kernel between the two launches)."""
+    combine itself (no XLA kernel between the two launches). swiglu_limit: a static float L, gate and up sums
+    clamped before they meet (`reference.clamp_gate_up`); with partials the consumer clamps (`down_gemv`'s
+    swiglu_limit), so it is refused there."""
+    limit = check_swiglu_limit(swiglu_limit, "gate_up_gemv")
+    if partials and limit is not None:
+        raise ValueError("gate_up_gemv: partials are unclamped sums; pass swiglu_limit to down_gemv, which forms h")
     g, u = _pair_call(
         _gate_up_mma_kernel if mma else _gate_up_kernel, "moe_gate_up_gemv", e_ids, x_rows, (gate, up), 2,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
@@ -204,26 +215,32 @@ def gate_up_gemv(
     )  # fmt: skip
     if partials:
         return g, u
-    return (jax.nn.silu(jnp.sum(g, axis=1)) * jnp.sum(u, axis=1)).astype(x_rows.dtype)
+    g, u = clamp_gate_up(jnp.sum(g, axis=1), jnp.sum(u, axis=1), limit)
+    return (jax.nn.silu(g) * u).astype(x_rows.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "h_dtype"))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "h_dtype", "swiglu_limit"))
 def down_gemv(
     e_ids, h, down, *, block_n, block_k, split_k=1, mma=True, interpret=False, num_warps=4, num_stages=3,
-    shared=None, h_dtype=None,
+    shared=None, h_dtype=None, swiglu_limit=None,
 ):  # fmt: skip
     """e_ids [P] int32, h [P, F] (F a multiple of split_k * block_k), down [E, F, D] (D a multiple of block_n)
     -> y [P, D] float32: h_p down[e_p] (mma as `gate_up_gemv`). shared: the shared expert's down [F, D] for
     the rows of h after the P pairs (h [P + R, F] -> y [P + R, D]). h may be `gate_up_gemv(partials=True)`'s
-    (gate, up) partial sums: each program forms its slab of h from them, rounded to h_dtype."""
+    (gate, up) partial sums: each program forms its slab of h from them, rounded to h_dtype, the sums clamped
+    first for a static SwiGLU limit `swiglu_limit` (`reference.clamp_gate_up`; for partial sums only: a
+    formed h was clamped where it was formed)."""
     parts = isinstance(h, tuple)
+    limit = check_swiglu_limit(swiglu_limit, "down_gemv")
     if parts and (len(h) != 2 or h_dtype is None):
         raise ValueError("down_gemv: h as partial sums is a (gate, up) pair and needs h_dtype")
+    if limit is not None and not parts:
+        raise ValueError("down_gemv: swiglu_limit applies to (gate, up) partial sums; a formed h is clamped already")
     (y,) = _pair_call(
         _down_mma_kernel if mma else _down_kernel, "moe_down_gemv", e_ids, h if parts else (h,), (down,), 1,
         block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret, num_warps=num_warps,
         num_stages=num_stages, shared=tuple(shared or ()),
-        kernel_kw=dict(n_h=2 if parts else 1, dtype=jnp.dtype(h_dtype or h.dtype)),
+        kernel_kw=dict(n_h=2 if parts else 1, dtype=jnp.dtype(h_dtype or h.dtype), swiglu_limit=limit),
     )  # fmt: skip
     return jnp.sum(y, axis=1)
 

@@ -9,7 +9,8 @@ is what XLA makes of `lax.ragged_dot`: E times the FLOPs and an [M, E·K] operan
 `grouped_gate_up_pallas` is the first half of an expert in one pass: it gathers its row block's token rows
 from x by id (no expert-sorted copy of x), the gate and up products share each x tile (read once, two
 accumulators) and the program writes SiLU(gate) * up in x's dtype — neither float32 product goes to HBM and
-comes back.
+comes back. With a SwiGLU limit L (a static float baked into the kernel) it clamps the float32 products first:
+gate ← min(gate, L), up ← clip(up, −L, L) (`reference.clamp_gate_up`).
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). K must be a multiple of BK and N of
 BN (powers of two); `moe_experts(impl="pallas")` pads.
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
+from pallas_kernels.moe.reference import check_swiglu_limit, clamp_gate_up
 
 
 def _kernel(be_ref, x_ref, w_ref, o_ref, *, bk, nk, precision):
@@ -45,7 +47,7 @@ def _kernel(be_ref, x_ref, w_ref, o_ref, *, bk, nk, precision):
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _gate_up_kernel(be_ref, tok_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk, nk, precision):
+def _gate_up_kernel(be_ref, tok_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk, nk, precision, swiglu_limit):
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
     e = be_ref[0]
 
@@ -61,7 +63,7 @@ def _gate_up_kernel(be_ref, tok_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk, nk, pr
             return acc_g, acc_u
 
         zero = jnp.zeros(o_ref.shape, jnp.float32)
-        g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
+        g, u = clamp_gate_up(*jax.lax.fori_loop(0, nk, body, (zero, zero)), swiglu_limit)
         o_ref[...] = (g * jax.nn.sigmoid(g) * u).astype(o_ref.dtype)
 
     @pl.when(e < 0)
@@ -101,17 +103,22 @@ def _grouped_call(kernel, name, x, weights, block_expert, out_dtype, *, block_m,
     )(block_expert, *rows_args, *weights)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("swiglu_limit",))
 def grouped_gate_up_pallas(
     x, row_token, w_gate, w_up, block_expert, *, block_m, block_n, block_k, precision="tf32", interpret=False,
-    num_warps=4, num_stages=2,
+    num_warps=4, num_stages=2, swiglu_limit=None,
 ):  # fmt: skip
     """x [N, K] token rows, row_token [R] int32 the token of each expert-sorted row (R a multiple of block_m;
     padding rows name any valid token: computed, never read back), w_gate / w_up [E, K, N'], block_expert
     [R / block_m] int32 (-1 = unused block: zeros) -> SiLU(x_r W_gate) * (x_r W_up) [R, N'] in x.dtype
     (float32 products). The kernel gathers its rows from x: no expert-sorted copy of x is written (why: that
-    copy is an XLA gather per MoE layer at prefill; measurements in docs/performance.md#moe)."""
-    kernel = functools.partial(_gate_up_kernel, bk=block_k, nk=x.shape[1] // block_k, precision=precision)
+    copy is an XLA gather per MoE layer at prefill; measurements in docs/performance.md#moe).
+    swiglu_limit: a static float L: the float32 products clamped first, gate ← min(gate, L), up ← clip(up, ±L)
+    (`reference.clamp_gate_up`); None: plain SwiGLU."""
+    limit = check_swiglu_limit(swiglu_limit, "grouped_gate_up_pallas")
+    kernel = functools.partial(
+        _gate_up_kernel, bk=block_k, nk=x.shape[1] // block_k, precision=precision, swiglu_limit=limit
+    )
     return _grouped_call(
         kernel, "moe_gate_up", x, (w_gate, w_up), block_expert, x.dtype, row_token=row_token,
         block_m=block_m, block_n=block_n, interpret=interpret, num_warps=num_warps, num_stages=num_stages,

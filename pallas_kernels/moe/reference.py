@@ -1,15 +1,42 @@
 """Routed experts of an MoE layer, float32-accumulating jnp: the ground truth.
 
 y_t = Σ_j w_tj E_{idx_tj}(x_t),   E(x) = W_down (SiLU(W_gate x) ⊙ W_up x)
+
+With a SwiGLU limit L (GLM-5.3-Flash's clamped SwiGLU) the float32 products are clamped before they meet:
+gate ← min(gate, L), up ← clip(up, −L, L) (`clamp_gate_up`, which every kernel form applies too).
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._blocking import over_query_blocks
 from pallas_kernels.moe.tuning import MAX_EXPANDED_ELEMENTS
+
+
+def check_swiglu_limit(limit, where: str = "moe_experts", name: str = "swiglu_limit") -> float | None:
+    """The SwiGLU limit as a static Python float (None: plain SwiGLU); a ValueError naming the value unless it
+    is None or a finite number > 0."""
+    if limit is None:
+        return None
+    # a number, not a bool or a string; not an array either (a traced one cannot be baked into a kernel)
+    value = float(limit) if isinstance(limit, numbers.Real) and not isinstance(limit, bool) else math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{where}: {name}={limit!r} must be a finite number > 0, or None (no clamp)")
+    return value
+
+
+def clamp_gate_up(g, u, limit: float | None):
+    """The clamped SwiGLU's inputs: (min(g, limit), clip(u, −limit, limit)) — the gate clamped from above only,
+    up on both sides; (g, u) unchanged (no op added) for limit None. Used by the reference and inside every
+    kernel, on the float32 products, so that all forms clamp alike."""
+    if limit is None:
+        return g, u
+    return jnp.minimum(g, limit), jnp.maximum(jnp.minimum(u, limit), -limit)
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
@@ -30,39 +57,46 @@ def token_block(n: int, k: int, num_experts: int, width: int, budget: int = MAX_
     return max(1, min(n, budget // max(1, k * num_experts * width)))
 
 
-def moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj, *, budget: int = MAX_EXPANDED_ELEMENTS):
+def moe_experts_reference(
+    x, idx, w, gate_proj, up_proj, down_proj, *, budget: int = MAX_EXPANDED_ELEMENTS, swiglu_limit: float | None = None
+):
     """x [N,D], idx/w [N,k], gate/up [E,D,F], down [E,F,D] -> [N,D] float32. The pairs run as grouped
     matmuls (`lax.ragged_dot`); exact whatever XLA lowers them to. Tokens go in blocks (`lax.map`) when the
-    expanded operand of all N tokens would pass `budget` elements; each token's result is unchanged."""
+    expanded operand of all N tokens would pass `budget` elements; each token's result is unchanged.
+    swiglu_limit: the clamped SwiGLU's limit (`clamp_gate_up`), None for plain SwiGLU."""
     n, k = idx.shape
     e, d, f = gate_proj.shape
+    limit = check_swiglu_limit(swiglu_limit, "moe_experts_reference")
     block = token_block(n, k, e, max(d, f), budget)
     if block < n:
-        blocked = lambda xb, ib, wb: _experts(xb[0], ib[0], wb[0], gate_proj, up_proj, down_proj)[None]  # noqa: E731
+        blocked = lambda xb, ib, wb: _experts(xb[0], ib[0], wb[0], gate_proj, up_proj, down_proj, limit)[None]  # noqa: E731
         return over_query_blocks(blocked, block, x[None], idx[None], w[None])[0]
-    return _experts(x, idx, w, gate_proj, up_proj, down_proj)
+    return _experts(x, idx, w, gate_proj, up_proj, down_proj, limit)
 
 
-def _experts(x, idx, w, gate_proj, up_proj, down_proj):
+def _experts(x, idx, w, gate_proj, up_proj, down_proj, limit=None):
     n, k = idx.shape
     order, sizes = sort_by_expert(idx, gate_proj.shape[0])
     token = order // k
     xs = x[token]  # [N*k, D], grouped by expert
     h_gate = jax.lax.ragged_dot(xs, gate_proj.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
     h_up = jax.lax.ragged_dot(xs, up_proj.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    h_gate, h_up = clamp_gate_up(h_gate, h_up, limit)
     h = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
     y = jax.lax.ragged_dot(h, down_proj.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
     y = y * w.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y)
 
 
-def moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj):
+def moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj, *, swiglu_limit: float | None = None):
     """The same sum with each token-expert pair's weights gathered: x [N,D], idx/w [N,k] -> [N,D] float32.
     Reads (and XLA may copy) k experts' weights per token, so it is for decode-sized N only: it moves
     N*k/E of the experts' bytes where `lax.ragged_dot`'s lowering reads all E experts."""
+    limit = check_swiglu_limit(swiglu_limit, "moe_experts_gather")
     dt = x.dtype
     h_gate = jnp.einsum("nd,nkdf->nkf", x, gate_proj[idx].astype(dt), preferred_element_type=jnp.float32)
     h_up = jnp.einsum("nd,nkdf->nkf", x, up_proj[idx].astype(dt), preferred_element_type=jnp.float32)
+    h_gate, h_up = clamp_gate_up(h_gate, h_up, limit)
     h = (jax.nn.silu(h_gate) * h_up).astype(dt)
     y = jnp.einsum("nkf,nkfd->nkd", h, down_proj[idx].astype(dt), preferred_element_type=jnp.float32)
     return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y)
@@ -99,10 +133,13 @@ def router_logits_reference(x, w):
     return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
-def swiglu_reference(x, gate, up, down):
+def swiglu_reference(x, gate, up, down, *, swiglu_limit: float | None = None):
     """A dense SwiGLU expert as XLA products in x's dtype (float32 accumulation): x [N, D], gate / up [D, F],
-    down [F, D] -> [N, D] float32, the output rounded to x's dtype first (what a bf16 SwiGLU layer returns)."""
+    down [F, D] -> [N, D] float32, the output rounded to x's dtype first (what a bf16 SwiGLU layer returns).
+    swiglu_limit: clamp the float32 products first (`clamp_gate_up`)."""
+    limit = check_swiglu_limit(swiglu_limit, "swiglu_reference")
     dt = x.dtype
     g, u = (jnp.dot(x, a.astype(dt)).astype(jnp.float32) for a in (gate, up))
+    g, u = clamp_gate_up(g, u, limit)
     h = (jax.nn.silu(g) * u).astype(dt)
     return jnp.dot(h, down.astype(dt)).astype(jnp.float32)
