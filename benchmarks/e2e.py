@@ -150,7 +150,7 @@ def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
                 (pool.values.nbytes + (0 if pool.scales is None else pool.scales.nbytes))
                 / (pool.values.shape[0] * pool.values.shape[1])
             )
-            row = per_token(state.latent) + per_token(state.rope)
+            row = per_token(state.latent) + (0 if state.rope is None else per_token(state.rope))
             if kind == "sparse":
                 total += batch * context * per_token(state.index_k) + batch * min(cfg.index_topk, context) * row
             else:

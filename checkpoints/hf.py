@@ -16,6 +16,7 @@ checkpoint fails instead of loading a different model.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import warnings
@@ -52,7 +53,8 @@ from sharding.rules import LOGICAL_AXIS_RULES, param_sharding
 FP8_BLOCK = 128
 # Tensors a checkpoint may carry that inference does not use.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_VISION = "model.visual."  # glm5_next's vision tower: recognised and skipped
+log = logging.getLogger("hybrid_jax.checkpoints")
 
 
 @dataclass
@@ -89,38 +91,59 @@ def _first_present(reader, candidates: list[str]) -> str | None:
     return next((c for c in candidates if c in reader), None)
 
 
-def _source(path: tuple, cfg: HybridConfig, reader: CheckpointFolder) -> Source:
+def prefix_of(reader) -> str:
+    """Where a checkpoint keeps the decoder: `model.` (kimi_linear, deepseek_v32, ours) or
+    `model.language_model.` (glm5_next, whose `model.visual.*` vision tower inference skips)."""
+    return "model.language_model." if "model.language_model.embed_tokens.weight" in reader else "model."
+
+
+def _source(path: tuple, cfg: HybridConfig, reader: CheckpointFolder, prefix: str = "model.") -> Source:
     """The checkpoint recipe of one parameter path of HybridLM."""
     key = ".".join(map(str, path))
     if key == "embed_tokens.embedding":
-        return Source(["model.embed_tokens.weight"], lambda t: t[0])
-    hf = key if key.startswith("lm_head.") else "model." + key
+        return Source([prefix + "embed_tokens.weight"], lambda t: t[0])
+    hf = key if key.startswith("lm_head.") else prefix + key
     if hf.endswith(".kernel_scale_inv"):  # FP8-resident projection: torch [out/128, in/128] -> ours [in/128, out/128]
         return Source([hf[: -len(".kernel_scale_inv")] + ".weight_scale_inv"], lambda t: t[0].T)
+    if hf.endswith(".index_kpool_compress_gate.kernel"):  # a bare torch Parameter [H_I, D], no `.weight`
+        return Source([hf[: -len(".kernel")]], lambda t: _t(t[0]))
     if hf.endswith(".kernel"):
         hf = hf[: -len(".kernel")] + ".weight"
     alternatives = [hf]
     if ".mlp." in hf:  # Kimi's released and HF-saved checkpoints call the FFN block_sparse_moe
         alternatives.append(hf.replace(".mlp.", ".block_sparse_moe."))
+    # glm5_next as released: `hc_attn_fn` (transformers' modules: `attn_hc.fn`); the KDA forget gate's
+    # `self_attn.f_a_proj` (modules: `self_attn.forget_gate.f_a_proj`)
+    hc = re.fullmatch(r"(.*\.layers\.\d+\.)(attn|ffn)_hc\.(fn|base|scale)", hf)
+    if hc:
+        alternatives.append(f"{hc.group(1)}hc_{hc.group(2)}_{hc.group(3)}")
+    gate = re.fullmatch(r"(.*\.self_attn\.)(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)", hf)
+    if gate:
+        alternatives.append(f"{gate.group(1)}forget_gate.{gate.group(2)}")
 
-    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)", hf)
+    m = re.fullmatch(re.escape(prefix) + r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)", hf)
     if m:
-        return _expert_source(int(m.group(1)), m.group(2), cfg, reader)
+        return _expert_source(int(m.group(1)), m.group(2), cfg, reader, prefix)
     name = _first_present(reader, alternatives) or alternatives[0]
+    conv = re.fullmatch(r"(.*\.self_attn\.)([qkv])_conv1d\.weight", name)
+    if conv and name not in reader and conv.group(1) + "conv1d.weight" in reader:  # transformers' fused q|k|v conv
+        part, c = "qkv".index(conv.group(2)), cfg.kda_dim
+        return Source([conv.group(1) + "conv1d.weight"], lambda t: t[0][part * c : (part + 1) * c, 0, :].T)
     if re.search(r"_conv1d\.weight$", name):  # torch [C, 1, W] -> ours [W, C]
         return Source([name], lambda t: t[0].reshape(t[0].shape[0], -1).T)
     if name.endswith(".A_log"):  # stored [1, 1, H, 1] (released) or [H]
         return Source([name], lambda t: t[0].reshape(-1))
-    if key.endswith(".kernel"):
+    if key.endswith(".kernel") or (hc and hc.group(3) == "fn"):  # hc fn: torch [2N + N², N·D] -> ours [N·D, ...]
         return Source([name], lambda t: _t(t[0]))
     return Source([name], lambda t: t[0])
 
 
-def _expert_source(layer: int, which: str, cfg: HybridConfig, reader: CheckpointFolder) -> Source:
+def _expert_source(layer: int, which: str, cfg: HybridConfig, reader: CheckpointFolder, prefix: str) -> Source:
     e, f = cfg.num_experts, cfg.moe_intermediate_size
     kimi_names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    root = prefix
     for block in ("mlp", "block_sparse_moe"):
-        prefix = f"model.layers.{layer}.{block}.experts"
+        prefix = f"{root}layers.{layer}.{block}.experts"
         for per_expert in (which, kimi_names[which]):
             names = [f"{prefix}.{i}.{per_expert}.weight" for i in range(e)]
             if names[0] in reader:
@@ -130,15 +153,15 @@ def _expert_source(layer: int, which: str, cfg: HybridConfig, reader: Checkpoint
             return Source([f"{prefix}.gate_up_proj"], lambda ts, sl=sl: np.transpose(ts[0][:, sl, :], (0, 2, 1)))
         if which == "down_proj" and f"{prefix}.down_proj" in reader:  # HF fused [E, D, F]
             return Source([f"{prefix}.down_proj"], lambda ts: np.transpose(ts[0], (0, 2, 1)))
-    return Source([f"model.layers.{layer}.mlp.experts.0.{which}.weight"], lambda ts: ts[0])  # reported missing
+    return Source([f"{root}layers.{layer}.mlp.experts.0.{which}.weight"], lambda ts: ts[0])  # reported missing
 
 
-def _fp8_param(path: tuple, cfg: HybridConfig, reader: CheckpointFolder) -> tuple[np.ndarray, list[str]]:
+def _fp8_param(path: tuple, cfg: HybridConfig, reader: CheckpointFolder, prefix: str) -> tuple[np.ndarray, list[str]]:
     """Kernel or block scales of an FP8-resident projection: the checkpoint's own FP8 blocks when it has them
     (no dequantize-requantize round trip), else the weight quantized to 128 x 128 blocks on load."""
     want_scale = path[-1] == "kernel_scale_inv"
     base = (*path[:-1], "kernel")
-    src = _source(base, cfg, reader)
+    src = _source(base, cfg, reader, prefix)
     wname = src.names[0]
     sname = wname + "_scale_inv"
     w = reader[wname]
@@ -228,7 +251,8 @@ def load_safetensors_model(
     root = resolve_folder(path)
     raw, config = _read_config(root)
     reader = CheckpointFolder(root)
-    _check_layers(root, config, reader)
+    prefix = prefix_of(reader)
+    _check_layers(root, config, reader, prefix)
     dtype = resolve_dtype(dtype, root, raw, reader)
     try:
         graphdef, state = nnx.split(abstract_model(config, dtype, quant))
@@ -244,7 +268,7 @@ def load_safetensors_model(
         target = var.get_value().dtype
         want = tuple(var.get_value().shape)
         fp8 = p[-1] == "kernel_scale_inv" or (p[-1] == "kernel" and target == jnp.float8_e4m3fn)
-        src = _source((*p[:-1], "kernel") if fp8 else p, config, reader)
+        src = _source((*p[:-1], "kernel") if fp8 else p, config, reader, prefix)
         missing = [n for n in src.names if n not in reader]
         if missing:
             raise CheckpointError(
@@ -258,7 +282,7 @@ def load_safetensors_model(
                 )
         try:
             if fp8:
-                arr, names = _fp8_param(p, config, reader)
+                arr, names = _fp8_param(p, config, reader, prefix)
                 src = Source(names, src.build)
             else:
                 arr = src.build([_weight(reader, n) for n in src.names])
@@ -287,7 +311,15 @@ def load_safetensors_model(
             if n + "_scale_inv" in reader:
                 reader.release(n + "_scale_inv")
     mtp = mtp_layers(raw, config)
-    extra = sorted(n for n in reader if n not in used and not _IGNORED.match(n) and not _is_mtp(n, mtp))
+    skipped = [n for n in reader if n.startswith(_VISION)]
+    if skipped:
+        log.info(
+            "%s: skipping the vision tower (%d tensors under %s*): text inference only", root, len(skipped), _VISION
+        )
+    extra = sorted(
+        n for n in reader
+        if n not in used and not _IGNORED.match(n) and not _is_mtp(n, mtp, prefix) and not n.startswith(_VISION)
+    )  # fmt: skip
     if extra and strict:
         shown = ", ".join(extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10 else "")
         raise CheckpointError(f"{len(extra)} unexpected tensor(s) in {root}: {shown} (strict=False ignores them)")
@@ -296,21 +328,26 @@ def load_safetensors_model(
     return model
 
 
-def _check_layers(root: Path, config: HybridConfig, reader: CheckpointFolder) -> None:
+def _layer_of(name: str, prefix: str) -> int | None:
+    m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def _check_layers(root: Path, config: HybridConfig, reader: CheckpointFolder, prefix: str = "model.") -> None:
     """A config with more layers than the checkpoint holds fails here, before the (abstract) model is built."""
-    present = {int(m.group(1)) for n in reader if (m := _LAYER.match(n))}
+    present = {i for n in reader if (i := _layer_of(n, prefix)) is not None}
     if config.num_layers > 1 + max(present, default=-1):
         raise CheckpointError(
             f"{root / 'config.json'}: {config.num_layers} layers, but {', '.join(reader.files)} hold tensors of "
-            f"{1 + max(present, default=-1)} layers (model.layers.N.*)"
+            f"{1 + max(present, default=-1)} layers ({prefix}layers.N.*)"
         )
 
 
-def _is_mtp(name: str, mtp: range) -> bool:
-    """DeepSeek ships its multi-token-prediction module as layers num_layers.. (num_nextn_predict_layers of
+def _is_mtp(name: str, mtp: range, prefix: str = "model.") -> bool:
+    """DeepSeek and GLM ship a multi-token-prediction module as layers num_layers.. (num_nextn_predict_layers of
     them); inference skips it. Any other layer past num_layers is unexpected."""
-    m = _LAYER.match(name)
-    return bool(m) and int(m.group(1)) in mtp
+    i = _layer_of(name, prefix)
+    return i is not None and i in mtp
 
 
 def save_pretrained(model: HybridLM, path: str | Path) -> None:
@@ -332,7 +369,7 @@ def save_pretrained(model: HybridLM, path: str | Path) -> None:
         name = src.names[0]
         if name.endswith("_conv1d.weight"):
             value = value.T[:, None, :]
-        elif key.endswith((".kernel", ".kernel_scale_inv")):
+        elif key.endswith((".kernel", ".kernel_scale_inv", "_hc.fn")):
             value = value.T
         tensors[name] = value
     write_safetensors(path / "model.safetensors", tensors, {"format": "hybrid-jax"})

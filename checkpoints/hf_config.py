@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` -> HybridConfig for `kimi_linear`, `deepseek_v32` and our own `hybrid`.
+"""Hugging Face `config.json` -> HybridConfig for `kimi_linear`, `deepseek_v32`, `glm5_next` and our own `hybrid`.
 
 Every field that changes the math is either mapped or rejected: an unknown field is an error unless it is
 listed as having no effect on inference (`_NO_EFFECT`). Every value is type-checked against the HybridConfig
@@ -16,7 +16,12 @@ from typing import Any
 from checkpoints.safetensors_io import CheckpointError
 from hybrid_jax.config import HybridConfig, YarnScaling
 
-SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "hybrid")
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "glm5_next", "glm5_next_text", "hybrid")
+# glm5_next's top level (the multimodal wrapper): the vision tower and its token ids do not touch text inference
+_GLM5_TOP = {
+    "vision_config", "image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+    "video_start_token_id", "video_end_token_id",
+}  # fmt: skip
 
 # Fields with no effect on inference numerics (training, bookkeeping, loading hints).
 _NO_EFFECT = {
@@ -316,6 +321,114 @@ def _deepseek(f: _Fields) -> HybridConfig:
     ))  # fmt: skip
 
 
+def _glm5_text(d: dict[str, Any]) -> dict[str, Any]:
+    """The text part of a glm5_next config.json: `text_config` when nested, else the top level (flat)."""
+    text = d.get("text_config")
+    if text is None:
+        return {k: v for k, v in d.items() if k not in _GLM5_TOP and k != "text_config"}
+    if not isinstance(text, dict):
+        raise CheckpointError(f"text_config={text!r} is not an object")
+    extra = sorted(set(d) - _GLM5_TOP - _NO_EFFECT - {"text_config", "tie_word_embeddings"})
+    if extra:
+        raise CheckpointError(f"glm5_next: unknown top-level field(s) {extra} that may change the model's math")
+    top_tie, text_tie = d.get("tie_word_embeddings", False), text.get("tie_word_embeddings", False)
+    if top_tie != text_tie:
+        raise CheckpointError(f"tie_word_embeddings={top_tie!r} at the top level but {text_tie!r} in text_config")
+    return {**text, "model_type": "glm5_next_text"}
+
+
+def _glm5(f: _Fields) -> HybridConfig:
+    """GLM-5.3-Flash (transformers 5.23 `Glm5NextTextConfig`): KDA with a low-rank gate and the safe-gate lower
+    bound, NoPE DSA MLA with a KPool indexer, clamped SwiGLU, grouped sigmoid MoE, hyper-connections."""
+    n = f.require("num_hidden_layers")
+    if type(n) is not int or n <= 0:
+        raise CheckpointError(f"num_hidden_layers={n!r} is not a positive integer")
+    rope = f.get("qk_rope_head_dim", default=0)
+    if rope != 0:
+        raise CheckpointError(f"qk_rope_head_dim={rope!r}: the DSA layers of glm5_next are NoPE (0)")
+    names = {"linear_attention": "linear", "indexed_attention": "sparse", "full_attention": "sparse"}
+    lt = f.get("layer_types")
+    if lt is None:
+        types = tuple("sparse" if i % 4 == 3 else "linear" for i in range(n))
+    elif not isinstance(lt, list) or len(lt) != n or any(str(t) not in names for t in lt):
+        raise CheckpointError(f"layer_types={lt!r}: need {n} of {sorted(names)}")
+    else:
+        types = tuple(names[str(t)] for t in lt)
+    it = f.get("indexer_types")
+    pattern, freq, offset = (f.get(k) for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"))
+    if it is None and pattern is not None:
+        if isinstance(pattern, str) and set(pattern) <= {"F", "S"}:
+            it = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        elif isinstance(pattern, list):
+            it = pattern
+        else:
+            raise CheckpointError(f"index_topk_pattern={pattern!r} is not a string of F / S nor a list")
+    if it is None:
+        freq = 1 if freq is None else freq
+        offset = 2 if offset is None else offset
+        if type(freq) is not int or type(offset) is not int:
+            raise CheckpointError(f"index_topk_freq={freq!r} / index_skip_topk_offset={offset!r} are not integers")
+        freq = max(freq, 1)
+        it = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if not isinstance(it, list) or len(it) != n or any(t not in ("full", "shared") for t in it):
+        raise CheckpointError(f"indexer_types={it!r}: need {n} of 'full' / 'shared'")
+    lac = f.get("linear_attn_config", default={})
+    if not isinstance(lac, dict):
+        raise CheckpointError(f"linear_attn_config={lac!r} is not an object")
+    unknown = sorted(set(lac) - {"head_dim", "num_heads", "short_conv_kernel_size", "gate_lower_bound", "safe_gate"})
+    if unknown:
+        raise CheckpointError(f"linear_attn_config has unknown field(s) {unknown}")
+    head_dim = lac.get("head_dim", f.get("linear_head_dim", default=128))
+    lower = lac.get("gate_lower_bound", f.get("linear_lower_bound", default=-5.0))
+    if lower is None and lac.get("safe_gate", True) and "linear_attn_config" in f.d:
+        lower = -5.0
+    f.used.add("linear_lower_bound")
+    f.get("head_dim", "qk_head_dim", "quantization_config")  # derived; FP8 is dequantised at load
+    f.expect("rope_parameters", (None,), default=None)
+    f.expect("rope_theta", (None,), default=None)
+    nextn = f.get("num_nextn_predict_layers", default=0)  # the MTP layers are skipped
+    if type(nextn) is not int or nextn < 0:
+        raise CheckpointError(f"num_nextn_predict_layers={nextn!r} is not a non-negative integer")
+    common = _common(f)
+    return _build(dict(
+        **common,
+        num_layers=n,
+        layer_types=types,
+        mlp_types=_mlp_types_glm5(f, n),
+        kda_num_heads=lac.get("num_heads", f.get("linear_num_heads", default=64)),
+        kda_head_dim=head_dim,
+        kda_conv_size=lac.get("short_conv_kernel_size", f.get("linear_conv_kernel_dim", default=4)),
+        kda_decay_rank=head_dim,
+        kda_output_gate_rank=head_dim,
+        kda_gate_lower_bound=None if lower is None else float(lower) if type(lower) in (int, float) else lower,
+        mla_use_rope=False,
+        mla_norm_eps=common["rms_norm_eps"],  # q_a / kv_a norms take the model's eps here (DeepSeek: 1e-6)
+        index_num_heads=f.get("index_n_heads", default=32),
+        index_head_dim=f.get("index_head_dim", default=128),
+        index_topk=f.get("index_topk", default=2048),
+        index_kpool=f.get("index_kpool", default=16),
+        index_kpool_always_select_tail=f.flag("index_kpool_always_select_tail", default=True),
+        indexer_types=tuple(it),
+        num_experts=f.get("n_routed_experts", "num_local_experts", default=0),
+        num_experts_per_tok=f.get("num_experts_per_tok", default=0),
+        num_shared_experts=f.get("n_shared_experts", default=0),
+        n_group=f.get("n_group", default=1),
+        norm_topk_prob=f.flag("norm_topk_prob", default=True),
+        swiglu_limit=f.get("swiglu_limit"),
+        hc_mult=f.get("hc_mult", default=4),
+        hc_sinkhorn_iters=f.get("hc_sinkhorn_iters", default=20),
+        hc_eps=f.number("hc_eps", default=1e-6),
+        max_position_embeddings=f.get("max_position_embeddings", default=1048576),
+    ))  # fmt: skip
+
+
+def _mlp_types_glm5(f: _Fields, n: int) -> tuple[str, ...]:
+    """mlp_layer_types, defaulting as glm5_next does: the first min(3, n) layers dense, the rest MoE."""
+    if f.get("mlp_layer_types") is None and f.get("first_k_dense_replace") is None:
+        return tuple("dense" if i < min(3, n) else "moe" for i in range(n))
+    return _mlp_types(f, n)
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> HybridConfig:
     """Map a parsed config.json to a HybridConfig; raises CheckpointError, with `source` (the file) and the
     field named, on anything it cannot honour."""
@@ -328,10 +441,14 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> HybridConf
 
 
 def mtp_layers(d: dict[str, Any], cfg: HybridConfig) -> range:
-    """The layer indices of DeepSeek's multi-token-prediction module, which inference skips (none otherwise)."""
-    if d.get("model_type") != "deepseek_v32":
-        return range(0)
-    return range(cfg.num_layers, cfg.num_layers + d.get("num_nextn_predict_layers", 0))
+    """The layer indices of a multi-token-prediction module, which inference skips (none otherwise): DeepSeek's
+    `num_nextn_predict_layers`; glm5_next's at least one (transformers drops `layers.{num_hidden_layers}.*`)."""
+    if d.get("model_type") == "deepseek_v32":
+        return range(cfg.num_layers, cfg.num_layers + d.get("num_nextn_predict_layers", 0))
+    if d.get("model_type") in ("glm5_next", "glm5_next_text"):
+        text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+        return range(cfg.num_layers, cfg.num_layers + max(1, text.get("num_nextn_predict_layers") or 0))
+    return range(0)
 
 
 def _config_from_hf(d: dict[str, Any]) -> HybridConfig:
@@ -344,8 +461,12 @@ def _config_from_hf(d: dict[str, Any]) -> HybridConfig:
         skip = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")  # dtype: the weights'
         fields = {k: v for k, v in d.items() if k not in skip}
         return _build(fields)
+    if model_type == "glm5_next":
+        d = _glm5_text(d)
+        model_type = "glm5_next_text"
     f = _Fields(d, model_type)
-    cfg = _kimi(f) if model_type == "kimi_linear" else _deepseek(f)
+    build = {"kimi_linear": _kimi, "deepseek_v32": _deepseek, "glm5_next_text": _glm5}[model_type]
+    cfg = build(f)
     f.check_leftovers()
     return cfg
 

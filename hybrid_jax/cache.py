@@ -3,9 +3,11 @@
 * KDA layer: `conv` [B, W-1, 3*N*K] (the last W-1 raw q|k|v projections, newest last) and
   `recurrent` [B, N, K, V] float32.
 * MLA layer: `latent` [P, G, L] pool of compressed latents c, `rope` [P, G, R] of shared rope keys;
-  sparse layers add `index_k` [P, G, H_I], the indexer's key pool. A pool stores its rows dense, or
-  quantized (FP8 per-tile for the latent, MXFP8 for the indexer keys, see `hybrid_jax.quant`), so the
-  memory really shrinks; writing a token quantizes and touches only that token's rows.
+  sparse layers add `index_k` [P, G, H_I], the indexer's key pool (a KPool indexer keeps one pooled key per
+  pool of `index_kpool` tokens there, at pool position j, plus `index_tail` [B, kpool, 2 H_I], the raw keys and
+  gate logits of the pool still filling up; a layer sharing another's selection keeps neither).
+  A pool stores its rows dense, or quantized (FP8 per-tile for the latent, MXFP8 for the indexer keys, see
+  `hybrid_jax.quant`), so the memory really shrinks; writing a token quantizes and touches only that token's rows.
 * Shared by all layers: `page_table` [B, n] (pages of each sequence, see `pallas_kernels.paged`) and
   `lengths` [B] (tokens cached so far). `max_len` is the capacity per sequence: going past it is an error.
 """
@@ -104,8 +106,10 @@ class KDAState:
 @struct.dataclass
 class MLAState:
     latent: Pool  # [P, G, L]
-    rope: Pool  # [P, G, R]
-    index_k: Pool | None  # [P, G, H_I] for sparse layers
+    rope: Pool | None  # [P, G, R]; None without a rope part (R = 0)
+    index_k: Pool | None  # [P, G, H_I] for sparse layers with their own indexer (KPool: one row per pool)
+    # KPool indexer: [B, kpool, 2 H_I] the keys | gate logits of each sequence's incomplete pool (slot = pos % kpool)
+    index_tail: jax.Array | None = None
 
 
 @struct.dataclass

@@ -91,6 +91,13 @@ class HybridConfig:
     index_rope_dim: int = 0  # rotary dims at the *front* of each indexer head (half-split pairing)
     index_topk: int = 0
     index_norm_eps: float = 1e-6
+    # KPool indexer (GLM-5.3-Flash): keys compressed per group of `index_kpool` tokens, Top-(index_topk / kpool)
+    # pools scored; 1 = per-token keys (DeepSeek). The incomplete tail pool is always read when `..._tail`.
+    index_kpool: int = 1
+    index_kpool_always_select_tail: bool = True
+    # per layer "full" (run the indexer) or "shared" (reuse the latest full sparse layer's selection: no indexer
+    # weights, no indexer cache); None = every sparse layer full. Entries of non-sparse layers are ignored.
+    indexer_types: tuple[str, ...] | None = None
     # MoE (docs/architecture.md §8)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -102,8 +109,16 @@ class HybridConfig:
     norm_topk_prob: bool = True
     moe_intermediate_size: int = 0
     intermediate_size: int = 0  # dense SwiGLU layers
+    # Clamped SwiGLU (GLM-5.3-Flash): gate ← min(gate, limit), up ← clip(up, −limit, limit) before SiLU(gate)·up,
+    # in dense, shared and routed experts; None = plain SwiGLU
+    swiglu_limit: float | None = None
     # Block Attention Residuals (docs/architecture.md §7): decoder layers per block; None = plain residuals
     attn_res_block_size: int | None = None
+    # Multi-stream hyper-connections (mHC, docs/architecture.md §7): `hc_mult` residual streams mixed around each
+    # mixer and FFN by Sinkhorn-normalised matrices; None = one residual stream
+    hc_mult: int | None = None
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
@@ -113,8 +128,10 @@ class HybridConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        for name in ("layer_types", "mlp_types"):
+        for name in ("layer_types", "mlp_types", "indexer_types"):
             value = getattr(self, name)
+            if value is None and name == "indexer_types":
+                continue
             if isinstance(value, str) or not isinstance(value, Sequence):
                 _fail(name, value, "must be a sequence of strings")
             object.__setattr__(self, name, tuple(value))
@@ -177,6 +194,30 @@ class HybridConfig:
                     self.index_rope_dim,
                     f"must be even and in [0, index_head_dim={self.index_head_dim}]",
                 )
+            if self.index_kpool < 1:
+                _fail("index_kpool", self.index_kpool, "must be >= 1")
+            if self.index_topk % self.index_kpool:
+                _fail("index_topk", self.index_topk, f"must be a multiple of index_kpool={self.index_kpool}")
+            if self.page_size % self.index_kpool:
+                _fail("page_size", self.page_size, f"must be a multiple of index_kpool={self.index_kpool}")
+            if self.index_kpool > 1 and self.index_rope_dim:
+                _fail("index_rope_dim", self.index_rope_dim, "pooled indexer keys (index_kpool > 1) carry no RoPE")
+        if self.indexer_types is not None:
+            if len(self.indexer_types) != self.num_layers:
+                _fail(
+                    "indexer_types",
+                    self.indexer_types,
+                    f"has {len(self.indexer_types)} entries, num_layers={self.num_layers}",
+                )
+            full_seen = False
+            for i, (lt, it) in enumerate(zip(self.layer_types, self.indexer_types, strict=True)):
+                if it not in ("full", "shared"):
+                    _fail(f"indexer_types[{i}]", it, "must be 'full' or 'shared'")
+                if lt != "sparse":
+                    continue
+                if it == "shared" and not full_seen:
+                    _fail(f"indexer_types[{i}]", it, "a shared sparse layer needs an earlier full sparse layer")
+                full_seen = full_seen or it == "full"
 
         if "moe" in self.mlp_types:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -205,11 +246,22 @@ class HybridConfig:
                 )
             if self.scoring_func not in SCORING_FUNCS:
                 _fail("scoring_func", self.scoring_func, f"must be one of {SCORING_FUNCS}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            _fail("swiglu_limit", self.swiglu_limit, "must be positive or None (no clamp)")
         if "dense" in self.mlp_types and self.intermediate_size <= 0:
             _fail("intermediate_size", self.intermediate_size, "must be positive when the model has dense MLP layers")
 
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             _fail("attn_res_block_size", self.attn_res_block_size, "must be positive or None (AttnRes off)")
+        if self.hc_mult is not None:
+            if self.hc_mult < 1:
+                _fail("hc_mult", self.hc_mult, "must be >= 1 or None (one residual stream)")
+            if self.attn_res_block_size is not None:
+                _fail("hc_mult", self.hc_mult, "hyper-connections and Block AttnRes are two residual schemes; pick one")
+            if self.hc_sinkhorn_iters < 1:
+                _fail("hc_sinkhorn_iters", self.hc_sinkhorn_iters, "must be >= 1")
+            if not self.hc_eps >= 0:
+                _fail("hc_eps", self.hc_eps, "must be >= 0")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             tok = getattr(self, name)
             if tok is not None and not 0 <= tok < self.vocab_size:
@@ -253,7 +305,13 @@ class HybridConfig:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["mlp_types"] = list(self.mlp_types)
+        if self.indexer_types is not None:
+            d["indexer_types"] = list(self.indexer_types)
         return d
+
+    def shares_indexer(self, i: int) -> bool:
+        """Layer i is sparse and reuses the latest full sparse layer's selection (`indexer_types`)."""
+        return self.layer_types[i] == "sparse" and self.indexer_types is not None and self.indexer_types[i] == "shared"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
@@ -447,12 +505,63 @@ class HybridConfig:
             eos_token_id=1,
         )
 
+    @classmethod
+    def glm5_next_flash(cls) -> HybridConfig:
+        """zai-org/GLM-5.3-Flash (`glm5_next`, text part, transformers 5.23 defaults): 45 layers, KDA 3 : 1 NoPE
+        DSA MLA with a KPool indexer (pools of 16), 4 hyper-connection streams, clamped SwiGLU, 288 experts."""
+        n = 45
+        return cls(
+            vocab_size=154880,
+            hidden_size=4096,
+            num_layers=n,
+            layer_types=tuple("sparse" if i % 4 == 3 else "linear" for i in range(n)),
+            mlp_types=("dense",) * 3 + ("moe",) * (n - 3),
+            kda_num_heads=64,
+            kda_head_dim=128,
+            kda_conv_size=4,
+            kda_decay_rank=128,
+            kda_output_gate_rank=128,
+            kda_gate_lower_bound=-5.0,
+            num_heads=64,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=256,
+            qk_rope_head_dim=0,
+            v_head_dim=256,
+            mla_use_rope=False,
+            mla_norm_eps=1e-5,
+            index_num_heads=32,
+            index_head_dim=128,
+            index_topk=2048,
+            index_kpool=16,
+            index_kpool_always_select_tail=True,
+            indexer_types=("full",) * n,
+            num_experts=288,
+            num_experts_per_tok=8,
+            num_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            moe_intermediate_size=2048,
+            intermediate_size=12288,
+            swiglu_limit=10.0,
+            hc_mult=4,
+            hc_sinkhorn_iters=20,
+            hc_eps=1e-6,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=1048576,
+            page_size=64,
+            pad_token_id=154820,
+        )
+
 
 PRESETS = {
     "tiny": HybridConfig.tiny,
     "hybrid_small": HybridConfig.hybrid_small,
     "kimi_linear_48b": HybridConfig.kimi_linear_48b,
     "deepseek_v32": HybridConfig.deepseek_v32,
+    "glm5_next_flash": HybridConfig.glm5_next_flash,
 }
 
 

@@ -27,5 +27,8 @@ def cache_bytes(cfg: HybridConfig, quant: QuantConfig | None = None, dtype=jnp.b
         if kind == "linear":
             out["kda state / seq"] = float(nbytes(st))
         else:
-            out[f"{kind} MLA / token"] = nbytes(st) / page
+            per_token = nbytes(st.replace(index_tail=None)) / page
+            out[f"{kind} MLA / token"] = max(out[f"{kind} MLA / token"], per_token)  # a shared layer holds less
+            if st.index_tail is not None:  # KPool: the incomplete pool's keys, per sequence
+                out["indexer tail / seq"] = float(nbytes(st.index_tail))
     return out

@@ -11,6 +11,7 @@ from hybrid_jax.cache import HybridCache, StepInfo, is_concrete, make_page_table
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.attn_res import AttnResMix
 from hybrid_jax.layers.common import DTypes, RMSNorm, SwiGLU, linear
+from hybrid_jax.layers.hyper import HyperConnection, collapse_streams, expand_streams
 from hybrid_jax.layers.kda import KimiDeltaAttention
 from hybrid_jax.layers.mla import MultiHeadLatentAttention
 from hybrid_jax.layers.moe import MoE
@@ -19,6 +20,7 @@ from sharding.rules import constrain
 
 # The residual stream [B, T, D]: sequence-parallel inside the TP group (see sharding.rules) when a mesh is set.
 RESIDUAL = ("batch", "act_seq", "embed")
+STREAMS = ("batch", "act_seq", None, "embed")  # hyper-connection streams [B, T, N, D]
 
 
 class Embed(nnx.Module):
@@ -41,6 +43,9 @@ class DecoderLayer(nnx.Module):
     sums, b_0 = embedding):
         r = h;  if blocks: h = AR_pre(blocks, h);  if i % S == 0: blocks += [r], r = 0
         h = r + Mixer(RMSNorm(h));  r = h;  h = AR_post(blocks, h);  h = r + FFN(RMSNorm(h))
+    Hyper-connections (`hc_mult` streams h [B,T,N,D], layers/hyper.py):
+        h ← HC_attn(h, Mixer ∘ RMSNorm);  h ← HC_ffn(h, FFN ∘ RMSNorm)
+    A sparse layer that shares its indexer reads `selection`, the Top-K of the latest full sparse layer.
     """
 
     def __init__(self, cfg: HybridConfig, index: int, dt: DTypes, quant: QuantConfig, *, rngs: nnx.Rngs):
@@ -52,32 +57,52 @@ class DecoderLayer(nnx.Module):
         if self.layer_type == "linear":
             self.self_attn = KimiDeltaAttention(cfg, dt, rngs=rngs)
         else:
-            self.self_attn = MultiHeadLatentAttention(cfg, dt, quant, sparse=self.layer_type == "sparse", rngs=rngs)
+            sparse, shared = self.layer_type == "sparse", cfg.shares_indexer(index)
+            self.self_attn = MultiHeadLatentAttention(cfg, dt, quant, sparse=sparse, shared=shared, rngs=rngs)
         if cfg.mlp_types[index] == "moe":
             self.mlp = MoE(cfg, dt, rngs=rngs)
         else:
-            self.mlp = SwiGLU(d, cfg.intermediate_size, dt, rngs)
+            self.mlp = SwiGLU(d, cfg.intermediate_size, dt, rngs, limit=cfg.swiglu_limit)
         if cfg.attn_res_block_size is not None:
             self.pre_attn_residual = AttnResMix(d, eps=cfg.rms_norm_eps, rngs=rngs)
             self.post_attn_residual = AttnResMix(d, eps=cfg.rms_norm_eps, rngs=rngs)
+        if cfg.hc_mult is not None:
+            hc = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, rngs=rngs)
+            self.attn_hc = HyperConnection(d, cfg.hc_mult, **hc)
+            self.ffn_hc = HyperConnection(d, cfg.hc_mult, **hc)
 
-    def __call__(self, h: jax.Array, blocks: list[jax.Array], info: StepInfo, state):
+    def _mix(self, x: jax.Array, info: StepInfo, state, selection):
+        """The mixer -> (y, (new state, the selection later shared layers read))."""
+        if self.layer_type == "linear":
+            y, state = self.self_attn(x, info, state)
+            return y, (state, selection)
+        y, state, idx = self.self_attn(x, info, state, selection)
+        return y, (state, idx if self.layer_type == "sparse" else selection)
+
+    def __call__(self, h: jax.Array, blocks: list[jax.Array], info: StepInfo, state, selection=None):
+        """-> (h, blocks, the layer's new cache state, the selection shared sparse layers read)."""
+        if self.cfg.hc_mult is not None:
+            h, (state, selection) = self.attn_hc(
+                h, lambda u: self._mix(self.input_layernorm(u), info, state, selection)
+            )
+            h, _ = self.ffn_hc(h, lambda u: (self.mlp(self.post_attention_layernorm(u)), None))
+            return h, blocks, state, selection
         bs = self.cfg.attn_res_block_size
         if bs is None:
-            a, state = self.self_attn(self.input_layernorm(h), info, state)
+            a, (state, selection) = self._mix(self.input_layernorm(h), info, state, selection)
             h, x = self.post_attention_layernorm.add(h, a)  # h + a and its norm (one kernel where switched on)
-            return h + self.mlp(x), blocks, state
+            return h + self.mlp(x), blocks, state, selection
         residual = h
         if blocks:
             h = self.pre_attn_residual(blocks, h)
         if self.index % bs == 0:
             blocks = [*blocks, residual.astype(jnp.float32)]
             residual = None
-        a, state = self.self_attn(self.input_layernorm(h), info, state)
+        a, (state, selection) = self._mix(self.input_layernorm(h), info, state, selection)
         h = a if residual is None else a + residual
         residual = h
         h = self.post_attn_residual(blocks, h)
-        return residual + self.mlp(self.post_attention_layernorm(h)), blocks, state
+        return residual + self.mlp(self.post_attention_layernorm(h)), blocks, state, selection
 
 
 class HybridLM(nnx.Module):
@@ -136,15 +161,21 @@ class HybridLM(nnx.Module):
         per-layer cache states (None: no cache) -> (float32 logits [B, T, vocab], or [B, vocab] at
         `last_index` [B]; the new states). What `__call__`, `prefill`, `decode_step` and the context-parallel
         prefill (`sharding.context_parallel`) share; most callers want those instead."""
+        cfg = self.config
         h = constrain(self.embed_tokens(input_ids), RESIDUAL)
+        if cfg.hc_mult is not None:
+            h = constrain(expand_streams(h, cfg.hc_mult), STREAMS)
         blocks: list[jax.Array] = []
         new_states = []
+        selection = None  # the Top-K of the latest full sparse layer, for layers that share it
         for i, layer in enumerate(self.layers):
-            h, blocks, st = layer(h, blocks, info, None if states is None else states[i])
-            h = constrain(h, RESIDUAL)
+            h, blocks, st, selection = layer(h, blocks, info, None if states is None else states[i], selection)
+            h = constrain(h, RESIDUAL if cfg.hc_mult is None else STREAMS)
             new_states.append(st)
-        if self.config.attn_res_block_size is not None:
+        if cfg.attn_res_block_size is not None:
             h = self.final_attn_residual(blocks, h)
+        if cfg.hc_mult is not None:
+            h = collapse_streams(h)
         if last_index is not None:  # only the logits that sampling needs: [B, D] instead of [B, T, D]
             h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
         return self._logits(self.norm(h)), tuple(new_states)
@@ -193,7 +224,7 @@ class HybridLM(nnx.Module):
         states = tuple(
             layer.self_attn.init_state(batch_size, dtype)
             if layer.layer_type == "linear"
-            else layer.self_attn.init_state(pool, g, dtype)
+            else layer.self_attn.init_state(pool, g, dtype, batch_size)
             for layer in self.layers
         )
         return HybridCache(

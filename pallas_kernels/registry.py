@@ -310,6 +310,7 @@ TABLE: dict[str, Op] = {
            "scores straight from the paged key pool, then the Top-K selection", _indexer_unsupported,
            _indexer_pick),
         Op("indexer_prolog", "indexer.indexer_prolog", ("pallas",), False, _SLOWER, _prolog_unsupported),
+        Op("kpool", "indexer.kpool_compress", (), False, "pooled indexer keys: a softmax-weighted sum XLA fuses"),
         Op("sparse_mla", "sparse_attention.sparse_mla", ("pallas", "mosaic"), True,
            "rows gathered from the paged pools inside the kernel", _sparse_unsupported, _sparse_pick),
         Op("moe", "moe.moe_experts", ("pallas",), True, "grouped-matmul or per-pair GEMV expert kernels",
@@ -371,6 +372,8 @@ def _auto(spec: Op, facts: dict) -> Choice:
     def reference(reason: str) -> Choice:
         return Choice("reference", spec.reference_form(**facts), reason)
 
+    if not spec.kernels:
+        return reference(spec.note)
     want = forced(spec.name)
     if want is False:
         return reference("use_pallas(False)")

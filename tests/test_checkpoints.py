@@ -25,7 +25,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 GEN = jax.jit(generate, static_argnames=("max_new_tokens",))
 
 
-@pytest.fixture(scope="module", params=["kimi_linear", "deepseek_v32"])
+@pytest.fixture(scope="module", params=["kimi_linear", "deepseek_v32", "glm5_next_a", "glm5_next_b"])
 def fixture(request):
     d = FIXTURES / request.param
     return d, from_pretrained(d, dtype=jnp.float32, progress=False), np.load(d / "reference.npz")
@@ -68,7 +68,7 @@ def test_released_kimi_config_style_maps_like_the_in_tree_style():
 @pytest.mark.parametrize(
     "change,match",
     [
-        ({"model_type": "llama"}, "unknown model_type 'llama'; supported: kimi_linear, deepseek_v32, hybrid"),
+        ({"model_type": "llama"}, "unknown model_type 'llama'; supported: kimi_linear, deepseek_v32, glm5_next, glm5_next_text, hybrid"),
         ({"sliding_window": 4096}, r"unknown field\(s\) \['sliding_window'\]"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"mla_use_nope": False}, "mla_use_nope=false"),

@@ -16,7 +16,14 @@ from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, l
 from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies, rope_tables
 from hybrid_jax.quant.config import QuantConfig
 from pallas_kernels.attention import attention
-from pallas_kernels.indexer import indexer_prolog, indexer_topk, prolog_uses_kernel
+from pallas_kernels.indexer import (
+    expand_pools,
+    indexer_prolog,
+    indexer_topk,
+    kpool_compress,
+    pool_query_positions,
+    prolog_uses_kernel,
+)
 from pallas_kernels.paged import gather_pages
 from pallas_kernels.sparse_attention import sparse_mla
 
@@ -51,6 +58,12 @@ class LightningIndexer(nnx.Module):
         w = (W_w x) N_I^-1/2   (float32)
         I[t, s] = Σ_h w_h(t) ReLU(H_I^-1/2 q_I,h(t) · k_I(s)),  causal;  keep the Top-K positions
     `c_q` is the MLA query latent (q_a_layernorm output) or x itself when the model has no q-LoRA.
+
+    KPool (`index_kpool` = P > 1, GLM-5.3-Flash): the keys are compressed per pool of P tokens,
+        key_j = Σ_s softmax_s(W_g x_{jP+s} + ape_s) ⊙ k_I(jP+s)        (per channel; pallas_kernels/indexer/kpool.py)
+    a query scores the complete pools only, keeps the best topk / P, and reads their tokens plus (when
+    `index_kpool_always_select_tail`) its own incomplete pool's. The cache keeps one pooled key per pool and
+    the raw keys | gate logits of the pool still filling up (`MLAState.index_tail`).
     """
 
     def __init__(self, cfg: HybridConfig, dt: DTypes, quant: QuantConfig, *, rngs: nnx.Rngs):
@@ -70,6 +83,12 @@ class LightningIndexer(nnx.Module):
             kernel_init=nnx.with_metadata(nnx.initializers.normal(0.02), logical_axes=("embed", "index_heads")),
             rngs=rngs,
         )
+        self.kpool = cfg.index_kpool
+        if self.kpool > 1:
+            self.index_kpool_compress_gate = linear(cfg.hidden_size, hd, ("embed", None), dt, rngs)
+            self.index_kpool_compress_ape = nnx.Param(
+                0.1 * jax.random.normal(rngs.params(), (self.kpool, hd), jnp.float32), logical_axes=(None, None)
+            )
 
     def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         r = self.cfg.index_rope_dim
@@ -117,10 +136,59 @@ class LightningIndexer(nnx.Module):
             q = Pool.from_rows(q, "mxfp8", 0, q.dtype).read(q.dtype)
         return q, w, _store(pool, k, info, self.fmt, 0)
 
-    def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None):
-        """Returns (indices [B,T,topk] int32 positions, -1 = none, in no promised order; the updated key pool).
-        With MXFP8 on, q and k are scored as their quantize-dequantize images (the kernel's arithmetic)."""
+    def init_state(self, num_pages: int, page_size: int, batch_size: int, dtype) -> tuple[Pool, jax.Array | None]:
+        """(the key pool, the KPool tail [B, P, 2 H_I] or None). KPool: pages of page_size / P slots, so that pool
+        j's key lives in the page of its tokens (slot j mod page_size / P) and the pool takes 1/P of the memory."""
+        hd = self.cfg.index_head_dim
+        pool = Pool.empty(num_pages, page_size // self.kpool, hd, dtype, self.fmt)
+        tail = jnp.zeros((batch_size, self.kpool, 2 * hd), dtype) if self.kpool > 1 else None
+        return pool, tail
+
+    def _pooled(self, x: jax.Array, info: StepInfo, pool: Pool | None, tail: jax.Array | None):
+        """KPool keys: this call's tokens joined to the incomplete pool the cache holds; every pool completed
+        by them compressed and written at its pool position; the pool left incomplete becomes the new tail.
+        -> (the key pool, the new tail, or None without a cache)."""
+        p = self.kpool
+        k = self.k_norm(self.wk(x))
+        g = self.index_kpool_compress_gate(x)
+        rows = jnp.concatenate([k, g.astype(k.dtype)], axis=-1)  # [B,T,2H]
+        positions, n_new = info.positions, info.n_new
+        if info.cp is not None:  # every device compresses the whole sequence (as `_store` gathers keys)
+            rows = info.cp.gather_sequence(rows)
+            positions = info.cp.gather_sequence(positions)
+            n_new = jnp.sum(info.cp.gather_sequence(info.valid), axis=1).astype(jnp.int32)
+        b, t, width = rows.shape
+        start = positions[:, 0] - (positions[:, 0] % p)  # first token of the pool the call starts in
+        off = positions[:, 0] - start  # its tokens already in the tail
+        held = jnp.zeros((b, p, width), rows.dtype) if tail is None else tail.astype(rows.dtype)
+        m = -(-(p - 1 + t) // p)  # pools the call can touch
+        r = jnp.arange(m * p, dtype=jnp.int32)[None, :]
+        src = jnp.where(r < off[:, None], r, p + jnp.minimum(r - off[:, None], t - 1))
+        ext = jnp.take_along_axis(jnp.concatenate([held, rows], axis=1), src[..., None], axis=1)
+        ext = ext.reshape(b, m, p, width)
+        keys = kpool_compress(ext[..., : width // 2], ext[..., width // 2 :], self.index_kpool_compress_ape[...])
+        keys = keys.astype(self.dt.compute)
+        filled = off + n_new  # tokens of the call's pools that exist after it
+        complete = (jnp.arange(m, dtype=jnp.int32)[None, :] + 1) * p <= filled[:, None]
+        where = dataclasses.replace(info, positions=start[:, None] // p + jnp.arange(m)[None, :], valid=complete)
+        if pool is None:
+            pool = Pool.from_rows(keys, self.fmt, 0, keys.dtype)
+        else:
+            pool = pool.write(where, keys)
+        if tail is None:
+            return pool, None
+        last = jnp.minimum(filled // p, m - 1)  # the pool left incomplete (empty when filled % p == 0)
+        new_tail = jnp.take_along_axis(ext, last[:, None, None, None], axis=1)[:, 0]
+        kept = jnp.arange(p)[None, :] < (filled % p)[:, None]  # slots past the pool's tokens hold zeros
+        return pool, jnp.where(kept[..., None], new_tail, 0).astype(tail.dtype)
+
+    def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None, tail=None):
+        """Returns (indices [B,T,topk] int32 positions, -1 = none, in no promised order; the updated key pool;
+        the KPool tail). With MXFP8 on, q and k are scored as their quantize-dequantize images (the kernel's
+        arithmetic). KPool: topk + P − 1 positions (the selected pools' tokens, then the query's tail)."""
         cfg = self.cfg
+        if self.kpool > 1:
+            return self._call_pooled(x, c_q, info, pool, tail)
         q, w, pool = self.prolog(x, c_q, info, pool)
         idx, _ = indexer_topk(  # reads the pool as stored (MXFP8 values + E8M0 scales when quantized)
             q,
@@ -139,7 +207,37 @@ class LightningIndexer(nnx.Module):
             inspect.add_record(
                 q=q, k=k_seq, weights=w, scale=cfg.index_head_dim**-0.5, positions=info.positions, indices=idx
             )
-        return idx, pool
+        return idx, pool, None
+
+    def _call_pooled(self, x, c_q, info: StepInfo, pool: Pool | None, tail):
+        cfg, p = self.cfg, self.kpool
+        b, t, _ = x.shape
+        q = self.wq_b(c_q).reshape(b, t, cfg.index_num_heads, cfg.index_head_dim)
+        w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
+        if self.fmt == "mxfp8":
+            q = Pool.from_rows(q, "mxfp8", 0, q.dtype).read(q.dtype)
+        pool, tail = self._pooled(x, info, pool, tail)
+        q_pool = pool_query_positions(info.positions, p)
+        pool_idx, _ = indexer_topk(
+            q,
+            w,
+            pool.values,
+            info.page_table,
+            q_positions=q_pool,
+            kv_lengths=info.kv_lengths // p,
+            topk=cfg.index_topk // p,
+            scale=cfg.index_head_dim**-0.5,
+            k_scales=pool.scales,
+            sort=False,
+        )
+        idx = expand_pools(pool_idx, info.positions, p, tail=cfg.index_kpool_always_select_tail)
+        if inspect.recording():
+            k_seq = gather_pages(pool.read(self.dt.compute), info.page_table)[:, : int(info.kv_lengths.max()) // p]
+            inspect.add_record(
+                q=q, k=k_seq, weights=w, scale=cfg.index_head_dim**-0.5, positions=q_pool, indices=pool_idx,
+                pool_size=p, token_indices=idx,
+            )  # fmt: skip
+        return idx, pool, tail
 
 
 class MultiHeadLatentAttention(nnx.Module):
@@ -154,8 +252,10 @@ class MultiHeadLatentAttention(nnx.Module):
     o_n = W_UV,n Σ p c (docs/architecture.md §5).
     """
 
-    def __init__(self, cfg: HybridConfig, dt: DTypes, quant: QuantConfig, *, sparse: bool, rngs: nnx.Rngs):
-        self.cfg, self.dt, self.sparse = cfg, dt, sparse
+    def __init__(
+        self, cfg: HybridConfig, dt: DTypes, quant: QuantConfig, *, sparse: bool, shared: bool = False, rngs: nnx.Rngs
+    ):
+        self.cfg, self.dt, self.sparse, self.shared = cfg, dt, sparse, shared
         self.latent_fmt = "fp8" if quant.kv_cache.enabled else "dense"
         self.tile = quant.kv_cache.tile_size
         d, n = cfg.hidden_size, cfg.num_heads
@@ -173,15 +273,18 @@ class MultiHeadLatentAttention(nnx.Module):
         self.o_proj = linear(n * cfg.v_head_dim, d, ("heads", "embed"), dt, rngs)
         if cfg.mla_output_gate:
             self.output_gate_proj = linear(d, n * cfg.v_head_dim, ("embed", "heads"), dt, rngs)
-        if sparse:
+        if sparse and not shared:
             self.indexer = LightningIndexer(cfg, dt, quant, rngs=rngs)
 
-    def init_state(self, num_pages: int, page_size: int, dtype) -> MLAState:
+    def init_state(self, num_pages: int, page_size: int, dtype, batch_size: int) -> MLAState:
         cfg = self.cfg
         latent = Pool.empty(num_pages, page_size, cfg.kv_lora_rank, dtype, self.latent_fmt, self.tile)
-        rope = Pool.empty(num_pages, page_size, cfg.qk_rope_head_dim, dtype)  # the rope part stays unquantized
-        ik = Pool.empty(num_pages, page_size, cfg.index_head_dim, dtype, self.indexer.fmt) if self.sparse else None
-        return MLAState(latent=latent, rope=rope, index_k=ik)
+        # the rope part stays unquantized; none at all without one (R = 0: GLM-5.3-Flash's NoPE DSA)
+        rope = Pool.empty(num_pages, page_size, cfg.qk_rope_head_dim, dtype) if cfg.qk_rope_head_dim else None
+        ik, tail = None, None
+        if self.sparse and not self.shared:
+            ik, tail = self.indexer.init_state(num_pages, page_size, batch_size, dtype)
+        return MLAState(latent=latent, rope=rope, index_k=ik, index_tail=tail)
 
     def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -203,7 +306,7 @@ class MultiHeadLatentAttention(nnx.Module):
         causal = jnp.arange(ctx.shape[1])[None, None, None, :] <= info.positions[:, None, :, None]
         return jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
 
-    def _blocked_prefill(self, q_nope, q_pe, latent: Pool, rope: Pool, info: StepInfo) -> jax.Array:
+    def _blocked_prefill(self, q_nope, q_pe, pools: tuple[Pool, ...], info: StepInfo) -> jax.Array:
         """Dense (naive-form) attention of this call's queries over every cached key, PREFILL_KEY_BLOCK keys
         at a time: each block's pages gathered and dequantized, its latents expanded to keys and values, the
         flash kernel's (out, LSE) merged across blocks; blocks past the longest row's keys are not visited.
@@ -211,7 +314,7 @@ class MultiHeadLatentAttention(nnx.Module):
         cfg = self.cfg
         b, t, n = q_nope.shape[:3]
         nope, vd, lat, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        g = latent.values.shape[1]
+        g = pools[0].values.shape[1]
         per = max(1, PREFILL_KEY_BLOCK // g)  # pages per block
         span = per * g
         blocks = -(-info.page_table.shape[1] // per)
@@ -222,7 +325,7 @@ class MultiHeadLatentAttention(nnx.Module):
         def block(i, carry):
             m, l, acc = carry  # running max LSE, Σ exp(lse - m), Σ exp(lse - m) o: [B,T,N] f32, [B,T,N,V] f32
             pages = jax.lax.dynamic_slice_in_dim(table, i * per, per, axis=1)
-            ctx = jnp.concatenate([pool.gather(pages, self.dt.compute) for pool in (latent, rope)], axis=-1)
+            ctx = jnp.concatenate([pool.gather(pages, self.dt.compute) for pool in pools], axis=-1)
             kvx = self.kv_b_proj(ctx[..., :lat]).reshape(b, span, n, nope + vd)
             k_rope = jnp.broadcast_to(ctx[:, :, None, lat:], (b, span, n, r)).astype(kvx.dtype)
             off = i * span
@@ -241,7 +344,9 @@ class MultiHeadLatentAttention(nnx.Module):
         _, l, acc = jax.lax.fori_loop(0, needed, block, init)
         return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(self.dt.compute)
 
-    def __call__(self, x: jax.Array, info: StepInfo, state: MLAState | None):
+    def __call__(self, x: jax.Array, info: StepInfo, state: MLAState | None, selection: jax.Array | None = None):
+        """-> (y [B,T,D], the new state, the Top-K positions a sparse layer read [B,T,K] or None). A layer that
+        shares its indexer (`indexer_types`) reads `selection`, the latest full sparse layer's."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, nope, vd, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -259,26 +364,37 @@ class MultiHeadLatentAttention(nnx.Module):
         c = self.kv_a_layernorm(kv[..., :lat])
         k_pe = self._rope(kv[..., lat:], info.positions)
         latent = _store(None if state is None else state.latent, c, info, self.latent_fmt, self.tile)
-        rope = _store(None if state is None else state.rope, k_pe, info, "dense", 0)
+        rope = None
+        if cfg.qk_rope_head_dim:
+            rope = _store(None if state is None else state.rope, k_pe, info, "dense", 0)
+        pools = (latent,) if rope is None else (latent, rope)
 
         def pages():  # [P,G,L+R] dequantized; the sparse path reads the pools as stored instead
-            return jnp.concatenate([latent.read(self.dt.compute), rope.read(self.dt.compute)], axis=-1)
+            return jnp.concatenate([pool.read(self.dt.compute) for pool in pools], axis=-1)
 
         def rows():  # [B,S,L+R]: each sequence's slots, gathered from each pool before they are joined, so
             # nothing copies a whole pool (the gathers take the dequantization along)
             return jnp.concatenate(
-                [gather_pages(pool.read(self.dt.compute), info.page_table) for pool in (latent, rope)], axis=-1
+                [gather_pages(pool.read(self.dt.compute), info.page_table) for pool in pools], axis=-1
             )
 
         w_kv = dense_kernel(self.kv_b_proj, self.dt.compute).reshape(lat, n, nope + vd)
         w_uk, w_uv = w_kv[..., :nope], w_kv[..., nope:]  # [L,N,nope], [L,N,V]
         scale = cfg.softmax_scale
-        index_pages = None
+        index_pages, index_tail, idx = None, None, None
         if self.sparse:
-            idx, index_pages = self.indexer(x, c_q, info, None if state is None else state.index_k)
+            if self.shared:
+                if selection is None:
+                    raise ValueError("a shared sparse layer needs the selection of an earlier full sparse layer")
+                idx = selection
+            else:
+                idx, index_pages, index_tail = self.indexer(
+                    x, c_q, info, None if state is None else state.index_k, None if state is None else state.index_tail
+                )
             q_lat = jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST)
             o_lat, _ = sparse_mla(
-                q_lat, q_pe, latent.values, info.page_table, idx, scale=scale, rope_pages=rope.values,
+                q_lat, q_pe, latent.values, info.page_table, idx, scale=scale,
+                rope_pages=None if rope is None else rope.values,
                 latent_scales=latent.scales if self.latent_fmt == "fp8" else None,
             )  # fmt: skip
             if inspect.recording():  # what dense attention would weigh, to compare with the indexer's choice
@@ -299,7 +415,7 @@ class MultiHeadLatentAttention(nnx.Module):
             )
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         elif info.page_table.shape[1] * latent.values.shape[1] > PREFILL_KEY_BLOCK:
-            o = self._blocked_prefill(q_nope, q_pe, latent, rope, info)
+            o = self._blocked_prefill(q_nope, q_pe, pools, info)
         else:
             ctx = rows()  # [B,S,L+R]
             s = ctx.shape[1]
@@ -318,5 +434,7 @@ class MultiHeadLatentAttention(nnx.Module):
             gate = jax.nn.sigmoid(gate_logits[0].astype(jnp.float32)).reshape(b, t, n, vd)
             o = (o.astype(jnp.float32) * gate).astype(self.dt.compute)
         out = self.o_proj(o.reshape(b, t, n * vd).astype(self.dt.compute))
-        new_state = None if state is None else MLAState(latent=latent, rope=rope, index_k=index_pages)
-        return out, new_state
+        new_state = None
+        if state is not None:
+            new_state = MLAState(latent=latent, rope=rope, index_k=index_pages, index_tail=index_tail)
+        return out, new_state, idx

@@ -183,10 +183,10 @@ def sparse_mla(
         precision = "bf16" if jnp.dtype(q_latent.dtype) == jnp.bfloat16 else "tf32"
     if precision not in ("tf32", "ieee", "bf16"):
         raise ValueError(f"sparse_mla: precision={precision!r} must be 'tf32', 'ieee' or 'bf16'")
-    if latent_scales is not None and rope_pages is None:
-        raise ValueError("sparse_mla: an FP8 latent pool (latent_scales) needs its rope pool (rope_pages)")
     b, t, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
+    if latent_scales is not None and rope_pages is None and rope:
+        raise ValueError("sparse_mla: an FP8 latent pool (latent_scales) needs its rope pool (rope_pages)")
     want = (lat,) if rope_pages is not None else (lat + rope,)
     if kv_pages.shape[-1:] != want or (rope_pages is not None and rope_pages.shape[-1] != rope):
         got = kv_pages.shape[-1] if rope_pages is None else (kv_pages.shape[-1], rope_pages.shape[-1])

@@ -1,0 +1,373 @@
+"""GLM-5.3-Flash (`glm5_next`) pieces: the KPool indexer, shared indexer layers, hyper-connections, the preset.
+
+Parity with transformers is in tests/test_checkpoints.py (fixtures glm5_next_a / glm5_next_b)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax import HybridConfig, HybridLM
+from hybrid_jax.cache import StepInfo
+from hybrid_jax.layers.common import DTypes
+from hybrid_jax.layers.hyper import HyperConnection
+from hybrid_jax.layers.mla import LightningIndexer
+from hybrid_jax.quant.config import QuantConfig
+from pallas_kernels.indexer import expand_pools, kpool_compress
+from tests.conftest import prefill_then_decode, random_ids, rel_err
+
+
+def glm5_tiny(**changes) -> HybridConfig:
+    """Every glm5_next feature at toy size: KDA with the safe gate, NoPE MLA (R = 0), a KPool indexer (pools of
+    4), a shared indexer layer, clamped SwiGLU, grouped MoE, 4 hyper-connection streams."""
+    cfg = HybridConfig(
+        vocab_size=160, hidden_size=64, num_layers=6,
+        layer_types=("linear", "linear", "sparse", "sparse", "linear", "sparse"),
+        mlp_types=("dense",) + ("moe",) * 5,
+        kda_num_heads=2, kda_head_dim=16, kda_decay_rank=16, kda_output_gate_rank=16, kda_gate_lower_bound=-5.0,
+        kda_chunk_size=8,
+        num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16,
+        mla_use_rope=False, mla_norm_eps=1e-5,
+        index_num_heads=4, index_head_dim=32, index_topk=8, index_kpool=4,
+        indexer_types=("full", "full", "full", "shared", "full", "full"),
+        num_experts=8, num_experts_per_tok=2, num_shared_experts=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, moe_intermediate_size=32, intermediate_size=96, swiglu_limit=0.5,
+        hc_mult=4, page_size=8, max_position_embeddings=256,
+    )  # fmt: skip
+    return cfg.replace(**changes)
+
+
+# ------------------------------------------------------------------------------------------------ KPool pieces
+def test_kpool_compress_is_a_per_channel_softmax_mean():
+    k, g = (jax.random.normal(jax.random.key(i), (3, 5, 4, 7)) for i in (0, 1))
+    ape = jax.random.normal(jax.random.key(2), (4, 7))
+    got = np.asarray(kpool_compress(k, g, ape))
+    kk, gg, aa = (np.asarray(a, np.float64) for a in (k, g, ape))
+    want = np.zeros((3, 5, 7))
+    for c in range(7):  # one softmax over the pool's 4 slots per channel
+        w = np.exp(gg[..., c] + aa[:, c])
+        want[..., c] = (w / w.sum(-1, keepdims=True) * kk[..., c]).sum(-1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="disagree"):
+        kpool_compress(k, g, ape[:3])
+
+
+def test_expand_pools_reads_whole_pools_and_the_own_tail():
+    pools = jnp.array([[[2, 0, -1]]])  # pools 2 and 0 selected, one slot empty
+    got = np.asarray(expand_pools(pools, jnp.array([[13]]), 4, tail=True))[0, 0]
+    # pool 2 = 8..11, pool 0 = 0..3, empty = -1 x 4; the tail of a query at 13: its pool starts at 12 -> 12, 13
+    np.testing.assert_array_equal(got, [8, 9, 10, 11, 0, 1, 2, 3, -1, -1, -1, -1, 12, 13, -1])
+    at_boundary = np.asarray(expand_pools(pools, jnp.array([[15]]), 4, tail=True))[0, 0]
+    np.testing.assert_array_equal(at_boundary[-3:], [-1, -1, -1])  # 15 completes pool 3: no tail
+    assert expand_pools(pools, jnp.array([[13]]), 4, tail=False).shape == (1, 1, 12)
+
+
+def _info(b, t, start=0, page_table=None, kv=None):
+    pos = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return StepInfo(
+        positions=pos, valid=jnp.ones((b, t), bool), n_new=jnp.full((b,), t, jnp.int32),
+        page_table=jnp.arange(b, dtype=jnp.int32)[:, None] if page_table is None else page_table,
+        kv_lengths=jnp.full((b,), start + t if kv is None else kv, jnp.int32), mode="prefill" if t > 1 else "decode",
+    )  # fmt: skip
+
+
+def _brute_force_selection(x, layer: LightningIndexer, cfg: HybridConfig) -> list:
+    """The KPool selection from its definition, in numpy float64, per (row, query): a set of positions."""
+    p, k_top = cfg.index_kpool, cfg.index_topk // cfg.index_kpool
+    b, t, _ = x.shape
+    q = np.asarray(layer.wq_b(x), np.float64).reshape(b, t, cfg.index_num_heads, cfg.index_head_dim)
+    k = np.asarray(layer.k_norm(layer.wk(x)), np.float64)
+    g = np.asarray(layer.index_kpool_compress_gate(x), np.float64) + 0.0
+    ape = np.asarray(layer.index_kpool_compress_ape[...], np.float64)
+    w = np.asarray(layer.weights_proj(x), np.float64) * cfg.index_num_heads**-0.5
+    out = []
+    for r in range(b):
+        rows = []
+        for i in range(t):
+            n_pools = (i + 1) // p
+            keys = []
+            for j in range(n_pools):
+                logit = g[r, j * p : (j + 1) * p] + ape
+                e = np.exp(logit - logit.max(0))
+                keys.append((e / e.sum(0) * k[r, j * p : (j + 1) * p]).sum(0))
+            scores = [float((w[r, i] * np.maximum(q[r, i] @ key * cfg.index_head_dim**-0.5, 0)).sum()) for key in keys]
+            order = np.argsort(scores)[::-1]
+            if len(scores) > k_top:  # the fixture must not (nearly) tie at the cut
+                gap = scores[order[k_top - 1]] - scores[order[k_top]]
+                assert gap > 1e-3 * max(abs(v) for v in scores), (r, i, gap)
+            chosen = {j * p + s for j in order[:k_top] for s in range(p)}
+            rows.append(chosen | set(range(n_pools * p, i + 1)))
+        out.append(rows)
+    return out
+
+
+def test_kpool_decode_selection_equals_prefill_selection_and_the_definition():
+    """Token by token through the cache (pooled keys + tail), in uneven chunks, and in one call: the same sets,
+    and the sets the definition gives."""
+    cfg = glm5_tiny()
+    layer = LightningIndexer(cfg, DTypes(jnp.float32, jnp.float32), QuantConfig(), rngs=nnx.Rngs(3))
+    b, t, g = 2, 23, 8
+    x = jax.random.normal(jax.random.key(4), (b, t, cfg.hidden_size))
+    c_q = jax.random.normal(jax.random.key(5), (b, t, cfg.q_lora_rank))
+
+    def as_sets(idx):
+        return [[set(np.asarray(idx)[r, i].tolist()) - {-1} for i in range(idx.shape[1])] for r in range(b)]
+
+    one, _, _ = layer(x, c_q, _info(b, t), None)
+    assert one.shape == (b, t, cfg.index_topk + cfg.index_kpool - 1)
+    table = jnp.arange(b * 4, dtype=jnp.int32).reshape(b, 4)  # 4 pages of 8 slots per row
+    for chunks in ([1] * t, [6, 1, 9, 7]):
+        pool, tail = layer.init_state(b * 4, g, b, jnp.float32)
+        got, start = [], 0
+        for n in chunks:
+            info = _info(b, n, start=start, page_table=table)
+            idx, pool, tail = layer(x[:, start : start + n], c_q[:, start : start + n], info, pool, tail)
+            got.append(idx)
+            start += n
+        assert as_sets(jnp.concatenate(got, axis=1)) == as_sets(one), chunks
+    q_in = layer.wq_b
+    layer.wq_b = lambda _x: q_in(c_q)  # the brute force projects c_q through wq_b, like the layer
+    want = _brute_force_selection(x, layer, cfg)
+    layer.wq_b = q_in
+    assert as_sets(one) == want
+
+
+def test_hyper_connection_mixer_is_doubly_stochastic_and_mixes_as_written():
+    hc = HyperConnection(8, 3, iters=20, eps=1e-6, norm_eps=1e-5, rngs=nnx.Rngs(0))
+    h = jax.random.normal(jax.random.key(1), (2, 5, 3, 8))
+    pre, post, comb = (np.asarray(a) for a in hc.weights(h))
+    np.testing.assert_allclose(comb.sum(-1), 1.0, atol=1e-3)
+    np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-5)
+    assert (pre > 0).all() and (pre < 1 + 1e-5).all() and (post > 0).all() and (post < 2).all()
+    out, _ = hc(h, lambda u: (2.0 * u, None))
+    hh = np.asarray(h)
+    u = (pre[..., None] * hh).sum(-2)
+    want = post[..., None] * (2.0 * u)[..., None, :] + np.einsum("btji,btjd->btid", comb, hh)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+@pytest.mark.slow
+def test_glm5_decode_and_chunked_prefill_reproduce_the_full_forward(jitted):
+    cfg = glm5_tiny()
+    model = HybridLM(cfg, rngs=nnx.Rngs(0))
+    ids = random_ids(11, (2, 29), cfg.vocab_size)  # 29: a multiple of neither the pool (4) nor the chunk (8)
+    full = jitted["forward"](model, ids)
+    stepped, cache = prefill_then_decode(model, ids, jitted, 13, 40)
+    assert rel_err(stepped, full) < 1e-4
+    assert cache.layers[3].index_k is None and cache.layers[3].index_tail is None  # the shared layer keeps none
+    assert cache.layers[2].index_tail.shape == (2, 4, 2 * cfg.index_head_dim)
+
+
+def test_shared_layer_has_no_indexer_and_reads_the_full_layers_selection():
+    cfg = glm5_tiny()
+    model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    assert hasattr(model.layers[2].self_attn, "indexer") and not hasattr(model.layers[3].self_attn, "indexer")
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(index_topk=10), r"index_topk=10: must be a multiple of index_kpool=4"),
+        (dict(index_kpool=0), r"index_kpool=0"),
+        (dict(indexer_types=("full", "full", "shared", "full", "full", "full")), r"indexer_types\[2\]='shared'"),
+        (dict(indexer_types=("full",) * 5), r"indexer_types=.*has 5 entries"),
+        (dict(swiglu_limit=0.0), r"swiglu_limit=0.0"),
+        (dict(hc_mult=0), r"hc_mult=0"),
+        (dict(hc_mult=2, attn_res_block_size=2), r"hc_mult=2: hyper-connections and Block AttnRes"),
+        (dict(index_rope_dim=8), r"index_rope_dim=8: pooled indexer keys"),
+    ],
+)
+def test_bad_glm5_configs_name_the_field(changes, match):
+    with pytest.raises(ValueError, match=match):
+        glm5_tiny(**changes)
+
+
+@pytest.mark.slow
+def test_glm5_context_and_tensor_parallel_equal_one_device():
+    """CP prefill (zigzag / sequential, pools straddling the shards and a 5-token cached head) and TP on 8 fake
+    devices give the single-device logits, caches (pooled keys and tails included) and next decode step."""
+    from tests.test_context_parallel import run_on_fake_devices
+
+    out = run_on_fake_devices(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        jax.config.update("jax_default_matmul_precision", "highest")
+        from hybrid_jax import HybridLM
+        from sharding import make_mesh, shard_params
+        from sharding.context_parallel import prefill_context_parallel
+        from tests.test_glm5 import glm5_tiny
+        cfg = glm5_tiny()
+        model = HybridLM(cfg, rngs=nnx.Rngs(0))
+        head = jax.random.randint(jax.random.key(1), (2, 5), 0, 160)
+        ids = jax.random.randint(jax.random.key(2), (2, 45), 0, 160)
+        nxt = jax.random.randint(jax.random.key(3), (2,), 0, 160)
+        prefill = jax.jit(lambda m, i, c: m.prefill(i, c))
+        decode = jax.jit(lambda m, i, c: m.decode_step(i, c))
+        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                                 / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
+        start = prefill(model, head, model.init_cache(2, 64))[1]
+        refs = {}
+        for cached in (False, True):
+            ref_logits, ref_cache = prefill(model, ids, start if cached else model.init_cache(2, 64))
+            refs[cached] = ref_logits, ref_cache, decode(model, nxt, ref_cache)[0]
+        for cached, cp, tp, layout in ((False, 2, 4, "sequential"), (True, 4, 2, "zigzag")):
+            ref_logits, ref_cache, ref_next = refs[cached]
+            mesh = make_mesh(cp=cp, tp=tp)
+            m = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
+            c = start if cached else m.init_cache(2, 64)
+            logits, cache = prefill_context_parallel(m, ids, c, mesh=mesh, layout=layout)
+            errs = [rel(logits, ref_logits)]
+            errs += [rel(a, b) for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache), strict=True)]
+            errs.append(rel(decode(m, nxt, cache)[0], ref_next))
+            assert max(errs) < 1e-5, (cached, cp, tp, layout, errs)
+        gen_ref = np.asarray(jax.jit(lambda m, i: m(i))(model, ids))
+        with jax.set_mesh(make_mesh(dp=2, tp=4)):
+            m = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), make_mesh(dp=2, tp=4))
+            got = np.asarray(jax.jit(lambda m, i: m(i))(m, ids))
+        assert rel(got, gen_ref) < 1e-5, rel(got, gen_ref)
+        print("OK")
+    """,
+        optimize=True,
+    )
+    assert "OK" in out
+
+
+# ------------------------------------------------------------------------------------------------ loading
+FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "glm5_next_a"
+
+
+def _logits(model, ids):
+    return np.asarray(jax.jit(lambda m, i: m(i))(model, ids))
+
+
+def test_glm5_loads_transformers_module_names_and_skips_the_vision_tower(tmp_path, caplog):
+    """The fixture holds the released names (what save_pretrained writes); the same weights under transformers'
+    module names (fused q|k|v conv, forget_gate.*, attn_hc.fn, fused experts) load to the same model, and the
+    vision tower is skipped with one log line while any other stray tensor is still an error."""
+    import json
+    import logging
+    import shutil
+
+    from checkpoints import CheckpointError, from_pretrained
+    from checkpoints.safetensors_io import CheckpointFolder, write_safetensors
+
+    src = CheckpointFolder(FIXTURE)
+    t = {k: np.array(src[k]) for k in src}
+    assert any(k.startswith("model.visual.") for k in t)
+    cfg = json.loads((FIXTURE / "config.json").read_text())["text_config"]
+    e = cfg["n_routed_experts"]
+    renamed = {}
+    for k, v in t.items():
+        k2 = k
+        for a, b in (("self_attn.f_a_proj", "self_attn.forget_gate.f_a_proj"), ("self_attn.f_b_proj",
+                     "self_attn.forget_gate.f_b_proj"), ("self_attn.dt_bias", "self_attn.forget_gate.dt_bias"),
+                     ("self_attn.A_log", "self_attn.forget_gate.A_log"), ("hc_attn_", "attn_hc."),
+                     ("hc_ffn_", "ffn_hc.")):  # fmt: skip
+            k2 = k2.replace(a, b)
+        renamed[k2] = v
+    out = {}
+    for k, v in renamed.items():
+        if "_conv1d.weight" in k or ".experts." in k:
+            continue
+        out[k] = v
+    for k in [k for k in renamed if k.endswith("q_conv1d.weight")]:
+        base = k[: -len("q_conv1d.weight")]
+        out[base + "conv1d.weight"] = np.concatenate([renamed[base + f"{c}_conv1d.weight"] for c in "qkv"], axis=0)
+    for k in [k for k in renamed if k.endswith("experts.0.gate_proj.weight")]:
+        base = k[: -len("0.gate_proj.weight")]
+        gate = np.stack([renamed[f"{base}{i}.gate_proj.weight"] for i in range(e)])
+        up = np.stack([renamed[f"{base}{i}.up_proj.weight"] for i in range(e)])
+        out[base + "gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        out[base + "down_proj"] = np.stack([renamed[f"{base}{i}.down_proj.weight"] for i in range(e)])
+    d = tmp_path / "modules"
+    d.mkdir()
+    shutil.copy(FIXTURE / "config.json", d)
+    write_safetensors(d / "model.safetensors", out)
+    ref = np.load(FIXTURE / "reference.npz")
+    ids = jnp.asarray(ref["input_ids"])
+    with caplog.at_level(logging.INFO, logger="hybrid_jax.checkpoints"):
+        model = from_pretrained(d, dtype=jnp.float32, progress=False)
+    assert sum("skipping the vision tower" in r.message for r in caplog.records) == 1
+    got = _logits(model, ids)
+    assert np.abs(got - ref["logits"]).max() / np.abs(ref["logits"]).max() <= 1e-4
+    write_safetensors(d / "model.safetensors", {**out, "model.language_model.layers.0.extra": np.zeros(2, np.float32)})
+    with pytest.raises(CheckpointError, match=r"1 unexpected tensor\(s\).*layers.0.extra"):
+        from_pretrained(d, dtype=jnp.float32, progress=False)
+
+
+def test_glm5_config_nested_or_flat_and_refusals_name_the_field():
+    import json
+
+    from checkpoints import CheckpointError, config_from_hf
+
+    raw = json.loads((FIXTURE / "config.json").read_text())
+    nested = config_from_hf(raw)
+    text = dict(raw["text_config"])
+    flat = {**{k: v for k, v in raw.items() if k != "text_config"}, **text, "model_type": "glm5_next"}
+    assert config_from_hf(flat) == nested
+    assert nested.index_kpool == 4 and nested.hc_mult == 4 and nested.swiglu_limit == 0.5
+    assert nested.indexer_types[3] == "shared" and nested.qk_rope_head_dim == 0 and nested.mla_norm_eps == 1e-5
+    for change, match in (
+        ({"index_topk": 10}, r"index_topk=10: must be a multiple of index_kpool=4"),
+        ({"qk_rope_head_dim": 8}, r"qk_rope_head_dim=8: the DSA layers of glm5_next are NoPE"),
+        ({"num_key_value_heads": 2}, r"num_key_value_heads=2 != num_attention_heads=4"),
+        ({"sliding_window": 64}, r"unknown field\(s\) \['sliding_window'\]"),
+    ):
+        bad = {**raw, "text_config": {**text, **change}}
+        with pytest.raises(CheckpointError, match=match):
+            config_from_hf(bad)
+
+
+def test_glm5_preset_has_the_released_parameter_count():
+    """transformers 5.23's Glm5NextForConditionalGeneration text part (language_model + lm_head) built on the
+    meta device from the default Glm5NextTextConfig holds 313,326,816,766 parameters; transformers keeps the
+    router's score-correction bias as a buffer (288 per MoE layer), we keep it as a parameter."""
+    import math
+
+    cfg = HybridConfig.glm5_next_flash()
+    model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    ours = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    biases = cfg.num_experts * cfg.mlp_types.count("moe")
+    assert ours - biases == 313_326_816_766
+
+
+@pytest.mark.slow
+def test_glm5_quantized_cache_orbax_save_and_cli(tmp_path, capsys, jitted):
+    """Hierarchical quantization (FP8 latent tiles of a rope-less latent, MXFP8 pooled indexer keys) decodes
+    consistently and stays near float32; orbax `convert` and our `save_pretrained` reload the same weights;
+    the CLI generates the fixture's greedy tokens from the folder."""
+    from checkpoints import convert, from_pretrained, save_pretrained
+    from hybrid_jax.cli import main
+    from hybrid_jax.memory import cache_bytes
+
+    ref = np.load(FIXTURE / "reference.npz")
+    ids = jnp.asarray(ref["input_ids"])
+    quant = QuantConfig.from_dict({"kv_cache": {"dtype": "fp8", "tile_size": 16}, "indexer": {"dtype": "mxfp8"}})
+    model = from_pretrained(FIXTURE, dtype=jnp.float32, quant=quant, progress=False)
+    cache = model.init_cache(2, 96)
+    assert cache.layers[2].latent.values.dtype == jnp.float8_e4m3fn
+    assert cache.layers[2].index_k.values.dtype == jnp.float8_e4m3fn
+    assert cache.layers[2].index_k.values.shape[1] == cache.page_size // 4  # one pooled key per 4 tokens
+    full = jitted["forward"](model, ids)
+    stepped, _ = prefill_then_decode(model, ids, jitted, 70, 96)
+    assert rel_err(stepped, full) < 1e-4  # the quantized cache reads back what the forward used
+    assert 1e-5 < rel_err(full, ref["logits"]) < 0.05  # quantized: near the float32 reference, not equal
+    per_token = cache_bytes(model.config, quant, jnp.bfloat16)["sparse MLA / token"]
+    assert per_token == 32 + 32 / 16 * 4 + (32 + 1) / 4  # FP8 latent + tile scales + MXFP8 pooled key / 4
+
+    base = from_pretrained(FIXTURE, dtype=jnp.float32, progress=False)
+    want = jitted["forward"](base, ids)
+    convert(FIXTURE, tmp_path / "orbax", dtype=jnp.float32, progress=False)
+    save_pretrained(base, tmp_path / "hybrid")
+    for folder in ("orbax", "hybrid"):
+        again = from_pretrained(tmp_path / folder, dtype=jnp.float32, progress=False)
+        np.testing.assert_array_equal(jitted["forward"](again, ids), want)
+
+    gen = ",".join(str(i) for i in np.asarray(ids[0]).tolist())
+    argv = ["generate", "--model", str(FIXTURE), "--prompt-ids", gen, "--max-new-tokens", "16", "--quiet"]
+    assert main([*argv, "--dtype", "float32", "--compile-cache", ""]) == 0
+    tokens = capsys.readouterr().out.strip().splitlines()[-1]
+    assert tokens == ",".join(str(i) for i in ref["generated"][0].tolist())
