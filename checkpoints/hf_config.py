@@ -172,6 +172,17 @@ def _common(f: _Fields) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _kda_fields(f: _Fields, lac: dict, head_dim: Any, default_heads: int) -> dict[str, Any]:
+    """KDA sizes from `linear_attn_config` (released) or the flat `linear_*` fields (transformers' in-tree);
+    the forget gate is low rank with rank head_dim (f_a_proj / f_b_proj)."""
+    return dict(
+        kda_num_heads=lac.get("num_heads", f.get("linear_num_heads", default=default_heads)),
+        kda_head_dim=head_dim,
+        kda_conv_size=lac.get("short_conv_kernel_size", f.get("linear_conv_kernel_dim", default=4)),
+        kda_decay_rank=head_dim,
+    )
+
+
 def _kimi(f: _Fields) -> HybridConfig:
     n = f.require("num_hidden_layers")
     if type(n) is not int or n <= 0:
@@ -240,10 +251,7 @@ def _kimi(f: _Fields) -> HybridConfig:
         num_layers=n,
         layer_types=types,
         mlp_types=_mlp_types(f, n),
-        kda_num_heads=lac.get("num_heads", f.get("linear_num_heads", default=32)),
-        kda_head_dim=head_dim,
-        kda_conv_size=lac.get("short_conv_kernel_size", f.get("linear_conv_kernel_dim", default=4)),
-        kda_decay_rank=head_dim,
+        **_kda_fields(f, lac, head_dim, default_heads=32),
         kda_output_gate_rank=None if full_rank_gate else head_dim,
         kda_gate_lower_bound=lac.get("gate_lower_bound"),
         mla_use_rope=False,
@@ -395,10 +403,7 @@ def _glm5(f: _Fields) -> HybridConfig:
         num_layers=n,
         layer_types=types,
         mlp_types=_mlp_types_glm5(f, n),
-        kda_num_heads=lac.get("num_heads", f.get("linear_num_heads", default=64)),
-        kda_head_dim=head_dim,
-        kda_conv_size=lac.get("short_conv_kernel_size", f.get("linear_conv_kernel_dim", default=4)),
-        kda_decay_rank=head_dim,
+        **_kda_fields(f, lac, head_dim, default_heads=64),
         kda_output_gate_rank=head_dim,
         kda_gate_lower_bound=None if lower is None else float(lower) if type(lower) in (int, float) else lower,
         mla_use_rope=False,

@@ -9,8 +9,15 @@ quantize-dequantize image when the indexer runs in MXFP8), `k` [B, S, H_I] keys 
 from the cache, `weights` [B, T, N_I] (already scaled by N_I^-1/2), `scale`, `positions` [B, T] and the
 chosen `indices`; the sparse MLA layer adds `attention` [B, N, T, S], the probabilities dense attention would
 give every earlier position (to measure how much of that mass the Top-K keeps). Records come in call order,
-i.e. the model's sparse layers in order. Recording is a context-local switch read while tracing: code
-outside the `with` block (and every jitted function) is unchanged. Under `jax.jit` the values would be
+i.e. the model's sparse layers in order.
+
+KPool indexer (`index_kpool` = P > 1): `k` holds the pooled keys [B, S / P, H_I], `positions` the last pool each
+query may read (⌊(t+1)/P⌋ − 1), `indices` the chosen pools, `pool_size` P and `token_indices` [B, T, topk + P − 1]
+the token positions read (the chosen pools' tokens, then the query's incomplete pool). A layer that shares
+another's selection records only `indices` (token positions), `positions` and `shared=True`, plus `attention`.
+
+Recording is a context-local switch read while tracing: code outside the `with` block (and every jitted
+function) is unchanged. Under `jax.jit` the values would be
 tracers, so recording refuses them.
 """
 

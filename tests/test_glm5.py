@@ -371,3 +371,25 @@ def test_glm5_quantized_cache_orbax_save_and_cli(tmp_path, capsys, jitted):
     assert main([*argv, "--dtype", "float32", "--compile-cache", ""]) == 0
     tokens = capsys.readouterr().out.strip().splitlines()[-1]
     assert tokens == ",".join(str(i) for i in ref["generated"][0].tolist())
+
+
+def test_record_indexer_shows_pools_and_the_positions_read():
+    from hybrid_jax.inspect import record_indexer
+
+    cfg = glm5_tiny()
+    model = HybridLM(cfg, rngs=nnx.Rngs(0))
+    ids = random_ids(12, (1, 19), cfg.vocab_size)
+    with record_indexer() as records:
+        model(ids)
+    assert [bool(r.get("shared")) for r in records] == [False, True, False]  # layers 2 (full), 3 (shared), 5
+    full, shared = records[0], records[1]
+    p = cfg.index_kpool
+    assert full["pool_size"] == p and full["k"].shape == (1, 19 // p, cfg.index_head_dim)
+    np.testing.assert_array_equal(full["positions"][0], (np.arange(19) + 1) // p - 1)
+    np.testing.assert_array_equal(shared["indices"], full["token_indices"])
+    for t in range(19):  # every token read lies in a chosen pool or in the query's own incomplete pool
+        pools = set(full["indices"][0, t].tolist()) - {-1}
+        read = set(full["token_indices"][0, t].tolist()) - {-1}
+        assert read == {j * p + s for j in pools for s in range(p)} | set(range((t + 1) // p * p, t + 1))
+        assert all(j <= (t + 1) // p - 1 for j in pools) and len(pools) == min(cfg.index_topk // p, (t + 1) // p)
+        assert full["attention"].shape[-1] == 19

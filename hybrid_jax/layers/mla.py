@@ -387,6 +387,8 @@ class MultiHeadLatentAttention(nnx.Module):
                 if selection is None:
                     raise ValueError("a shared sparse layer needs the selection of an earlier full sparse layer")
                 idx = selection
+                if inspect.recording():
+                    inspect.add_record(indices=idx, positions=info.positions, shared=True)
             else:
                 idx, index_pages, index_tail = self.indexer(
                     x, c_q, info, None if state is None else state.index_k, None if state is None else state.index_tail
