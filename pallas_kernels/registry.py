@@ -204,9 +204,9 @@ def _prolog_unsupported(rows: int, widths_ok: bool, **_) -> str | None:
 
 
 def _sparse_unsupported(latent: int, rope: int, **_) -> str | None:
-    if _pow2(latent) and _pow2(rope) and rope >= 16:
+    if _pow2(latent) and (rope == 0 or (_pow2(rope) and rope >= 16)):
         return None
-    return f"latent {latent} / rope {rope}: the kernel needs powers of two with rope >= 16"
+    return f"latent {latent} / rope {rope}: the kernel needs powers of two with rope 0 or >= 16"
 
 
 def mosaic_sparse_unsupported(

@@ -219,11 +219,12 @@ def test_split_selection_lowers(best_first):
     assert ("indexer_split_rank" in text) == best_first
 
 
-@pytest.mark.parametrize("knobs", [{}, {"block_h": 32, "num_warps": 8}])
-def test_sparse_mla_kernel_lowers(knobs):
+@pytest.mark.parametrize("knobs,rope", [({}, 64), ({"block_h": 32, "num_warps": 8}, 64), ({}, 0)])
+def test_sparse_mla_kernel_lowers(knobs, rope):
+    """rope 0: GLM-5.3-Flash's NoPE DSA, the kernel without a rope query or pool."""
     from pallas_kernels.sparse_attention import sparse_mla
 
-    b, t, n, lat, rope, page, pages, k = 2, 1, 32, 512, 64, 64, 4, 128
+    b, t, n, lat, page, pages, k = 2, 1, 32, 512, 64, 4, 128
     ql = jnp.ones((b, t, n, lat), jnp.bfloat16)
     qr = jnp.ones((b, t, n, rope), jnp.bfloat16)
     pool = jnp.ones((b * pages, page, lat + rope), jnp.bfloat16)
@@ -236,12 +237,12 @@ def test_sparse_mla_kernel_lowers(knobs):
     assert _lowered_for_h200(run, ql, qr, pool, table, idx).count("xla.gpu.triton") >= 1
 
 
-@pytest.mark.parametrize("precision", ["tf32", "bf16"])
-def test_sparse_mla_fp8_kernel_lowers(precision):
+@pytest.mark.parametrize("precision,rope", [("tf32", 64), ("bf16", 64), ("bf16", 0)])
+def test_sparse_mla_fp8_kernel_lowers(precision, rope):
     from hybrid_jax.quant.formats import quantize_kv_fp8
     from pallas_kernels.sparse_attention import sparse_mla
 
-    b, t, n, lat, rope, page, pages, k = 2, 1, 16, 512, 64, 64, 4, 128
+    b, t, n, lat, page, pages, k = 2, 1, 16, 512, 64, 4, 128
     ql = jnp.ones((b, t, n, lat), jnp.bfloat16)
     qr = jnp.ones((b, t, n, rope), jnp.bfloat16)
     values, scales = quantize_kv_fp8(jnp.ones((b * pages, page, lat)), 128)
@@ -251,7 +252,7 @@ def test_sparse_mla_fp8_kernel_lowers(precision):
 
     def run(ql, qr, values, scales, rope_pages, table, idx):
         return sparse_mla(ql, qr, values, table, idx, scale=0.1, impl="pallas", interpret=False, precision=precision,
-                          latent_scales=scales, rope_pages=rope_pages)  # fmt: skip
+                          latent_scales=scales, rope_pages=rope_pages if rope else None)  # fmt: skip
 
     text = _lowered_for_h200(run, ql, qr, values, scales, rope_pages, table, idx)
     assert text.count("xla.gpu.triton") == 1 and "sparse_mla_fp8" in text  # decode-sized: the FP8-row kernel

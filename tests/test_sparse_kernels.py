@@ -69,6 +69,30 @@ def test_sparse_mla_kernel_bf16_pool():
         sparse_mla(ql, qr, pool, table, idx, **split)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_mla_kernel_without_a_rope_part(fp8):
+    """R = 0 (GLM-5.3-Flash's NoPE DSA): no rope query, no rope pool, nothing padded; BF16 rows and FP8
+    latent tiles, one part and split rows, against the reference."""
+    ql, qr, pool, table, idx = _case(7, 2, 2, 5, 32, 0, 8, 40, [45, 13], jnp.float32)
+    assert qr.shape[-1] == 0 and pool.shape[-1] == 32
+    kw = dict(scale=0.2)
+    if fp8:
+        values, scales = quantize_kv_fp8(pool, 16)
+        kw.update(latent_scales=scales)
+        ref_o, ref_lse = sparse_mla(ql, qr, values, table, idx, impl="reference", **kw)
+    else:
+        values = pool
+        ref_o, ref_lse = sparse_mla(ql, qr, values, table, idx, impl="reference", **kw)
+    empty = np.asarray(idx < 0).all(-1)
+    assert not empty.all()
+    for splits in (1, 2):
+        o, lse = sparse_mla(
+            ql, qr, values, table, idx, impl="pallas", precision="ieee", interpret=True, splits=splits, **kw
+        )
+        np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-5, atol=1e-5)
+        assert rel_err(o, ref_o) < 1e-5, splits
+
+
 def test_sparse_mla_kernel_checks_slot_rows_per_query():
     """slots must hold q_splits rows per query: a mismatch is an error naming both counts."""
     ql, qr, pool, _, _ = _case(9, 2, 3, 32, 64, 16, 8, 24, [29, 5], jnp.float32)

@@ -159,10 +159,10 @@ def sparse_mla(
     impl (see `pallas_kernels.registry`):
     - "reference": jnp (`reference.sparse_mla_reference`);
     - "pallas": `kernel.sparse_mla_pallas`, rows gathered from the pool inside the kernel, online softmax; L and
-      R powers of two (R >= 16). Tiles `block_h` heads x `block_k` rows a step, Triton's `num_warps` /
-      `num_stages`: each left None comes from `default_tiles`. `precision` of the products: "bf16" (bfloat16
-      operands and probabilities, float32 accumulation; on an FP8 pool the E4M3 values enter exactly), "tf32"
-      or "ieee"; default "bf16" for bf16 queries, else "tf32";
+      R powers of two (R >= 16, or R = 0: no rope part). Tiles `block_h` heads x `block_k` rows a step,
+      Triton's `num_warps` / `num_stages`: each left None comes from `default_tiles`. `precision` of the
+      products: "bf16" (bfloat16 operands and probabilities, float32 accumulation; on an FP8 pool the E4M3
+      values enter exactly), "tf32" or "ieee"; default "bf16" for bf16 queries, else "tf32";
     - "mosaic": `mosaic_gpu.sparse_mla_mosaic`, Pallas Mosaic GPU for sm_90 (a `cp.async` gather warpgroup
       and two `wgmma` warpgroups, 64 heads a CTA); bf16 queries and BF16 pool(s), R == 64, L a multiple of 128;
       the tile knobs do not apply;
@@ -252,6 +252,7 @@ def sparse_mla(
     else:
         out, lse = sparse_mla_fp8_pallas(
             ql, qr, slots.astype(jnp.int32), kv_pages.reshape(-1, lat),
-            latent_scales.reshape(-1, latent_scales.shape[-1]).astype(jnp.float32), rope_pages.reshape(-1, rope), **kw,
+            latent_scales.reshape(-1, latent_scales.shape[-1]).astype(jnp.float32),
+            None if rope_pages is None else rope_pages.reshape(-1, rope), **kw,
         )  # fmt: skip
     return _unflat(out, lse, sp, q_latent)

@@ -8,7 +8,8 @@ sets merge exactly). All heads of a query read the same rows, so the head blocks
 through L2.
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). Loaded tiles must have power-of-two
-sizes, so the latent (L) and rope (R) parts are gathered as two tiles; `sparse_mla(impl="pallas")` pads
+sizes, so the latent (L) and rope (R) parts are gathered as two tiles (no rope tile, query or pool at all when
+R = 0: GLM-5.3-Flash's NoPE DSA); `sparse_mla(impl="pallas")` pads
 heads to a multiple of BH and the index list to a multiple of BK.
 """
 
@@ -44,17 +45,24 @@ def _grid(queries: int, head_blocks: int, heads_inner: bool):
     return (queries, head_blocks), lambda f: f
 
 
-def _kernel(
-    ql_ref, qr_ref, slots_ref, lat_ref, rope_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, rope, rope_off,
-    precision,
-):  # fmt: skip
+def _refs(refs, rope: int):
+    """The kernel's refs (ql, qr, slots, latent rows[, scales], rope rows, out, lse); without a rope part
+    (R = 0) the caller passes no q_rope and no rope rows, which come back as None."""
+    if rope:
+        return refs
+    ql, slots, *rows, o, lse = refs
+    return (ql, None, slots, *rows, None, o, lse)
+
+
+def _kernel(*refs, scale, block_k, n_blocks, lat, rope, rope_off, precision):
+    ql_ref, qr_ref, slots_ref, lat_ref, rope_ref, o_ref, lse_ref = _refs(refs, rope)
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
     # "bf16": operands stay bfloat16 into the tensor cores (half the registers per gathered tile) and the
     # probabilities go to bfloat16 for the output product, as flash attention does; else float32 / TF32.
     op = jnp.bfloat16 if precision == "bf16" else jnp.float32
     ql = ql_ref[...].astype(op)  # [BH, L]
-    qr = qr_ref[...].astype(op)  # [BH, R]
-    bh = qr.shape[0]
+    qr = qr_ref[...].astype(op) if rope else None  # [BH, R]
+    bh = ql.shape[0]
     contract = (((1,), (1,)), ((), ()))
 
     def body(j, carry):
@@ -63,9 +71,10 @@ def _kernel(
         valid = slots >= 0
         rows = jnp.maximum(slots, 0)
         c = lat_ref[rows, pl.ds(0, lat)].astype(op)  # [BK, L]
-        kr = rope_ref[rows, pl.ds(rope_off, rope)].astype(op)  # [BK, R]
-        s = jax.lax.dot_general(qr, kr, contract, precision=prec, preferred_element_type=jnp.float32)
-        s = s + jax.lax.dot_general(ql, c, contract, precision=prec, preferred_element_type=jnp.float32)
+        s = jax.lax.dot_general(ql, c, contract, precision=prec, preferred_element_type=jnp.float32)
+        if rope:
+            kr = rope_ref[rows, pl.ds(rope_off, rope)].astype(op)  # [BK, R]
+            s = jax.lax.dot_general(qr, kr, contract, precision=prec, preferred_element_type=jnp.float32) + s
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)  # [BH, BK]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: keep exp() away from inf - inf
@@ -86,20 +95,17 @@ def _kernel(
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l_sum)))
 
 
-def _kernel_fp8(
-    ql_ref, qr_ref, slots_ref, lat_ref, sc_ref, rope_ref, o_ref, lse_ref, *, scale, block_k, n_blocks, lat, tile,
-    precision,
-):  # fmt: skip
+def _kernel_fp8(*refs, scale, block_k, n_blocks, lat, rope, tile, precision):
     """FP8 latent rows (E4M3 values, one float32 scale per `tile` values) dequantized in the kernel: each
     tile's scores and output contributions are scaled by the row's tile scale. precision "bf16": the E4M3
     values go to bfloat16 (exactly: every E4M3 value is a bfloat16 one) and into the tensor cores as such,
     the probabilities times the tile scale rounded to bfloat16 for the output product; else float32 rows."""
+    ql_ref, qr_ref, slots_ref, lat_ref, sc_ref, rope_ref, o_ref, lse_ref = _refs(refs, rope)
     prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
     op = jnp.bfloat16 if precision == "bf16" else jnp.float32
     nt = lat // tile
     ql = [ql_ref[:, pl.ds(c * tile, tile)].astype(op) for c in range(nt)]  # [BH, tile] each
-    qr = qr_ref[...].astype(op)
-    bh = qr.shape[0]
+    bh = ql[0].shape[0]
     contract = (((1,), (1,)), ((), ()))
 
     def body(j, carry):
@@ -107,9 +113,12 @@ def _kernel_fp8(
         slots = slots_ref[pl.ds(j * block_k, block_k)]
         valid = slots >= 0
         rows = jnp.maximum(slots, 0)
-        s = jax.lax.dot_general(
-            qr, rope_ref[rows, :].astype(op), contract, precision=prec, preferred_element_type=jnp.float32
-        )
+        s = jnp.zeros((bh, block_k), jnp.float32)
+        if rope:
+            qr = qr_ref[...].astype(op)
+            s = jax.lax.dot_general(
+                qr, rope_ref[rows, :].astype(op), contract, precision=prec, preferred_element_type=jnp.float32
+            )
         vals, scales = [], []
         for c in range(nt):
             vals.append(lat_ref[rows, pl.ds(c * tile, tile)].astype(op))  # [BK, tile]
@@ -157,19 +166,23 @@ def sparse_mla_fp8_pallas(
     tile = lat // lat_scales.shape[1]
     params = triton_params(interpret, num_warps, num_stages)
     kernel = functools.partial(
-        _kernel_fp8, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, tile=tile, precision=precision
-    )
+        _kernel_fp8, scale=scale, block_k=block_k, n_blocks=k // block_k, lat=lat, rope=rope, tile=tile,
+        precision=precision,
+    )  # fmt: skip
     grid, at = _grid(nq, n // block_h, heads_inner)
     whole = lambda x: pl.BlockSpec(x.shape, at(lambda i, h: (0, 0)))  # noqa: E731
+    specs = [
+        pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i // q_splits, h, 0))),
+        pl.BlockSpec((None, block_h, rope), at(lambda i, h: (i // q_splits, h, 0))),
+        pl.BlockSpec((None, k), at(lambda i, h: (i, 0))),
+        whole(lat_rows), whole(lat_scales), whole(rope_rows) if rope else None,
+    ]  # fmt: skip
+    args = [q_latent, q_rope, slots, lat_rows, lat_scales, rope_rows]
+    keep = [i for i in range(6) if rope or i not in (1, 5)]  # R = 0: no rope query, no rope rows
     return pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[
-            pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i // q_splits, h, 0))),
-            pl.BlockSpec((None, block_h, rope), at(lambda i, h: (i // q_splits, h, 0))),
-            pl.BlockSpec((None, k), at(lambda i, h: (i, 0))),
-            whole(lat_rows), whole(lat_scales), whole(rope_rows),
-        ],
+        in_specs=[specs[i] for i in keep],
         out_specs=[
             pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i, h, 0))),
             pl.BlockSpec((None, block_h), at(lambda i, h: (i, h))),
@@ -178,7 +191,7 @@ def sparse_mla_fp8_pallas(
         interpret=interpret,
         name="sparse_mla_fp8",
         **params,
-    )(q_latent, q_rope, slots, lat_rows, lat_scales, rope_rows)  # fmt: skip
+    )(*[args[i] for i in keep])
 
 
 @functools.partial(jax.jit, static_argnames=(*_KNOBS, "q_splits"))
@@ -205,16 +218,19 @@ def sparse_mla_pallas(
         precision=precision,
     )  # fmt: skip
     grid, at = _grid(nq, n // block_h, heads_inner)
+    specs = [
+        pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i // q_splits, h, 0))),
+        pl.BlockSpec((None, block_h, rope), at(lambda i, h: (i // q_splits, h, 0))),
+        pl.BlockSpec((None, k), at(lambda i, h: (i, 0))),
+        pl.BlockSpec(kv_rows.shape, at(lambda i, h: (0, 0))),
+        pl.BlockSpec(rope_rows.shape, at(lambda i, h: (0, 0))) if rope else None,
+    ]
+    args = [q_latent, q_rope, slots, kv_rows, rope_rows]
+    keep = [i for i in range(5) if rope or i not in (1, 4)]  # R = 0: no rope query, no rope rows
     return pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[
-            pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i // q_splits, h, 0))),
-            pl.BlockSpec((None, block_h, rope), at(lambda i, h: (i // q_splits, h, 0))),
-            pl.BlockSpec((None, k), at(lambda i, h: (i, 0))),
-            pl.BlockSpec(kv_rows.shape, at(lambda i, h: (0, 0))),
-            pl.BlockSpec(rope_rows.shape, at(lambda i, h: (0, 0))),
-        ],
+        in_specs=[specs[i] for i in keep],
         out_specs=[
             pl.BlockSpec((None, block_h, lat), at(lambda i, h: (i, h, 0))),
             pl.BlockSpec((None, block_h), at(lambda i, h: (i, h))),
@@ -223,4 +239,4 @@ def sparse_mla_pallas(
         interpret=interpret,
         name="sparse_mla",
         **params,
-    )(q_latent, q_rope, slots, kv_rows, rope_rows)
+    )(*[args[i] for i in keep])
