@@ -329,11 +329,28 @@ def _deepseek(f: _Fields) -> HybridConfig:
     ))  # fmt: skip
 
 
+# transformers 5.23 Glm5NextTextConfig's defaults for the fields the mapping reads: a config.json that leaves one
+# out means this value, exactly as transformers reads it
+_GLM5_DEFAULTS = {
+    "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+    "n_routed_experts": 288, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 0, "v_head_dim": 256, "qk_nope_head_dim": 256, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 1048576,
+    "rms_norm_eps": 1e-5, "pad_token_id": 154820, "tie_word_embeddings": False, "attention_bias": False,
+    "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "swiglu_limit": 10.0, "linear_head_dim": 128,
+    "linear_num_heads": 64, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0, "hc_mult": 4, "hc_eps": 1e-6,
+    "hc_sinkhorn_iters": 20, "index_kpool": 16, "index_kpool_always_select_tail": True,
+}  # fmt: skip
+# transformers keeps these as attributes that no glm5_next module reads
+_GLM5_NO_EFFECT = ("first_k_dense_replace", "moe_layer_freq")
+
+
 def _glm5_text(d: dict[str, Any]) -> dict[str, Any]:
     """The text part of a glm5_next config.json: `text_config` when nested, else the top level (flat)."""
     text = d.get("text_config")
     if text is None:
-        return {k: v for k, v in d.items() if k not in _GLM5_TOP and k != "text_config"}
+        return {**_GLM5_DEFAULTS, **{k: v for k, v in d.items() if k not in _GLM5_TOP and k != "text_config"}}
     if not isinstance(text, dict):
         raise CheckpointError(f"text_config={text!r} is not an object")
     extra = sorted(set(d) - _GLM5_TOP - _NO_EFFECT - {"text_config", "tie_word_embeddings"})
@@ -342,7 +359,7 @@ def _glm5_text(d: dict[str, Any]) -> dict[str, Any]:
     top_tie, text_tie = d.get("tie_word_embeddings", False), text.get("tie_word_embeddings", False)
     if top_tie != text_tie:
         raise CheckpointError(f"tie_word_embeddings={top_tie!r} at the top level but {text_tie!r} in text_config")
-    return {**text, "model_type": "glm5_next_text"}
+    return {**_GLM5_DEFAULTS, **text, "model_type": "glm5_next_text"}
 
 
 def _glm5(f: _Fields) -> HybridConfig:
@@ -387,13 +404,12 @@ def _glm5(f: _Fields) -> HybridConfig:
     if unknown:
         raise CheckpointError(f"linear_attn_config has unknown field(s) {unknown}")
     head_dim = lac.get("head_dim", f.get("linear_head_dim", default=128))
-    lower = lac.get("gate_lower_bound", f.get("linear_lower_bound", default=-5.0))
+    f.used.add("linear_lower_bound")  # null is meaningful here (the softplus gate), so read the raw value
+    lower = lac.get("gate_lower_bound", f.d.get("linear_lower_bound"))
     if lower is None and lac.get("safe_gate", True) and "linear_attn_config" in f.d:
         lower = -5.0
-    f.used.add("linear_lower_bound")
-    f.get("head_dim", "qk_head_dim", "quantization_config")  # derived; FP8 is dequantised at load
-    f.expect("rope_parameters", (None,), default=None)
-    f.expect("rope_theta", (None,), default=None)
+    f.get("head_dim", "qk_head_dim", "quantization_config", *_GLM5_NO_EFFECT)  # derived / unread; FP8 dequantised
+    f.get("rope_parameters", "rope_theta")  # no rotary dims anywhere in the text model (qk_rope_head_dim = 0)
     nextn = f.get("num_nextn_predict_layers", default=0)  # the MTP layers are skipped
     if type(nextn) is not int or nextn < 0:
         raise CheckpointError(f"num_nextn_predict_layers={nextn!r} is not a non-negative integer")
@@ -424,14 +440,18 @@ def _glm5(f: _Fields) -> HybridConfig:
         hc_sinkhorn_iters=f.get("hc_sinkhorn_iters", default=20),
         hc_eps=f.number("hc_eps", default=1e-6),
         max_position_embeddings=f.get("max_position_embeddings", default=1048576),
+        page_size=math.lcm(64, kpool) if type(kpool := f.get("index_kpool", default=16)) is int and kpool > 0 else 64,
     ))  # fmt: skip
 
 
 def _mlp_types_glm5(f: _Fields, n: int) -> tuple[str, ...]:
     """mlp_layer_types, defaulting as glm5_next does: the first min(3, n) layers dense, the rest MoE."""
-    if f.get("mlp_layer_types") is None and f.get("first_k_dense_replace") is None:
+    types = f.get("mlp_layer_types")
+    if types is None:
         return tuple("dense" if i < min(3, n) else "moe" for i in range(n))
-    return _mlp_types(f, n)
+    if not isinstance(types, list) or len(types) != n or any(t not in ("dense", "sparse") for t in types):
+        raise CheckpointError(f"mlp_layer_types={types!r}: need {n} entries of 'dense' / 'sparse'")
+    return tuple("moe" if t == "sparse" else "dense" for t in types)
 
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> HybridConfig:

@@ -136,6 +136,9 @@ def _agreed_prefill_chunk(model) -> int:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
+        from sharding.launch import barrier
+
+        barrier("prefill-chunk")  # the allgather is a collective: hosts that load at different speeds meet first
         chunk = int(np.min(multihost_utils.process_allgather(np.int32(chunk))))
     return chunk
 

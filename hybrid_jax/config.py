@@ -95,8 +95,8 @@ class HybridConfig:
     # pools scored; 1 = per-token keys (DeepSeek). The incomplete tail pool is always read when `..._tail`.
     index_kpool: int = 1
     index_kpool_always_select_tail: bool = True
-    # per layer "full" (run the indexer) or "shared" (reuse the latest full sparse layer's selection: no indexer
-    # weights, no indexer cache); None = every sparse layer full. Entries of non-sparse layers are ignored.
+    # per layer "full" (run the indexer) or "shared" (reuse the selection of the full sparse layer right before:
+    # no indexer weights, no indexer cache); None = every sparse layer full. Non-sparse layers' entries are ignored.
     indexer_types: tuple[str, ...] | None = None
     # MoE (docs/architecture.md §8)
     num_experts: int = 0
@@ -209,15 +209,13 @@ class HybridConfig:
                     self.indexer_types,
                     f"has {len(self.indexer_types)} entries, num_layers={self.num_layers}",
                 )
-            full_seen = False
             for i, (lt, it) in enumerate(zip(self.layer_types, self.indexer_types, strict=True)):
                 if it not in ("full", "shared"):
                     _fail(f"indexer_types[{i}]", it, "must be 'full' or 'shared'")
-                if lt != "sparse":
-                    continue
-                if it == "shared" and not full_seen:
-                    _fail(f"indexer_types[{i}]", it, "a shared sparse layer needs an earlier full sparse layer")
-                full_seen = full_seen or it == "full"
+                # transformers hands a selection only to the very next layer
+                if lt == "sparse" and it == "shared" and not (i and self.layer_types[i - 1] == "sparse"
+                                                              and self.indexer_types[i - 1] == "full"):  # fmt: skip
+                    _fail(f"indexer_types[{i}]", it, "a shared sparse layer must follow a full sparse layer")
 
         if "moe" in self.mlp_types:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -246,8 +244,8 @@ class HybridConfig:
                 )
             if self.scoring_func not in SCORING_FUNCS:
                 _fail("scoring_func", self.scoring_func, f"must be one of {SCORING_FUNCS}")
-        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
-            _fail("swiglu_limit", self.swiglu_limit, "must be positive or None (no clamp)")
+        if self.swiglu_limit is not None and not (0 < self.swiglu_limit < math.inf):
+            _fail("swiglu_limit", self.swiglu_limit, "must be a finite positive number or None (no clamp)")
         if "dense" in self.mlp_types and self.intermediate_size <= 0:
             _fail("intermediate_size", self.intermediate_size, "must be positive when the model has dense MLP layers")
 
@@ -310,7 +308,7 @@ class HybridConfig:
         return d
 
     def shares_indexer(self, i: int) -> bool:
-        """Layer i is sparse and reuses the latest full sparse layer's selection (`indexer_types`)."""
+        """Layer i is sparse and reuses the selection of layer i - 1, a full sparse layer (`indexer_types`)."""
         return self.layer_types[i] == "sparse" and self.indexer_types is not None and self.indexer_types[i] == "shared"
 
     @classmethod

@@ -139,6 +139,11 @@ def generate(
     lens = jnp.where(error, 1, lens)
 
     cache = model.init_cache(b, t + max_new_tokens)
+    if prefill_chunk is None and jax.process_count() > 1:
+        raise ValueError(
+            "generate: pass prefill_chunk= with several processes (free memory differs between hosts and the chunk "
+            "shapes the compiled program; the CLI takes the smallest default_prefill_chunk over the hosts)"
+        )
     chunk = default_prefill_chunk(model) if prefill_chunk is None else prefill_chunk
     if t > chunk:
         logits, cache = prefill_chunked(model, input_ids, cache, lens, chunk=chunk)

@@ -218,6 +218,9 @@ class HybridLM(nnx.Module):
                 f"init_cache: max_len={max_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]"
             )
         g = page_size or cfg.page_size
+        kpool = cfg.index_kpool if "sparse" in cfg.layer_types else 1
+        if g % kpool:
+            raise ValueError(f"init_cache: page_size={g} must be a multiple of index_kpool={kpool}")
         table = make_page_table(batch_size, max_len, g, num_pages=num_pages, page_table=page_table)
         pool = num_pages if num_pages is not None else table.shape[0] * table.shape[1]
         dtype = dtype or self.dtypes.compute

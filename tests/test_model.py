@@ -123,18 +123,18 @@ def test_small_topk_ignores_unselected_keys(tiny_cfg):
     b, t, g = 1, 12, 16
     x = jax.random.normal(jax.random.key(13), (b, t + 1, cfg.hidden_size))
     state = layer.init_state(1, g, jnp.float32, 1)  # one page of 16 slots
-    _, state = layer(x[:, :t], _info(b, t), state)
+    state = layer(x[:, :t], _info(b, t), state)[1]
     info = _info(b, 1, start=t)
     idx, _, _ = layer.indexer(x[:, t:], layer.q_a_layernorm(layer.q_a_proj(x[:, t:])), info, state.index_k)
     selected = set(np.asarray(idx).ravel().tolist()) - {-1}
     assert len(selected) == 3
     unselected = jnp.array([p for p in range(t + 1) if p not in selected])
     noise = jax.random.normal(jax.random.key(14), (len(unselected), cfg.latent_dim))
-    y, _ = layer(x[:, t:], info, state)
-    y_noisy, _ = layer(x[:, t:], info, _perturb(state, unselected, noise))
+    y = layer(x[:, t:], info, state)[0]
+    y_noisy = layer(x[:, t:], info, _perturb(state, unselected, noise))[0]
     np.testing.assert_allclose(y_noisy, y, rtol=0, atol=1e-6)
     one_selected = jnp.array([sorted(selected)[0]])
-    y_hit, _ = layer(x[:, t:], info, _perturb(state, one_selected, jnp.ones((1, cfg.latent_dim))))
+    y_hit = layer(x[:, t:], info, _perturb(state, one_selected, jnp.ones((1, cfg.latent_dim))))[0]
     assert not np.allclose(y_hit, y, atol=1e-4)
 
 

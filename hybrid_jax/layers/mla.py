@@ -188,6 +188,8 @@ class LightningIndexer(nnx.Module):
         arithmetic). KPool: topk + P − 1 positions (the selected pools' tokens, then the query's tail)."""
         cfg = self.cfg
         if self.kpool > 1:
+            if pool is not None and tail is None:
+                raise ValueError("a KPool indexer with a cached key pool needs its tail (MLAState.index_tail)")
             return self._call_pooled(x, c_q, info, pool, tail)
         q, w, pool = self.prolog(x, c_q, info, pool)
         idx, _ = indexer_topk(  # reads the pool as stored (MXFP8 values + E8M0 scales when quantized)
