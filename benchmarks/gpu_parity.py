@@ -34,6 +34,8 @@ CASES = (
     "deepseek_v32:bfloat16:none",
     "deepseek_v32:float32:none",
     "deepseek_v32:bfloat16:hierarchical",
+    "glm5_next_flash:bfloat16:none",
+    "glm5_next_flash:bfloat16:hierarchical",
     "kimi_linear_48b:bfloat16:none",
     "kimi_linear_48b:float32:none",
     "hybrid_small:bfloat16:none",
@@ -58,6 +60,10 @@ def cut_config(cfg, layers: int, experts: int):
     )
     if cfg.attn_res_block_size is not None:
         changes["attn_res_block_size"] = min(cfg.attn_res_block_size, len(keep))
+    if cfg.indexer_types is not None:  # a shared layer whose full predecessor is cut runs its own indexer
+        changes["indexer_types"] = tuple(
+            "full" if j == 0 or keep[j - 1] != i - 1 else cfg.indexer_types[i] for j, i in enumerate(keep)
+        )
     if cfg.num_experts > experts:
         n_group = cfg.n_group
         while n_group > 1 and experts // n_group < 2:
