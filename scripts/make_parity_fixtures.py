@@ -153,7 +153,12 @@ def build(name: str, make, out_dir: Path = OUT) -> None:
             ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=model.config.pad_token_id
         )
     gen_tokens = out[:, SEQ:].numpy()
-    d = out_dir / name
+    size = write_fixture(out_dir / name, model, ids, logits, gen_tokens, {})
+    print(f"{name}: {size / 1e6:.2f} MB, logits {logits.shape}, generated {gen_tokens.tolist()}")
+
+
+def write_fixture(d: Path, model, ids, logits, gen_tokens, extra_meta: dict) -> int:
+    """The folder as tests read it: save_pretrained's files, reference.npz, fixture_versions.json; its bytes."""
     shutil.rmtree(d, ignore_errors=True)
     model.save_pretrained(d, safe_serialization=True)
     np.savez_compressed(
@@ -163,9 +168,8 @@ def build(name: str, make, out_dir: Path = OUT) -> None:
         generated=gen_tokens.astype(np.int32),
     )
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "seq": SEQ, "new_tokens": NEW_TOKENS}
-    (d / "fixture_versions.json").write_text(json.dumps(meta, indent=1) + "\n")
-    size = sum(f.stat().st_size for f in d.iterdir())
-    print(f"{name}: {size / 1e6:.2f} MB, logits {logits.shape}, generated {gen_tokens.tolist()}")
+    (d / "fixture_versions.json").write_text(json.dumps({**meta, **extra_meta}, indent=1) + "\n")
+    return sum(f.stat().st_size for f in d.iterdir())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -550,25 +554,8 @@ def build_glm5(name: str, out: Path = OUT) -> None:
     clamps = clamp_fractions(model, ids, text["swiglu_limit"])
     assert set(clamps) == {"dense", "shared", "routed"} and all(g > 0 and u > 0 for g, u in clamps.values()), clamps
     gen_tokens = out_gen.sequences[:, SEQ:].numpy()
-    d = out / name
-    shutil.rmtree(d, ignore_errors=True)
-    model.save_pretrained(d, safe_serialization=True)
-    np.savez_compressed(
-        d / "reference.npz",
-        input_ids=ids.numpy().astype(np.int32),
-        logits=logits,
-        generated=gen_tokens.astype(np.int32),
-    )
-    meta = {
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "seq": SEQ,
-        "new_tokens": NEW_TOKENS,
-        "seed": seed,
-        "min_rel_gaps": {k: round(v, 6) for k, v in sorted(gaps.items())},
-    }
-    (d / "fixture_versions.json").write_text(json.dumps(meta, indent=1) + "\n")
-    size = sum(f.stat().st_size for f in d.iterdir())
+    extra = {"seed": seed, "min_rel_gaps": {k: round(v, 6) for k, v in sorted(gaps.items())}}
+    size = write_fixture(out / name, model, ids, logits, gen_tokens, extra)
     print(f"{name}: seed {seed}, prompt ids redrawn {[n for _, n in rows]} times per row")
     listed = ", ".join(f"{k} {v:.2e}" for k, v in sorted(gaps.items()))
     print(f"{name}: min relative Top-K / argmax gaps (need >= {MIN_REL_GAP}): {listed}")
