@@ -45,7 +45,7 @@ class DecoderLayer(nnx.Module):
         h = r + Mixer(RMSNorm(h));  r = h;  h = AR_post(blocks, h);  h = r + FFN(RMSNorm(h))
     Hyper-connections (`hc_mult` streams h [B,T,N,D], layers/hyper.py):
         h ← HC_attn(h, Mixer ∘ RMSNorm);  h ← HC_ffn(h, FFN ∘ RMSNorm)
-    A sparse layer that shares its indexer reads `selection`, the Top-K of the latest full sparse layer.
+    A sparse layer that shares its indexer reads `selection`, the Top-K of the full sparse layer right before it.
     """
 
     def __init__(self, cfg: HybridConfig, index: int, dt: DTypes, quant: QuantConfig, *, rngs: nnx.Rngs):
@@ -167,7 +167,7 @@ class HybridLM(nnx.Module):
             h = constrain(expand_streams(h, cfg.hc_mult), STREAMS)
         blocks: list[jax.Array] = []
         new_states = []
-        selection = None  # the Top-K of the latest full sparse layer, for layers that share it
+        selection = None  # the latest sparse layer's Top-K, for a shared layer right after it
         for i, layer in enumerate(self.layers):
             h, blocks, st, selection = layer(h, blocks, info, None if states is None else states[i], selection)
             h = constrain(h, RESIDUAL if cfg.hc_mult is None else STREAMS)

@@ -142,3 +142,10 @@ def test_chunked_prefill_equals_one_shot(tiny_model):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="prefill_chunk=0"):
         generate(tiny_model, ids, max_new_tokens=2, prefill_chunk=0)
+
+
+def test_generate_asks_for_the_prefill_chunk_under_several_processes(tiny_model, monkeypatch):
+    """Hosts' free memory differs and the chunk shapes the compiled program: no per-host default."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="pass prefill_chunk= with several processes"):
+        generate(tiny_model, jnp.zeros((1, 4), jnp.int32), max_new_tokens=2)

@@ -348,7 +348,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, info: StepInfo, state: MLAState | None, selection: jax.Array | None = None):
         """-> (y [B,T,D], the new state, the Top-K positions a sparse layer read [B,T,K] or None). A layer that
-        shares its indexer (`indexer_types`) reads `selection`, the latest full sparse layer's."""
+        shares its indexer (`indexer_types`) reads `selection`, the Top-K of the full sparse layer right before."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, nope, vd, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
