@@ -2,12 +2,14 @@
 and against floors counted from the model. One run prints one table; its rows go to
 benchmarks/results/e2e.jsonl.
 
-Models: `hybrid_small` (random weights, 3 KDA : 1 sparse MLA, MoE, AttnRes) and `kimi` — a Kimi-Linear-shaped
-`KimiLinearForCausalLM` (the 48B model's widths, `--kimi-layers` layers, `--kimi-experts` experts) that
-`benchmarks/e2e_transformers.py` builds with random weights and saves as a Hugging Face folder once; this
-engine loads that folder with `from_pretrained` and transformers loads the same folder in its own process
-(the baseline; it uses fla's KDA kernels when the `fla` package imports). The first-token logits of both
-engines on the same 64-token prompt are compared (the row "parity").
+Models: any preset with random weights (`hybrid_small`: 3 KDA : 1 sparse MLA, MoE, AttnRes), and the ones
+transformers builds: `kimi` — a Kimi-Linear-shaped `KimiLinearForCausalLM` (the 48B model's widths,
+`--kimi-layers` layers, `--kimi-experts` experts) — and `glm5` — a GLM-5.3-Flash-shaped `glm5_next` model
+(full widths, `--glm5-layers` / `--glm5-experts`). `benchmarks/e2e_transformers.py` builds each with random
+weights and saves it as a Hugging Face folder once; this engine loads that folder with `from_pretrained` and
+transformers loads the same folder in its own process (the baseline; it uses fla's KDA kernels when the `fla`
+package imports). This engine's bf16 first-token logits on a 64-token prompt are compared with transformers'
+float32 logits from the same bf16-rounded weights (the row "parity").
 
 - TTFT: one jitted call = cache allocation + prefill (last position only) + argmax, batch 1.
 - Decode: after a `--context`-token prefill of each batch, (i) 16 greedy `decode_step`s in one executable
@@ -26,7 +28,7 @@ engines on the same 64-token prompt are compared (the row "parity").
 - Start-up: `python -m hybrid_jax generate` in a fresh process, to the first generated token, with an empty
   persistent compilation cache and again with the cache it filled.
 
-    python -m benchmarks.e2e [--models hybrid_small kimi] [--quant none hierarchical] [--ttft 4096 32768 131072]
+    python -m benchmarks.e2e [--models hybrid_small kimi glm5] [--quant none hierarchical] [--ttft 4096 32768 131072]
         [--batches 1 16 64] [--context 2048] [--no-baseline] [--no-startup] [--no-record]
     python -m benchmarks.e2e --models --no-baseline     # the start-up rows alone
 """
@@ -62,30 +64,44 @@ def _torch_side(python: str, cmd: list[str], timeout: float) -> tuple[list[dict]
     return results, log
 
 
-def add_kimi_args(p: argparse.ArgumentParser) -> None:
-    """The options that say where and how big the Kimi-shaped folder is, and which Python makes it."""
-    p.add_argument("--kimi-dir", type=Path, default=Path(tempfile.gettempdir()) / "hybrid_jax_e2e_kimi")
-    p.add_argument("--kimi-layers", type=int, default=8)
-    p.add_argument("--kimi-experts", type=int, default=32)
-    p.add_argument("--kimi-vocab", type=int, default=163840)
+# The models transformers builds (random weights at a released model's widths, fewer layers and experts):
+# name -> (the transformers side's --arch, default layers, default experts).
+HF_MODELS = {"kimi": ("kimi", 8, 32), "glm5": ("glm5", 8, 32)}
+
+
+def add_hf_args(p: argparse.ArgumentParser) -> None:
+    """The options that say where and how big the transformers-built folders are (Kimi-Linear-shaped `kimi`,
+    GLM-5.3-Flash-shaped `glm5`), and which Python makes them."""
+    for name, (_, layers, experts) in HF_MODELS.items():
+        p.add_argument(f"--{name}-dir", type=Path, default=Path(tempfile.gettempdir()) / f"hybrid_jax_e2e_{name}")
+        p.add_argument(f"--{name}-layers", type=int, default=layers)
+        p.add_argument(f"--{name}-experts", type=int, default=experts)
+        p.add_argument(f"--{name}-vocab", type=int, default=None, help="default: the released model's")
     p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers (+ fla)")
 
 
-def ensure_kimi_dir(args) -> None:
-    """The Kimi-shaped Hugging Face folder `args.kimi_dir`, made by the transformers side when missing (layers,
-    experts and vocabulary from `args`)."""
-    if args.kimi_dir.is_dir():
+def hf_dir(args, name: str) -> Path:
+    return getattr(args, f"{name}_dir")
+
+
+def ensure_hf_dir(args, name: str = "kimi") -> None:
+    """The Hugging Face folder of `name` (a key of HF_MODELS), made by the transformers side when missing
+    (layers, experts and vocabulary from `args`)."""
+    folder = hf_dir(args, name)
+    if folder.is_dir():
         return
-    make = ["make", str(args.kimi_dir), "--layers", str(args.kimi_layers), "--experts", str(args.kimi_experts),
-            "--vocab", str(args.kimi_vocab)] + (["--tiny"] if getattr(args, "tiny", False) else [])  # fmt: skip
+    make = ["make", str(folder), "--arch", HF_MODELS[name][0], "--layers", str(getattr(args, f"{name}_layers")),
+            "--experts", str(getattr(args, f"{name}_experts"))]  # fmt: skip
+    vocab = getattr(args, f"{name}_vocab")
+    make += (["--vocab", str(vocab)] if vocab else []) + (["--tiny"] if getattr(args, "tiny", False) else [])
     _, log = _torch_side(args.torch_python, make, timeout=900)
     print(log.strip().splitlines()[-1] if log.strip() else "", flush=True)
 
 
 def kimi_model(args, quant_name: str = "none"):
     """The Kimi-shaped folder `args.kimi_dir` (made by the transformers side when missing), loaded in bf16."""
-    ensure_kimi_dir(args)
-    return build_model("kimi", quant_name, kimi_dir=args.kimi_dir)
+    ensure_hf_dir(args, "kimi")
+    return build_model("kimi", quant_name, hf_dir=args.kimi_dir)
 
 
 def _row_peak_gib(fn, *args) -> float | None:
@@ -130,6 +146,15 @@ def _param_bytes(model):
     return fixed_bytes, list(routed.values()), dense_params, list(routed_params.values())
 
 
+def per_position(pool, page_size: int) -> float:
+    """Bytes a paged pool holds per cached position (values + scales; a pool of page_size / k rows a page, as
+    the KPool indexer's, holds one row per k positions). 0 for no pool."""
+    if pool is None:
+        return 0.0
+    nbytes = pool.values.nbytes + (0 if pool.scales is None else pool.scales.nbytes)
+    return nbytes / (pool.values.shape[0] * page_size)
+
+
 def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
     """Bytes one decode step must move: weights (routed experts: the expected number of distinct experts
     that `batch` tokens choose under uniform routing), KDA states read + written, cache rows read."""
@@ -146,13 +171,13 @@ def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
         if isinstance(state, KDAState):
             total += 2 * (state.recurrent.nbytes + state.conv.nbytes)
         elif isinstance(state, MLAState):
-            per_token = lambda pool: (  # noqa: E731
-                (pool.values.nbytes + (0 if pool.scales is None else pool.scales.nbytes))
-                / (pool.values.shape[0] * pool.values.shape[1])
-            )
-            row = per_token(state.latent) + (0 if state.rope is None else per_token(state.rope))
+            row = per_position(state.latent, cache.page_size) + per_position(state.rope, cache.page_size)
             if kind == "sparse":
-                total += batch * context * per_token(state.index_k) + batch * min(cfg.index_topk, context) * row
+                # the indexer reads every cached key (a KPool indexer: one pooled key per index_kpool positions,
+                # plus its incomplete pool's raw keys); a shared layer reads none
+                tail = 0 if state.index_tail is None else state.index_tail.nbytes
+                total += batch * context * per_position(state.index_k, cache.page_size) + tail
+                total += batch * min(cfg.index_topk, context) * row
             else:
                 total += batch * context * row
     return total
@@ -161,15 +186,15 @@ def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
 def prefill_flops(model, tokens: int) -> float:
     """Counted FLOPs of a batch-1 prefill of `tokens` (last position's logits only): 2 x the matmul
     parameters each token uses (routed experts: k of E) plus attention — KDA chunked form at chunk 64,
-    dense MLA causal (expanded heads), sparse layers' indexer (causal, all heads) and sparse MLA (absorbed,
-    top-k rows), and the lm_head once."""
+    dense MLA causal (expanded heads), sparse layers' indexer (causal, all heads; against one pooled key per
+    index_kpool positions; none on a shared layer) and sparse MLA (absorbed, top-k rows), and the lm_head once."""
     cfg = model.config
     _, _, dense, routed = _param_bytes(model)
     per_token = dense + sum(p * cfg.num_experts_per_tok / e for p, e in routed)
     flops = 2.0 * per_token * tokens + 2.0 * cfg.hidden_size * cfg.vocab_size
     pairs = tokens * (tokens + 1) / 2
     c = 64
-    for kind in cfg.layer_types:
+    for i, kind in enumerate(cfg.layer_types):
         if kind == "linear":
             n, dk = cfg.kda_num_heads, cfg.kda_head_dim
             chunk = 2 * (2 * c * c * dk + c**3 / 3 + 2 * c * c * dk + 3 * c * dk * dk)
@@ -178,7 +203,8 @@ def prefill_flops(model, tokens: int) -> float:
             flops += 2 * pairs * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)
         else:
             lat, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-            flops += 2 * pairs * cfg.index_num_heads * cfg.index_head_dim
+            if not cfg.shares_indexer(i):
+                flops += 2 * pairs / cfg.index_kpool * cfg.index_num_heads * cfg.index_head_dim
             rows = min(cfg.index_topk, tokens)
             flops += 2 * tokens * rows * cfg.num_heads * (2 * lat + r)
             flops += 2 * tokens * cfg.num_heads * lat * (cfg.qk_nope_head_dim + cfg.v_head_dim)
@@ -188,9 +214,9 @@ def prefill_flops(model, tokens: int) -> float:
 # ---------------------------------------------------------------- this engine
 
 
-def build_model(name: str, quant_name: str = "none", kimi_dir: Path | None = None):
+def build_model(name: str, quant_name: str = "none", hf_dir: Path | None = None):
     """A preset with random weights and bf16 parameters (quantized ones where the quant config says so), or
-    the Kimi-shaped Hugging Face folder."""
+    (name in HF_MODELS) the Hugging Face folder `hf_dir`."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -198,10 +224,10 @@ def build_model(name: str, quant_name: str = "none", kimi_dir: Path | None = Non
     from hybrid_jax.quant.config import QuantConfig
 
     quant = QuantConfig.hierarchical() if quant_name == "hierarchical" else None
-    if name == "kimi":
+    if name in HF_MODELS:
         from checkpoints import from_pretrained
 
-        return from_pretrained(kimi_dir, dtype=jnp.bfloat16, quant=quant, progress=False)
+        return from_pretrained(hf_dir, dtype=jnp.bfloat16, quant=quant, progress=False)
     cfg = PRESETS[name]()
     param_dtype = None if quant and quant.projection.param_dtype is not None else jnp.bfloat16
     return HybridLM(cfg, dtype=jnp.bfloat16, param_dtype=param_dtype, quant=quant, rngs=nnx.Rngs(0))
@@ -216,18 +242,20 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
     from hybrid_jax.compilation import CompileCounter
 
     t0 = time.perf_counter()
-    model = build_model(name, quant_name, args.kimi_dir)
+    folder = hf_dir(args, name) if name in HF_MODELS else None
+    model = build_model(name, quant_name, folder)
     cfg = model.config
     print(f"[{name}, quant {quant_name}] built/loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     base = dict(model=name, quant=quant_name)
     page = cfg.page_size
 
-    if name == "kimi" and (args.kimi_dir / "e2e_reference.npz").is_file():
-        ref = np.load(args.kimi_dir / "e2e_reference.npz")
+    if folder is not None and (folder / "e2e_reference.npz").is_file():
+        ref = np.load(folder / "e2e_reference.npz")
         lg = np.asarray(jax.jit(lambda m, i: m(i)[0, -1])(model, jnp.asarray(ref["ids"])), np.float32)
         err = float(np.linalg.norm(lg - ref["logits"]) / np.linalg.norm(ref["logits"]))
         note = f"rel err {err:.1e}, same argmax: {int(lg.argmax()) == int(ref['logits'].argmax())}"
-        emit(dict(base, case="parity vs transformers", batch=1, tokens=PROMPT, note=note + " (both bf16)"))
+        theirs = f"transformers {ref['dtype']}" if "dtype" in ref else "transformers bf16"  # older folders: bf16
+        emit(dict(base, case="parity vs transformers", batch=1, tokens=PROMPT, note=f"{note} (bf16 vs {theirs})"))
 
     def first_token(m, ids):
         cache = m.init_cache(ids.shape[0], -(-(ids.shape[1] + 1) // page) * page)
@@ -346,8 +374,8 @@ def main() -> None:
         "--quant-ttft", type=int, nargs="*", default=None, help="TTFT lengths of quantized runs (default --ttft)"
     )
     p.add_argument("--context", type=int, default=2048)
-    add_kimi_args(p)
-    p.add_argument("--tiny", action="store_true", help="the Kimi-shaped model at widths / 16 (CPU smoke tests)")
+    add_hf_args(p)
+    p.add_argument("--tiny", action="store_true", help="the transformers-built models at widths / 16 (CPU smoke tests)")
     p.add_argument("--baseline-ttft", type=int, nargs="*", default=None, help="default: --ttft up to 32K")
     p.add_argument("--pallas-ops", nargs="*", default=None, help="ops whose Pallas kernel 'auto' must pick (e.g. moe)")
     p.add_argument("--no-baseline", action="store_true")
@@ -367,13 +395,14 @@ def main() -> None:
 
     # The transformers side first, in its own processes, before JAX takes the GPU's memory.
     torch_rows = []
-    if "kimi" in args.models:
-        ensure_kimi_dir(args)
+    for name in (m for m in args.models if m in HF_MODELS):
+        ensure_hf_dir(args, name)
         if not args.no_baseline:
             ttft = args.baseline_ttft if args.baseline_ttft is not None else [t for t in args.ttft if t <= 32768]
-            cmd = ["bench", str(args.kimi_dir), "--ttft", *map(str, ttft), "--batches", *map(str, args.batches),
-                   "--context", str(args.context)]  # fmt: skip
-            torch_rows, _ = _torch_side(args.torch_python, cmd, timeout=1800)
+            cmd = ["bench", str(hf_dir(args, name)), "--ttft", *map(str, ttft), "--batches",
+                   *map(str, args.batches), "--context", str(args.context)]  # fmt: skip
+            rows_t, _ = _torch_side(args.torch_python, cmd, timeout=1800)
+            torch_rows += [dict(r, model=name) for r in rows_t]
 
     import jax
 
@@ -389,8 +418,9 @@ def main() -> None:
         case = {"ttft": "TTFT", "decode": "decode step"}[r["case"]]
         fla = "fla kernels" if r.get("fla") else "no fla (torch fallback)"
         row = dict(
-            model="kimi", quant="none", case=case, batch=r["batch"], tokens=r["tokens"], engine=f"transformers, {fla}"
-        )
+            model=r["model"], quant="none", case=case, batch=r["batch"], tokens=r["tokens"],
+            engine=f"transformers, {fla}",
+        )  # fmt: skip
         if "error" in r:
             emit(dict(row, note=r["error"]))
         else:
@@ -398,33 +428,33 @@ def main() -> None:
             emit(dict(row, ms=r["ms"], tok_s=tok / r["ms"] * 1e3, peak=r.get("peak_gib")))
     switch = use_pallas(ops=args.pallas_ops) if args.pallas_ops else contextlib.nullcontext()
     engine = "hybrid-jax" + (f" (Pallas: {', '.join(args.pallas_ops)})" if args.pallas_ops else "")
-    for name in args.models:
-        for q in args.quant if name in args.quant_models else ["none"]:
-            if q != "none" and args.quant_ttft is not None:
-                args_q = argparse.Namespace(**dict(vars(args), ttft=args.quant_ttft))
+    try:
+        for name in args.models:
+            for q in args.quant if name in args.quant_models else ["none"]:
+                args_q = args
+                if q != "none" and args.quant_ttft is not None:
+                    args_q = argparse.Namespace(**dict(vars(args), ttft=args.quant_ttft))
                 with switch:
                     measure_model(name, q, args_q, bw, rate, lambda r: emit(dict(r, engine=engine)))
                 jax.clear_caches()
-                continue
-            with switch:
-                measure_model(name, q, args, bw, rate, lambda r: emit(dict(r, engine=engine)))
-            jax.clear_caches()
-    if not args.no_startup:
-        measure_startup(args.startup_config, lambda r: emit(dict(r, engine="hybrid-jax CLI")))
+        if not args.no_startup:
+            measure_startup(args.startup_config, lambda r: emit(dict(r, engine="hybrid-jax CLI")))
+    except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): the rows measured so far still make the table
+        print("interrupted: reporting the rows measured so far", flush=True)
 
     theirs = {
-        (r["case"], r["batch"], r["tokens"]): r["ms"]
+        (r["model"], r["case"], r["batch"], r["tokens"]): r["ms"]
         for r in rows
         if r["engine"].startswith("transformers") and "ms" in r
     }
     table = []
     for r in rows:
-        key = (r["case"], r["batch"], r["tokens"])
+        key = (r["model"], r["case"], r["batch"], r["tokens"])
         speedup = ""
         if (
             r["engine"].startswith("hybrid-jax")
             and "CLI" not in r["engine"]
-            and r["model"] == "kimi"
+            and r["model"] in HF_MODELS
             and r["quant"] == "none"
             and key in theirs
             and "ms" in r
@@ -440,8 +470,13 @@ def main() -> None:
                 "peak GiB": _fmt(r.get("peak"), ".1f"), "vs transformers": speedup, "note": r.get("note", ""),
             }
         )  # fmt: skip
+    shapes = "; ".join(
+        f"{name}-shaped = {getattr(args, f'{name}_layers')} layers, {getattr(args, f'{name}_experts')} experts"
+        for name in HF_MODELS
+        if name in args.models
+    )
     title = (
-        f"End to end ({', '.join(args.models)}; Kimi-shaped = {args.kimi_layers} layers, {args.kimi_experts} experts"
+        f"End to end ({', '.join(args.models)}{'; ' + shapes if shapes else ''}"
         f"{', tiny widths' if args.tiny else ''}); decode after {args.context} tokens; ceilings: copy "
         f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
         if args.models

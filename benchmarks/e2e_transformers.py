@@ -1,16 +1,21 @@
 """The transformers side of `benchmarks/e2e.py`, run in its own process (PyTorch and JAX do not share a GPU's
 memory well, and this file must not import JAX).
 
-    python -m benchmarks.e2e_transformers make OUT [--layers 8 --experts 32 --vocab 163840 --device cuda]
-        A Kimi-Linear-shaped `KimiLinearForCausalLM` with random weights (the 48B model's widths; fewer layers
-        and experts so it fits one GPU), saved with `save_pretrained` in bfloat16, plus `e2e_reference.npz`:
-        a 64-token prompt and the float32 logits of its last token, for the parity check on the JAX side.
+    python -m benchmarks.e2e_transformers make OUT [--arch kimi|glm5] [--layers 8 --experts 32 --vocab V]
+        A model with random weights at a released model's widths (fewer layers and experts so it fits one
+        GPU), saved with `save_pretrained` in bfloat16, plus `e2e_reference.npz`: a 64-token prompt and the
+        logits of its last token computed in float32 from the saved bf16 weights, for the parity check on the
+        JAX side. `kimi`: a Kimi-Linear-48B-shaped
+        `KimiLinearForCausalLM`; `glm5`: a GLM-5.3-Flash-shaped `Glm5NextForConditionalGeneration` (the text
+        part at full width, a one-block vision tower that no benchmark feeds).
     python -m benchmarks.e2e_transformers bench OUT --ttft 4096 32768 --batches 1 16 64 --context 2048
         Time to first token (prefill + the first token's logits, batch 1), the decode step at each batch
-        after `context` cached tokens, peak memory. One `RESULT {json}` line per measurement on stdout.
+        after `context` cached tokens, peak memory. One `RESULT {json}` line per measurement on stdout. The
+        model class comes from the folder's `model_type`.
 
 flash-linear-attention: transformers uses fla's `chunk_kda` / `fused_recurrent_kda` when the `fla` package
 imports (carry the fla-core and einops wheels to the GPU machine); the result lines say whether it did.
+`glm5_next` needs transformers >= 5.23 (carry its wheel where the image has an older one).
 """
 
 from __future__ import annotations
@@ -73,22 +78,83 @@ def kimi_config(layers: int, experts: int, vocab: int, tiny: bool = False):
     )
 
 
-def make(out: Path, layers: int, experts: int, vocab: int, device: str, tiny: bool = False) -> None:
-    from transformers import KimiLinearForCausalLM
+def glm5_config(layers: int, experts: int, vocab: int, tiny: bool = False):
+    """GLM-5.3-Flash widths (transformers 5.23's `Glm5NextTextConfig` defaults: hidden 4096, 64 KDA heads x 128,
+    NoPE DSA MLA 64 heads with latent 512, KPool indexer 32 heads x 128 over pools of 16, top-2048, 4
+    hyper-connection streams, clamped SwiGLU, 8 of `experts` routed + 1 shared of width 2048); DSA every
+    fourth layer (transformers' default rule), the first three FFNs dense, as released. tiny=True divides
+    every width by 16 (CPU smoke tests of this script)."""
+    from transformers import Glm5NextConfig
 
+    d = 16 if tiny else 1
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=4096 // d,
+        intermediate_size=12288 // d,
+        moe_intermediate_size=2048 // d,
+        num_hidden_layers=layers,
+        num_attention_heads=64 // d,
+        num_key_value_heads=64 // d,
+        q_lora_rank=1536 // d,
+        kv_lora_rank=512 // d,
+        qk_nope_head_dim=256 // d,
+        v_head_dim=256 // d,
+        qk_rope_head_dim=0,
+        index_n_heads=32 // d,
+        index_head_dim=128 // d,
+        index_topk=2048 // d,
+        index_kpool=16,
+        linear_num_heads=64 // d,
+        linear_head_dim=128 // d,
+        n_routed_experts=experts,
+        num_experts_per_tok=8,
+        mlp_layer_types=["dense"] * min(3, layers) + ["sparse"] * max(0, layers - 3),
+        indexer_types=["full"] * layers,
+        pad_token_id=vocab - 1,
+        bos_token_id=vocab - 4,
+        eos_token_id=vocab - 3,
+    )
+    vision = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=4096 // d, intermediate_size=32,
+                  projection_intermediate_size=32, patch_size=2, temporal_patch_size=2,
+                  spatial_merge_size=2)  # fmt: skip
+    return Glm5NextConfig(text_config=text, vision_config=vision)
+
+
+ARCHS = {"kimi": (kimi_config, "KimiLinearForCausalLM"), "glm5": (glm5_config, "Glm5NextForConditionalGeneration")}
+VOCAB = {"kimi": 163840, "glm5": 154880}  # the released vocabularies
+MODEL_TYPES = {"kimi_linear": "KimiLinearForCausalLM", "glm5_next": "Glm5NextForConditionalGeneration"}
+
+
+def _model_class(name: str):
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def make(
+    out: Path, layers: int, experts: int, vocab: int | None, device: str, tiny: bool = False, arch: str = "kimi"
+) -> None:
+    config_fn, cls = ARCHS[arch]
+    vocab = vocab or VOCAB[arch]
     torch.manual_seed(0)
-    cfg = kimi_config(layers, experts, vocab, tiny)
+    cfg = config_fn(layers, experts, vocab, tiny)
     with torch.device(device):
-        model = KimiLinearForCausalLM(cfg).to(torch.bfloat16).eval()
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp, safe_serialization=True)
+        model = _model_class(cls)(cfg).eval()
+    # The reference logits in float32 from the weights as saved (rounded to bfloat16): the parity row then
+    # measures the bf16 engine's own error, not the sum of two engines' bf16 rounding.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
     ids = torch.randint(0, vocab - 8, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids.to(device)).logits[0, -1].float().cpu().numpy()
-    np.savez(tmp / "e2e_reference.npz", ids=ids.numpy(), logits=logits)
+    model = model.to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp, safe_serialization=True)
+    np.savez(tmp / "e2e_reference.npz", ids=ids.numpy(), logits=logits, dtype="float32")
     tmp.rename(out)  # a half-written folder never carries the final name
-    n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out}: {n / 1e9:.2f}B parameters, layers {cfg.layer_types}")
+    n = sum(p.numel() for name, p in model.named_parameters() if ".visual." not in f".{name}")
+    print(f"wrote {out}: {n / 1e9:.2f}B parameters, layers {cfg.get_text_config().layer_types}")
 
 
 def _sync(device: str) -> None:
@@ -114,12 +180,13 @@ def _peak_gib(device: str) -> float | None:
 
 
 def bench(folder: Path, ttft: list[int], batches: list[int], context: int, device: str, iters: int) -> None:
-    from transformers import KimiLinearForCausalLM
-
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    if model_type not in MODEL_TYPES:
+        raise SystemExit(f"bench: model_type {model_type!r} in {folder}: expected one of {sorted(MODEL_TYPES)}")
     fla = "fla" in sys.modules or _fla_importable()
-    model = KimiLinearForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    model = _model_class(MODEL_TYPES[model_type]).from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
     fla = fla and "fla" in sys.modules  # the model module imports fla when it uses it
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def emit(**kw):
@@ -180,9 +247,10 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("out", type=Path)
+    m.add_argument("--arch", choices=sorted(ARCHS), default="kimi")
     m.add_argument("--layers", type=int, default=8)
     m.add_argument("--experts", type=int, default=32)
-    m.add_argument("--vocab", type=int, default=163840)
+    m.add_argument("--vocab", type=int, default=None, help="default: the released model's")
     m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     m.add_argument("--tiny", action="store_true", help="widths / 16 (CPU smoke tests)")
     b = sub.add_parser("bench")
@@ -196,7 +264,7 @@ def main() -> None:
     if args.cmd == "make":
         if args.out.exists():
             raise SystemExit(f"{args.out} exists; remove it or choose another folder")
-        make(args.out, args.layers, args.experts, args.vocab, args.device, args.tiny)
+        make(args.out, args.layers, args.experts, args.vocab, args.device, args.tiny, args.arch)
     else:
         bench(args.folder, args.ttft, args.batches, args.context, args.device, args.iters)
 

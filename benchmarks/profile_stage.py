@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import device_events, flat_module
-from benchmarks.e2e import add_kimi_args, kimi_model
+from benchmarks.e2e import add_hf_args, kimi_model
 from benchmarks.e2e_stages import _info
 
 
@@ -225,7 +225,7 @@ def main() -> None:
     )
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
     p.add_argument("--quant", default="none", choices=["none", "hierarchical"], help="the model's quant config")
-    add_kimi_args(p)
+    add_hf_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--topk", type=int, default=2048, help="indexer only")

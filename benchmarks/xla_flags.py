@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import ceilings, flat_module, jit_module, median_ms, report
-from benchmarks.e2e import add_kimi_args
+from benchmarks.e2e import add_hf_args
 from benchmarks.kernel_count import count_kernels
 
 # name -> compiler options; names are what the table and --variants show.
@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--pallas-ops", nargs="+", default=["none"], help='opt-in kernel sets, "+"-joined; "none"')
     p.add_argument("--no-record", action="store_true")
-    add_kimi_args(p)
+    add_hf_args(p)
     args = p.parse_args()
     from benchmarks.e2e import build_model, decode_floor_bytes, kimi_model
     from pallas_kernels import use_pallas

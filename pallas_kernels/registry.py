@@ -221,8 +221,8 @@ def mosaic_sparse_unsupported(
         return f"precision={precision!r} with {jnp.dtype(q_dtype).name} queries (it needs bf16 for both)"
     if jnp.dtype(pool_dtype) != jnp.bfloat16:
         return f"a {jnp.dtype(pool_dtype).name} pool (it needs bfloat16 rows)"
-    if rope != tile or latent % (2 * tile):
-        return f"latent {latent} / rope {rope} (it needs rope == {tile} and latent a multiple of {2 * tile})"
+    if rope not in (0, tile) or latent % (2 * tile):
+        return f"latent {latent} / rope {rope} (it needs rope {tile} or 0 and latent a multiple of {2 * tile})"
     return None
 
 

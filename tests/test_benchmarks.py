@@ -93,6 +93,26 @@ def test_e2e_floors_count_what_a_step_moves(tiny_model):
     assert prefill_flops(tiny_model, 256) > 2 * prefill_flops(tiny_model, 128) > 0  # attention grows faster
 
 
+def test_e2e_decode_floor_reads_one_pooled_key_per_kpool_positions():
+    """GLM-5.3-Flash's KPool indexer reads one pooled key per index_kpool (4) positions, a shared indexer layer
+    none: 32 more cached positions cost 32 / 4 keys in each of the two layers with their own indexer (2 and 5;
+    3 shares), as long as the top-k (8) stays below the context."""
+    from flax import nnx
+
+    from benchmarks.e2e import decode_floor_bytes
+    from hybrid_jax import HybridLM
+    from tests.test_glm5 import glm5_tiny
+
+    model = HybridLM(glm5_tiny(), rngs=nnx.Rngs(0))
+    cache = model.init_cache(1, 64)
+    key = cache.layers[2].index_k
+    key_bytes = model.config.index_head_dim * key.values.dtype.itemsize + (
+        0 if key.scales is None else key.scales[0, 0].nbytes
+    )
+    grown = decode_floor_bytes(model, cache, 1, 64) - decode_floor_bytes(model, cache, 1, 32)
+    assert cache.layers[3].index_k is None and grown == 2 * (32 // 4) * key_bytes
+
+
 @pytest.mark.slow
 def test_stage_breakdown_runs_on_cpu(monkeypatch, capsys):
     from benchmarks import e2e_stages

@@ -335,6 +335,59 @@ def test_glm5_loads_transformers_module_names_and_skips_the_vision_tower(tmp_pat
         from_pretrained(d, dtype=jnp.float32, progress=False)
 
 
+def _fp8_blocks(w: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] float32 -> (E4M3 values, float32 scale per block x block tile), as FP8 releases store them."""
+    import ml_dtypes
+
+    o, i = w.shape
+    bo, bi = -(-o // block), -(-i // block)
+    padded = np.zeros((bo * block, bi * block), np.float32)
+    padded[:o, :i] = w
+    amax = np.abs(padded.reshape(bo, block, bi, block)).max(axis=(1, 3))
+    scale = np.maximum(amax / 448.0, 1e-12).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, 0), block, 1)[:o, :i]
+    return (w / full).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def test_glm5_fp8_block_scaled_weights_load_as_their_dequantized_values(tmp_path):
+    """A release in DeepSeek's FP8 format (E4M3 projection and per-expert weights, `weight_scale_inv` per 128 x 128
+    block) loads as the dequantized weights: the same logits as a float32 folder holding those values, which
+    differ from the unquantized fixture's (the format is lossy)."""
+    import json
+    import shutil
+
+    from checkpoints import from_pretrained
+    from checkpoints.safetensors_io import CheckpointFolder, write_safetensors
+
+    src = CheckpointFolder(FIXTURE)
+    t = {k: np.array(src[k]) for k in src}
+    fp8, dense = dict(t), dict(t)
+    quantized = 0
+    for k, v in t.items():
+        linear = k.endswith(("proj.weight", "indexer.wq_b.weight", "indexer.wk.weight"))  # not norms, router, hc
+        if k.startswith("model.language_model.layers.") and linear and v.ndim == 2:
+            w8, scale = _fp8_blocks(v.astype(np.float32))
+            fp8[k], fp8[k + "_scale_inv"] = w8, scale
+            full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[: v.shape[0], : v.shape[1]]
+            dense[k] = w8.astype(np.float32) * full
+            quantized += 1
+    names = " ".join(k for k in fp8 if k.endswith("_scale_inv"))
+    for part in ("experts.3.gate_proj", "shared_experts.down_proj", "f_a_proj", "q_b_proj", "wq_b", "o_proj"):
+        assert part in names, part  # the released names of every kind of projection are covered
+    ids = jnp.asarray(np.load(FIXTURE / "reference.npz")["input_ids"])
+    got = {}
+    for name, tensors in (("fp8", fp8), ("dense", dense)):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(FIXTURE / "config.json", d)
+        write_safetensors(d / "model.safetensors", tensors)
+        got[name] = _logits(from_pretrained(d, dtype=jnp.float32, progress=False), ids)
+    assert quantized > 50 and json.loads((FIXTURE / "config.json").read_text())["model_type"] == "glm5_next"
+    np.testing.assert_allclose(got["fp8"], got["dense"], rtol=1e-6, atol=1e-6)
+    ref = np.load(FIXTURE / "reference.npz")["logits"]
+    assert rel_err(jnp.asarray(got["fp8"]), jnp.asarray(ref)) > 1e-4
+
+
 def test_glm5_config_nested_or_flat_and_refusals_name_the_field():
     import json
 

@@ -258,12 +258,13 @@ def test_sparse_mla_fp8_kernel_lowers(precision, rope):
     assert text.count("xla.gpu.triton") == 1 and "sparse_mla_fp8" in text  # decode-sized: the FP8-row kernel
 
 
-def test_moe_router_kernel_lowers():
+@pytest.mark.parametrize("d, e", [(2304, 32), (4096, 288)])  # Kimi-Linear; GLM-5.3-Flash (padded to 512)
+def test_moe_router_kernel_lowers(d, e):
     from pallas_kernels.moe import moe_route
 
-    x = jnp.ones((1, 2304), jnp.bfloat16)
-    w = jnp.ones((2304, 32), jnp.bfloat16)
-    bias = jnp.zeros((32,), jnp.float32)
+    x = jnp.ones((1, d), jnp.bfloat16)
+    w = jnp.ones((d, e), jnp.bfloat16)
+    bias = jnp.zeros((e,), jnp.float32)
     text = _lowered_for_h200(lambda x, w, b: moe_route(x, w, b, k=8, impl="pallas", interpret=False), x, w, bias)
     assert text.count("xla.gpu.triton") == 2  # the logits' GEMV, the selection
 

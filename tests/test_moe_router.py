@@ -26,7 +26,7 @@ def _inputs(seed, n, d, e, dtype=jnp.bfloat16):
     seed=st.integers(0, 2**16),
     n=st.sampled_from([1, 3, 16]),
     d=st.sampled_from([48, 256, 2304]),
-    e=st.sampled_from([16, 32, 64]),
+    e=st.sampled_from([16, 32, 64, 48, 288]),  # 48 and 288 (GLM-5.3-Flash): padded to a power of two
     k=st.sampled_from([1, 6, 8]),
     scoring=st.sampled_from(["sigmoid", "softmax"]),
     norm=st.booleans(),
@@ -81,6 +81,23 @@ def test_router_auto_choice_and_errors(monkeypatch):
         moe_route(big, w, bias, impl="pallas", **kw)
     with pytest.raises(ValueError, match="n_group=1 \\(got 2\\)"):
         moe_route(x, w, bias, n_group=2, impl="pallas", **kw)
+    x24, w24, b24 = _inputs(0, 1, 64, 24)
+    with pytest.raises(ValueError, match="got 24"):  # E not a multiple of the GEMV's 16-column tiles
+        moe_route(x24, w24, b24, impl="pallas", **kw)
+
+
+def test_router_kernel_288_experts_all_selectable():
+    """GLM-5.3-Flash's 288 experts: the kernel pads its selection to 512; experts past 256 get picked (a bias
+    that favours them) and a padded slot never is, even with k = 288 (every real expert)."""
+    x, w, bias = _inputs(7, 3, 128, 288)
+    bias = bias + 5.0 * (jnp.arange(288) >= 280)
+    for k in (8, 288):
+        kw = dict(k=k, scoring="sigmoid", norm_topk_prob=True, scaling=2.5)
+        w_ref, id_ref = moe_route(x, w, bias, impl="reference", **kw)
+        w_ker, id_ker = moe_route(x, w, bias, impl="pallas", interpret=True, **kw)
+        np.testing.assert_array_equal(np.asarray(id_ker), np.asarray(id_ref))
+        np.testing.assert_allclose(np.asarray(w_ker), np.asarray(w_ref), rtol=1e-5, atol=1e-7)
+        assert set(np.asarray(id_ker)[:, :8].ravel()) <= set(range(280, 288))
 
 
 @pytest.mark.slow

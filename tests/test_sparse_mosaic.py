@@ -21,20 +21,23 @@ on_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm_90 GPU (run on t
 
 @on_sm90
 @pytest.mark.parametrize(
-    "seed, b, t, n, topk, lengths, split_pool",
+    "seed, b, t, n, topk, lengths, split_pool, rope",
     [
         # 128 heads (two CTAs a query), top-k not a multiple of 64, short rows (-1 slots), a query with none
-        (0, 3, 1, 128, 300, [700, 90, 1], False),
+        (0, 3, 1, 128, 300, [700, 90, 1], False, 64),
         # 16 heads padded to 64, two query rows each, the rows split into parts merged by LSE, split pools
-        (1, 2, 2, 16, 256, [500, 260], True),
+        (1, 2, 2, 16, 256, [500, 260], True, 64),
         # prefill-like: 40 query rows of one sequence, 128 heads, split pools
-        (3, 1, 40, 128, 256, [300], True),
+        (3, 1, 40, 128, 256, [300], True, 64),
         # decode-sized: 64 queries x 128 heads, top-2048 of 4096, every slot used
-        (2, 64, 1, 128, 2048, [4096] * 64, False),
+        (2, 64, 1, 128, 2048, [4096] * 64, False, 64),
+        # NoPE (R = 0, GLM-5.3-Flash): 64 heads, short rows, a query with none; and a prefill-like block
+        (4, 3, 1, 64, 320, [900, 70, 1], False, 0),
+        (5, 1, 24, 100, 192, [400], False, 0),
     ],
 )
-def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool):
-    ql, qr, pool, table, idx = _case(seed, b, t, n, 512, 64, 64, topk, lengths, jnp.bfloat16)
+def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool, rope):
+    ql, qr, pool, table, idx = _case(seed, b, t, n, 512, rope, 64, topk, lengths, jnp.bfloat16)
     if seed == 2:  # all slots used (the generic case draws how many)
         rng = np.random.default_rng(seed)
         idx = jnp.asarray(np.stack([rng.permutation(4096)[:topk] for _ in range(b)])[:, None].astype(np.int32))
@@ -70,6 +73,7 @@ def test_mosaic_refusals_name_the_reason():
         )
     facts = dict(latent=512, rope=64, q_dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16, fp8=False, precision="bf16")
     assert mosaic_sparse_unsupported(**facts) is None
+    assert mosaic_sparse_unsupported(**{**facts, "rope": 0}) is None  # NoPE DSA (GLM-5.3-Flash)
     assert "float32 pool" in mosaic_sparse_unsupported(**{**facts, "pool_dtype": jnp.float32})
     # "auto" picks it on an sm_90 GPU from 64 heads, never off one, nor for fewer heads or with tile knobs
     for device, heads, tiles, want in [
@@ -91,9 +95,10 @@ sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp
 from pallas_kernels.sparse_attention.mosaic_gpu import sparse_mla_mosaic
 S = jax.ShapeDtypeStruct
-for split in (False, True):
-    pools = (S((4096, 512), jnp.bfloat16), S((4096, 64), jnp.bfloat16)) if split else (S((4096, 576), jnp.bfloat16),)
-    args = (S((3, 128, 512), jnp.bfloat16), S((3, 128, 64), jnp.bfloat16), S((6, 256), jnp.int32), *pools)
+for split, rope in ((False, 64), (True, 64), (False, 0)):
+    joint = (S((4096, 512 + rope), jnp.bfloat16),)
+    pools = (S((4096, 512), jnp.bfloat16), S((4096, 64), jnp.bfloat16)) if split else joint
+    args = (S((3, 128, 512), jnp.bfloat16), S((3, 128, rope), jnp.bfloat16), S((6, 256), jnp.int32), *pools)
     text = sparse_mla_mosaic.trace(*args, scale=0.1, q_splits=2).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text, text[:2000]
 # the public wrapper on awkward shapes (100 heads padded to 128, top-300 padded to 320, parts merged by LSE),
@@ -101,11 +106,11 @@ for split in (False, True):
 import pallas_kernels.registry as registry
 import pallas_kernels.sparse_attention.api as api
 registry.is_sm90 = lambda: True
-for split, t in ((False, 1), (True, 3)):
+for split, t, rope in ((False, 1, 64), (True, 3, 64), (False, 2, 0)):
     kw = dict(rope_pages=S((40, 64, 64), jnp.bfloat16)) if split else {}
     f = jax.jit(lambda *a, **kw: api.sparse_mla(*a, scale=0.1, impl="mosaic", **kw))
-    args = (S((2, t, 100, 512), jnp.bfloat16), S((2, t, 100, 64), jnp.bfloat16),
-            S((40, 64, 512 if split else 576), jnp.bfloat16), S((2, 20), jnp.int32), S((2, t, 300), jnp.int32))
+    args = (S((2, t, 100, 512), jnp.bfloat16), S((2, t, 100, rope), jnp.bfloat16),
+            S((40, 64, 512 if split else 512 + rope), jnp.bfloat16), S((2, 20), jnp.int32), S((2, t, 300), jnp.int32))
     traced = f.trace(*args, **kw)
     assert [o.shape for o in traced.out_info] == [(2, t, 100, 512), (2, t, 100)], traced.out_info
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -248,8 +248,7 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
 
 def router_kernel_unsupported(x, w, n_group: int) -> str | None:
     """Why the router kernels cannot take this call (None: they can): they need one expert group, x and W of
-    one 2-byte dtype, at most `tuning.ROUTER_MAX_ROWS` tokens, E a power of two in [16, 1024] and D in
-    16-multiple slabs."""
+    one 2-byte dtype, at most `tuning.ROUTER_MAX_ROWS` tokens, 16 <= E <= 1024 and E and D multiples of 16."""
     if n_group != 1:
         return f"n_group=1 (got {n_group})"
     if x.dtype != w.dtype or jnp.dtype(w.dtype).itemsize != 2:
@@ -257,7 +256,7 @@ def router_kernel_unsupported(x, w, n_group: int) -> str | None:
     if x.shape[0] > ROUTER_MAX_ROWS:
         return f"at most {ROUTER_MAX_ROWS} tokens (got {x.shape[0]})"
     if not router_kernel_shapes(*w.shape):
-        return f"16 <= E <= 1024 a power of two (got {w.shape[1]}) and D a multiple of 16 (got {w.shape[0]})"
+        return f"16 <= E <= 1024 (got {w.shape[1]}), E and D multiples of 16 (got D {w.shape[0]})"
     return None
 
 

@@ -11,7 +11,9 @@ measurements in docs/performance.md#moe. Here:
     k times: e* = argmax(s + bias) (lowest id on ties), take s[e*], mask e*
     w = s_chosen / (Σ s_chosen + 1e-20) · scaling  (renormalised when norm_topk_prob)
 
-One expert group only (n_group = 1, the Kimi-Linear routing); grouped selection stays with the reference.
+One expert group only (n_group = 1, the Kimi-Linear and GLM-5.3-Flash routing); grouped selection stays with
+the reference. E need not be a power of two (GLM-5.3-Flash has 288): the selection program reads the logits
+padded to the next power of two with -inf logits and -inf bias, which no selection can pick.
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests).
 """
 
@@ -55,8 +57,9 @@ def _select_kernel(parts_ref, b_ref, wt_ref, id_ref, *, k, scoring, norm, scalin
 
 
 def router_kernel_shapes(kdim: int, experts: int) -> bool:
-    """Whether the kernels take a [kdim, experts] router: the GEMV's tiles, E a power of two in [16, 1024]."""
-    return 16 <= experts <= 1024 and experts & (experts - 1) == 0 and auto_tiles(kdim, experts) is not None
+    """Whether the kernels take a [kdim, experts] router: 16 <= E <= 1024 and the GEMV's tiles (E and kdim
+    multiples of 16)."""
+    return 16 <= experts <= 1024 and auto_tiles(kdim, experts) is not None
 
 
 @functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scaling", "interpret"))
@@ -71,16 +74,21 @@ def route_pallas(x, w, bias, *, k, scoring, norm_topk_prob, scaling, interpret=F
         (kernel_rows(x, w.dtype),), (w,), x_of=(0,), block_n=bn, block_k=bk, split_k=split, interpret=interpret
     )
     parts = parts.reshape(split, -1, e)  # [S, 1 or 16 rows, E]
+    ep = pow2(e)  # Triton blocks are powers of two: padded experts get -inf logits and bias
+    bias = bias.astype(jnp.float32)
+    if ep != e:
+        parts = jnp.pad(parts, [(0, 0), (0, 0), (0, ep - e)], constant_values=-jnp.inf)
+        bias = jnp.pad(bias, [(0, ep - e)], constant_values=-jnp.inf)
     kp = max(pow2(k), 2)
     kernel = functools.partial(_select_kernel, k=k, scoring=scoring, norm=norm_topk_prob, scaling=scaling)
     ws, ids = pl.pallas_call(
         kernel,
         grid=(n,),
-        in_specs=[pl.BlockSpec((split, None, e), lambda i: (0, i, 0)), pl.BlockSpec((e,), lambda i: (0,))],
+        in_specs=[pl.BlockSpec((split, None, ep), lambda i: (0, i, 0)), pl.BlockSpec((ep,), lambda i: (0,))],
         out_specs=[pl.BlockSpec((None, kp), lambda i: (i, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.float32), jax.ShapeDtypeStruct((n, kp), jnp.int32)],
         interpret=interpret,
         name="moe_router_select",
         **triton_params(interpret, 1, 1),
-    )(parts, bias.astype(jnp.float32))
+    )(parts, bias)
     return ws[:, :k], ids[:, :k]

@@ -164,7 +164,7 @@ def sparse_mla(
       products: "bf16" (bfloat16 operands and probabilities, float32 accumulation; on an FP8 pool the E4M3
       values enter exactly), "tf32" or "ieee"; default "bf16" for bf16 queries, else "tf32";
     - "mosaic": `mosaic_gpu.sparse_mla_mosaic`, Pallas Mosaic GPU for sm_90 (a `cp.async` gather warpgroup
-      and two `wgmma` warpgroups, 64 heads a CTA); bf16 queries and BF16 pool(s), R == 64, L a multiple of 128;
+      and two `wgmma` warpgroups, 64 heads a CTA); bf16 queries and BF16 pool(s), R == 64 or 0, L a multiple of 128;
       the tile knobs do not apply;
     - "auto": `registry.resolve("sparse_mla", ...)`.
     `splits`: parts of the selected rows run as separate programs and merged by LSE (default `num_splits`:

@@ -9,8 +9,8 @@ STAGES gathered blocks in shared memory. The roles run on separate warpgroups, a
 - producer (warpgroup 2): gathers the selected rows of the latent pool into shared memory with `cp.async`,
   16 bytes per thread per copy, written straight into the swizzled (8, 64) tiles `wgmma` reads (a TMA copy per
   row is too slow for a gather), and signals each block as soon as it lands.
-- consumer 0: S = Q K^T over the full 576 columns (latent + rope), the online softmax, P (bf16) handed to
-  consumer 1 through shared memory, and O[:, :256] += P V[:, :256].
+- consumer 0: S = Q K^T over the full 576 columns (latent + rope; 512 for a NoPE model), the online softmax,
+  P (bf16) handed to consumer 1 through shared memory, and O[:, :256] += P V[:, :256].
 - consumer 1: O[:, 256:] += P V[:, 256:], rescaled by consumer 0's correction factors.
 
 Per 64-row block the tensor work is S (64x64x576) and P V (64x64x512) once each: no product is repeated.
@@ -213,7 +213,8 @@ def _kernel(
         plgpu.set_max_registers(232, action="increase")
         for c in range(lat // TILE):
             plgpu.copy_gmem_to_smem(ql_ref.at[query, heads, pl.ds(c * TILE, TILE)], q_smem.at[c], q_bar)
-        plgpu.copy_gmem_to_smem(qr_ref.at[query, heads], q_smem.at[lat // TILE], q_bar)
+        if rope:  # R = 0 (a NoPE model): the scores are the latent part alone
+            plgpu.copy_gmem_to_smem(qr_ref.at[query, heads], q_smem.at[lat // TILE], q_bar)
         plgpu.barrier_wait(q_bar)
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
         m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), wgmma_rows)
@@ -311,7 +312,8 @@ def sparse_mla_mosaic(
     lat_rows [rows, L] (+ rope_rows [rows, R]) or lat_rows [rows, L+R] bf16 ->
     (out [Q*q_splits, N, L] bf16, softmax-normalised over each part's rows; lse [Q*q_splits, N] float32).
 
-    Needs N % 64 == 0, K % 64 == 0, R == 64 and L a multiple of 128 (each consumer takes L/2 output columns).
+    Needs N % 64 == 0, K % 64 == 0, R == 64 or R == 0 (no rope part: q_rope [Q,N,0] is not read, no rope pool)
+    and L a multiple of 128 (each consumer takes L/2 output columns).
     `probe` is for timing the loop taken apart only (wrong results): "nogather" skips the row copies,
     "nomma" the products; both may be given.
     """
@@ -320,11 +322,12 @@ def sparse_mla_mosaic(
     rope = q_rope.shape[-1]
     rows_total, k = slots.shape
     split_rope = rope_rows is not None
-    if n % BLOCK_H or k % BLOCK_K or rope != TILE or lat % (2 * TILE) or rows_total != nq * q_splits:
+    bad_rope = rope not in (0, TILE) or (rope == 0 and split_rope)
+    if n % BLOCK_H or k % BLOCK_K or bad_rope or lat % (2 * TILE) or rows_total != nq * q_splits:
         raise ValueError(
             f"sparse_mla_mosaic: needs heads % {BLOCK_H} == 0 (got {n}), selected % {BLOCK_K} == 0 (got {k}), "
-            f"rope == {TILE} (got {rope}), latent % {2 * TILE} == 0 (got {lat}), {nq} x {q_splits} slot rows "
-            f"(got {rows_total})"
+            f"rope {TILE} or 0 with no rope rows (got {rope}{', rope rows' if split_rope else ''}), "
+            f"latent % {2 * TILE} == 0 (got {lat}), {nq} x {q_splits} slot rows (got {rows_total})"
         )
     width = lat + rope
     tiled = _tiled()
@@ -363,12 +366,15 @@ def sparse_mla_mosaic(
     def entry_joint(ql, qr, idx, lr, o, lse):
         entry(ql, qr, idx, lr, None, o, lse)
 
+    def entry_nope(ql, idx, lr, o, lse):
+        entry(ql, None, idx, lr, None, o, lse)
+
     out_type = (
         jax.ShapeDtypeStruct((rows_total, n, lat), jnp.bfloat16),
         jax.ShapeDtypeStruct((rows_total, n), jnp.float32),
     )
     call = plgpu.kernel(
-        entry if split_rope else entry_joint,
+        entry if split_rope else entry_joint if rope else entry_nope,
         out_type=out_type,
         grid=(n // BLOCK_H, rows_total),
         grid_names=("h", "r"),
@@ -378,5 +384,5 @@ def sparse_mla_mosaic(
         # keeps Q + two stages + P within the 227 KiB.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    args = (q_latent, q_rope, slots, lat_rows) + ((rope_rows,) if split_rope else ())
+    args = (q_latent,) + ((q_rope,) if rope else ()) + (slots, lat_rows) + ((rope_rows,) if split_rope else ())
     return call(*args)
