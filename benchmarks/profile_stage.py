@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import device_events, flat_module
-from benchmarks.e2e import add_hf_args, kimi_model
+from benchmarks.e2e import HF_MODELS, add_hf_args, hf_model
 from benchmarks.e2e_stages import _info
 
 
@@ -219,7 +219,7 @@ def profile_prefill(model, tokens: int, args, out_dir: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="hybrid_small", help="a preset, or kimi (the Kimi-shaped folder)")
+    p.add_argument("--model", default="hybrid_small", help="a preset, or kimi / glm5 (e2e's folders)")
     p.add_argument(
         "--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill", "prefill", "indexer"]
     )
@@ -246,7 +246,7 @@ def main() -> None:
             profile_indexer(b, args, out_dir)
         return
     # bf16 weights; --quant hierarchical: MXFP8 indexer keys and an FP8 latent cache as well
-    model = kimi_model(args, args.quant) if args.model == "kimi" else build_model(args.model, args.quant)
+    model = hf_model(args, args.model, args.quant) if args.model in HF_MODELS else build_model(args.model, args.quant)
     if args.stage == "prefill":
         profile_prefill(model, args.tokens, args, out_dir)
         print(f"\ntraces and HLO in {out_dir}")

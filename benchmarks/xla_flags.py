@@ -80,7 +80,7 @@ def _row(label, b, context, v, ops, ms, floor, kernels) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["hybrid_small"], help="presets, or kimi (e2e's Kimi-shaped folder)")
+    p.add_argument("--models", nargs="+", default=["hybrid_small"], help="presets, or kimi / glm5 (e2e's folders)")
     p.add_argument("--hf-dir", type=Path, default=None, help="also a Hugging Face folder (e.g. e2e's Kimi-shaped)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true")
     add_hf_args(p)
     args = p.parse_args()
-    from benchmarks.e2e import build_model, decode_floor_bytes, kimi_model
+    from benchmarks.e2e import HF_MODELS, build_model, decode_floor_bytes, hf_model
     from pallas_kernels import use_pallas
 
     bw, _ = ceilings()
@@ -102,8 +102,8 @@ def main() -> None:
             from checkpoints import from_pretrained
 
             model, label = from_pretrained(args.hf_dir, dtype=jnp.bfloat16, progress=False), "kimi (hf folder)"
-        elif name == "kimi":
-            model, label = kimi_model(args), "kimi"
+        elif name in HF_MODELS:
+            model, label = hf_model(args, name), name
         else:
             model, label = build_model(name), name
         cfg = model.config

@@ -84,6 +84,27 @@ def test_e2e_row_peak_counts_live_bytes_temporaries_and_new_outputs(monkeypatch)
     assert _row_peak_gib(fresh, x) is None
 
 
+def test_e2e_titles_keep_the_recorded_table_names():
+    """Runs with and without the transformers-built models file their rows under the tables recorded so far
+    (BENCHMARKS.md shows the latest run per table, and goals find their baselines there)."""
+    import argparse
+    import json
+
+    from benchmarks.common import RESULTS, split_title
+    from benchmarks.e2e import add_hf_args, run_title
+
+    p = argparse.ArgumentParser()
+    add_hf_args(p)
+    recorded = {json.loads(line)["table"] for line in (RESULTS / "e2e.jsonl").read_text().splitlines()}
+    kimi = "End to end (Kimi-shaped = 8 layers, 32 experts); decode after 2048 tokens"
+    glm5 = "End to end (glm5-shaped = 8 layers, 32 experts); decode after 2048 tokens"
+    for models, want in ((["hybrid_small", "kimi"], kimi), (["hybrid_small"], kimi), (["glm5"], glm5)):
+        args = argparse.Namespace(**vars(p.parse_args([])), models=models, context=2048, tiny=False)
+        table, run = split_title(run_title(args, 3.7e12, 7.5e14))
+        assert table == want and want in recorded, (models, table)
+        assert run["models"] == ", ".join(models) and run["ceilings"].startswith("copy 3.70 TB/s")
+
+
 def test_e2e_floors_count_what_a_step_moves(tiny_model):
     from benchmarks.e2e import decode_floor_bytes, prefill_flops
 

@@ -167,6 +167,30 @@ def test_sharded_folder_with_index_and_fp8_block_scaled_weights(tmp_path):
     np.testing.assert_array_equal(got, (w8.astype(np.float32) * 0.5).T)
 
 
+def test_fp8_scales_apply_per_128_block_with_partial_edges(tmp_path):
+    """A [300, 200] E4M3 weight with a 3 x 2 scale grid (the last row and column blocks partial): each element is
+    scaled by its own block's scale, and a transposed grid is refused naming the tensor."""
+    from checkpoints.hf import _weight
+
+    rng = np.random.default_rng(0)
+    w8 = rng.uniform(-4, 4, (300, 200)).astype(ml_dtypes.float8_e4m3fn)
+    scale = np.array([[1.0, 2.0], [4.0, 8.0], [16.0, 32.0]], np.float32)
+    tensors = {"a.weight": w8, "a.weight_scale_inv": scale, "b.weight": w8, "b.weight_scale_inv": scale.T.copy()}
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    reader = CheckpointFolder(tmp_path)
+    got = _weight(reader, "a.weight")
+    v = w8.astype(np.float32)
+    for (r0, r1, i), (c0, c1, j) in [
+        ((0, 128, 0), (0, 128, 0)),
+        ((128, 256, 1), (128, 200, 1)),
+        ((256, 300, 2), (0, 128, 0)),
+    ]:
+        np.testing.assert_array_equal(got[r0:r1, c0:c1], v[r0:r1, c0:c1] * scale[i, j])
+    np.testing.assert_array_equal(got[256:, 128:], v[256:, 128:] * 32.0)
+    with pytest.raises(CheckpointError, match=r"b.weight_scale_inv.*\(2, 3\).*\(300, 200\)"):
+        _weight(reader, "b.weight")
+
+
 def test_hybrid_format_round_trip(tmp_path):
     model = HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(3))
     save_pretrained(model, tmp_path / "tiny")

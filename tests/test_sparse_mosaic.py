@@ -41,6 +41,8 @@ def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool, rope
     if seed == 2:  # all slots used (the generic case draws how many)
         rng = np.random.default_rng(seed)
         idx = jnp.asarray(np.stack([rng.permutation(4096)[:topk] for _ in range(b)])[:, None].astype(np.int32))
+    if lengths[-1] == 1:  # the cases that name "a query with none": its row selects nothing
+        idx = idx.at[-1].set(-1)
     ql, qr = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
     kw = dict(rope_pages=pool[..., 512:]) if split_pool else {}
     pages = pool[..., :512] if split_pool else pool
@@ -50,6 +52,7 @@ def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool, rope
     if n >= 64:
         np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
     empty = np.asarray(idx < 0).all(-1)
+    assert empty.any() == (lengths[-1] == 1)
     assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
     np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-4, atol=1e-4)
     # bf16 probabilities and output, as the Triton kernel's bf16 products

@@ -1,4 +1,5 @@
-"""Pallas kernels: an MoE layer's router for decode-sized calls, logits to chosen experts in two launches.
+"""Pallas kernels: an MoE layer's router for decode-sized calls, logits to chosen experts in two launches (and,
+for an expert count that is not a power of two, a pad of the small [splits, tokens, E] partial sums between).
 
 Why: at batch-1 decode XLA runs the router as six small kernels per MoE layer (the [D] x [D, E] product as a
 serial reduction, σ + bias, the top-k sort, its slice, the gather of the chosen scores, the renormalisation);

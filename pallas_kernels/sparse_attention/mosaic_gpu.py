@@ -330,6 +330,9 @@ def sparse_mla_mosaic(
             f"latent % {2 * TILE} == 0 (got {lat}), {nq} x {q_splits} slot rows (got {rows_total})"
         )
     width = lat + rope
+    pool_widths = (lat_rows.shape[-1],) + ((rope_rows.shape[-1],) if split_rope else ())
+    if pool_widths != ((lat, rope) if split_rope else (width,)):
+        raise ValueError(f"sparse_mla_mosaic: pool width(s) {pool_widths} do not match latent {lat} + rope {rope}")
     tiled = _tiled()
     scratch = [
         plgpu.SMEM((width // TILE, BLOCK_H, TILE), jnp.bfloat16, transforms=tiled),  # Q by tile, then the output
