@@ -1,4 +1,5 @@
-"""The Pallas MoE router kernel (interpret mode on CPU) against the XLA routing reference."""
+"""The Pallas MoE router kernel against the XLA routing reference: interpret mode on the CPU, the compiled
+kernel where a GPU is present (`interpret=None`)."""
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ def test_router_kernel_matches_reference(seed, n, d, e, k, scoring, norm):
     x, w, bias = _inputs(seed, n, d, e)
     kw = dict(k=k, scoring=scoring, norm_topk_prob=norm, scaling=2.5)
     w_ref, id_ref = moe_route(x, w, bias, impl="reference", **kw)
-    w_ker, id_ker = moe_route(x, w, bias, impl="pallas", interpret=True, **kw)
+    w_ker, id_ker = moe_route(x, w, bias, impl="pallas", interpret=None, **kw)
     assert id_ker.shape == (n, k) and id_ker.dtype == jnp.int32 and w_ker.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(id_ker), np.asarray(id_ref))  # same experts, same order
     np.testing.assert_allclose(np.asarray(w_ker), np.asarray(w_ref), rtol=1e-5, atol=1e-7)
@@ -48,7 +49,7 @@ def test_router_kernel_breaks_ties_to_the_lower_expert():
     bias = bias.at[9].set(bias[2]) + 10.0 * (jnp.arange(16) % 7 == 2)  # both far above the rest
     kw = dict(k=3, scoring="sigmoid", norm_topk_prob=True, scaling=1.0)
     _, id_ref = moe_route(x, w, bias, impl="reference", **kw)
-    _, id_ker = moe_route(x, w, bias, impl="pallas", interpret=True, **kw)
+    _, id_ker = moe_route(x, w, bias, impl="pallas", interpret=None, **kw)
     assert np.asarray(id_ker)[:, :2].tolist() == [[2, 9], [2, 9]]
     np.testing.assert_array_equal(np.asarray(id_ker), np.asarray(id_ref))
 
@@ -61,6 +62,7 @@ def test_router_auto_choice_and_errors(monkeypatch):
         fn = lambda x, w, b: moe_route(x, w, b, n_group=n_group, interpret=True, **kw)  # noqa: E731
         return str(jax.make_jaxpr(fn)(x, w, bias))
 
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert "moe_router" not in traced(x, w)  # CPU: the reference
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert "moe_router" in traced(x, w)  # one decoded token on a GPU
@@ -94,7 +96,7 @@ def test_router_kernel_288_experts_all_selectable():
     for k in (8, 288):
         kw = dict(k=k, scoring="sigmoid", norm_topk_prob=True, scaling=2.5)
         w_ref, id_ref = moe_route(x, w, bias, impl="reference", **kw)
-        w_ker, id_ker = moe_route(x, w, bias, impl="pallas", interpret=True, **kw)
+        w_ker, id_ker = moe_route(x, w, bias, impl="pallas", interpret=None, **kw)
         np.testing.assert_array_equal(np.asarray(id_ker), np.asarray(id_ref))
         np.testing.assert_allclose(np.asarray(w_ker), np.asarray(w_ref), rtol=1e-5, atol=1e-7)
         assert set(np.asarray(id_ker)[:, :8].ravel()) <= set(range(280, 288))
@@ -117,7 +119,8 @@ def test_model_decode_step_through_router_kernel(tiny_cfg):
         fn = lambda m, i, c: m.decode_step(i, c)[0]  # noqa: E731
         return str(jax.make_jaxpr(fn)(model, ids[:, -1], cache)), jax.jit(fn)(model, ids[:, -1], cache)
 
-    text, xla = step()
+    with use_pallas(False, ops=["moe_router"]):  # XLA's routing on any backend (a GPU's default is the kernel)
+        text, xla = step()
     assert "moe_router" not in text
     with use_pallas(ops=["moe_router"]):
         text, kernel = step()

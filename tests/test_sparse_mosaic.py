@@ -52,7 +52,7 @@ def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool, rope
     if n >= 64:
         np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
     empty = np.asarray(idx < 0).all(-1)
-    assert empty.any() == (lengths[-1] == 1)
+    assert empty.any() or lengths[-1] != 1  # the cases naming a query with none have one (others may draw one)
     assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
     np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-4, atol=1e-4)
     # bf16 probabilities and output, as the Triton kernel's bf16 products
