@@ -260,7 +260,7 @@ VALUE_COLUMNS = frozenset({
     "tokens/s", "floor ms", "peak GiB", "vs transformers", "note", "ms each", "ms x layers", "share of full call",
     "kernels", "ms per call", "most common", "ms per step", "x floor", "command buffers", "kernels per step",
     "prefill_err", "decode_err", "greedy", "warps", "stages", "smem", "regs", "spills", "verdict", "result", "error",
-    "ms", "gathered GB/s", "% of tensor bound", "vs plain", "max rel err vs plain",
+    "ms", "tokens per verify step", "gathered GB/s", "% of tensor bound", "vs plain", "max rel err vs plain",
     "float32 rel err vs plain (logits; worst cache leaf)", "bf16 bytes", "quantized bytes", "ratio", "mean recall",
     "min recall", "latent rel err", "output rel err", "mean KL (nats)", "max KL", "argmax agreement", "seconds",
     "per-device scores (x1e6)", "max / min", "max / mean", "checkpoint MB", "largest tensor MB",

@@ -8,6 +8,9 @@
   gate logits of the pool still filling up; a layer sharing another's selection keeps neither).
   A pool stores its rows dense, or quantized (FP8 per-tile for the latent, MXFP8 for the indexer keys, see
   `hybrid_jax.quant`), so the memory really shrinks; writing a token quantizes and touches only that token's rows.
+* A speculative verify step (`HybridLM.verify`) returns a `PendingCache`: the pools hold every verified token,
+  the per-sequence states one snapshot per accepted-prefix length; `HybridLM.commit` keeps a prefix per row
+  and clears the pool rows of the rest.
 * Shared by all layers: `page_table` [B, n] (pages of each sequence, see `pallas_kernels.paged`) and
   `lengths` [B] (tokens cached so far). `max_len` is the capacity per sequence: going past it is an error.
 """
@@ -86,6 +89,18 @@ class Pool:
             new_scales = write_rows(self.scales, info.page_table, info.positions, info.valid, scales)
         return Pool(new_values, new_scales, self.fmt, self.tile)
 
+    def clear(self, page_table: jax.Array, start: jax.Array, stop: jax.Array, count: int) -> Pool:
+        """The rows at positions [start, stop) of each row (start, stop [B]; at most `count` of them) back to an
+        empty pool's contents: what a rollback leaves where rejected tokens were written."""
+        positions = start[:, None] + jnp.arange(count, dtype=jnp.int32)[None, :]
+        valid = positions < stop[:, None]
+        b = positions.shape[0]
+        zeros = jnp.zeros((b, count, self.values.shape[-1]), jnp.float32)
+        values, scales = quantize_rows(zeros, self.fmt, self.tile, self.values.dtype)
+        new_values = write_rows(self.values, page_table, positions, valid, values)
+        new_scales = None if scales is None else write_rows(self.scales, page_table, positions, valid, scales)
+        return Pool(new_values, new_scales, self.fmt, self.tile)
+
     def read(self, dtype) -> jax.Array:
         """The dequantized pool [P, G, W] (what the reference ops read)."""
         return dequantize_rows(self.values, self.scales, self.fmt, dtype)
@@ -123,6 +138,17 @@ class HybridCache:
     @property
     def batch_size(self) -> int:
         return self.page_table.shape[0]
+
+
+@struct.dataclass
+class PendingCache:
+    """What `HybridLM.verify` returns beside the logits: the cache after all `n_new` [B] verified tokens, where
+    every per-sequence state (KDA recurrent and conv tails, KPool index tails) holds one snapshot per prefix of
+    the block (axis 1, index j = after j tokens). `HybridLM.commit` keeps a prefix of each row."""
+
+    cache: HybridCache
+    n_new: jax.Array  # [B] int32
+    block: int = struct.field(pytree_node=False)  # T, the block length (static)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,9 +203,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.top_k is not None and args.top_k > cfg.vocab_size:
         raise UserError(f"--top-k {args.top_k} exceeds the vocabulary size {cfg.vocab_size}")
     total = len(ids) + args.max_new_tokens
-    if total > cfg.max_position_embeddings:
+    extra = f" + --num-draft {args.num_draft}" if args.draft else ""
+    if total + (args.num_draft if args.draft else 0) > cfg.max_position_embeddings:
         raise UserError(
-            f"prompt {len(ids)} + --max-new-tokens {args.max_new_tokens} = {total} tokens exceeds "
+            f"prompt {len(ids)} + --max-new-tokens {args.max_new_tokens}{extra} = "
+            f"{total + (args.num_draft if args.draft else 0)} tokens exceeds "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
     mesh_ctx = contextlib.nullcontext()
@@ -220,7 +222,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eos = tok.eos_id if tok is not None else cfg.eos_token_id
     stream = _Stream(tok, eos, 0) if args.stream and say.on else None
     static = dict(
-        max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos_id=eos, on_token=stream,
+        max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos_id=eos, on_token=stream, draft=args.draft,
+        num_draft=args.num_draft,
         prefill_chunk=args.prefill_chunk if args.prefill_chunk is not None else _agreed_prefill_chunk(model),
     )  # fmt: skip
     dynamic = dict(temperature=args.temperature, top_p=args.top_p, rng=jax.random.key(args.seed))
@@ -258,6 +261,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         say.info(f"generated: {text!r}")
     say.info(f"tokens: {out.tokens[0, :n].tolist()}")
     say.info(f"{n} tokens in {run_s:.3f} s: {n / run_s:.1f} tokens/s (compilation {compile_s:.2f} s, before that)")
+    if args.draft:
+        say.info(f"speculative ({args.draft}): {int(out.accepted[0])} of {int(out.drafted[0])} drafted tokens accepted")
     say.info(f"XLA compilations: {counter.compiled}, loaded from the persistent cache: {counter.cache_hits} ({where})")
     return 0
 
@@ -328,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prefill longer prompts this many tokens at a time (default: from the model's sizes and free memory)",
     )
+    g.add_argument(
+        "--draft", choices=["ngram"], default=None,
+        help="speculative decoding: draft tokens by prompt lookup and verify them in one forward (same greedy output)",
+    )  # fmt: skip
+    g.add_argument("--num-draft", type=_positive, default=4, help="tokens drafted per verify step (with --draft)")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     g.add_argument("--quiet", action="store_true", help="print only the generated text")
     g.add_argument(

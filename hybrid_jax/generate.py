@@ -20,6 +20,11 @@ class GenerateOutput(NamedTuple):
     # a prompt length outside [1, T], temperature < 0 or top_p outside (0, 1] given as traced values). With
     # concrete inputs `generate` raises ValueError instead, so under eager use this is all False.
     error: jax.Array
+    # [B] int32 speculative decoding (`draft=`): tokens drafted for the row, and how many of the emitted tokens
+    # were drafts (a verify step emits its accepted drafts, then one token of the model's own unless an EOS or
+    # max_new_tokens ends the row first); zeros without a drafter
+    drafted: jax.Array | None = None
+    accepted: jax.Array | None = None
 
 
 def sample_logits(
@@ -34,20 +39,26 @@ def sample_logits(
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if isinstance(temperature, (int, float)) and temperature == 0:
         return greedy
+    sampled = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p), axis=-1)
+    return jnp.where(jnp.asarray(temperature) > 0, sampled.astype(jnp.int32), greedy)
+
+
+def filtered_logits(logits: jax.Array, temperature, top_k: int | None, top_p) -> jax.Array:
+    """logits [..., V] / temperature with the tokens outside top_k and outside the top_p nucleus at -inf: the
+    distribution `sample_logits` draws from is softmax of this (temperature > 0)."""
     t = jnp.asarray(temperature, jnp.float32)
     scaled = logits / jnp.where(t > 0, t, 1.0)
     if top_k is not None:
-        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
         scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
     if top_p is not None:
-        sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+        sorted_logits = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         # The smallest logit still inside the nucleus; the best token is always kept.
         cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-    sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-    return jnp.where(t > 0, sampled, greedy)
+    return scaled
 
 
 def _validate(model: HybridLM, input_ids, prompt_lengths, max_new_tokens, top_k, top_p, temperature, eos_id):
@@ -104,6 +115,8 @@ def generate(
     pad_id: int = 0,
     on_token: Callable | None = None,
     prefill_chunk: int | None = None,
+    draft: str | Callable | None = None,
+    num_draft: int = 4,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
@@ -123,8 +136,18 @@ def generate(
     each new token of every row (int32 [B]; pad_id for a row that has stopped), step 0 being the token after
     the prompt: for streaming output. Under `jax.jit`, mark `max_new_tokens`, `top_k`, `eos_id` and
     `on_token` static: `jax.jit(generate, static_argnames=("max_new_tokens", "top_k", "eos_id", "on_token"))`.
+    draft: speculative decoding (hybrid_jax.speculative). "ngram" drafts `num_draft` tokens a step by prompt
+    lookup; one forward verifies them, each row keeps the drafts the model agrees with plus the model's next
+    token, and the caches roll back the rest (KDA states from per-token snapshots, nothing recomputed). Greedy
+    output is plain greedy decoding's wherever the block's logits rank tokens as a decode step's (float32: they
+    agree to ~1e-7; in bf16 near-ties can go either way); sampled output has plain sampling's distribution.
+    on_token then sees a step once every row has settled it. `drafted` / `accepted` count the drafts. A function
+    `draft(history [B, H] int32, length [B], k) -> [B, k] int32` drafts instead (deterministic in the history:
+    the rejection rule takes its proposal as certain; tokens of `history` at or past `length` are not
+    history). Static under jit, as is `num_draft`.
     """
     _validate(model, input_ids, prompt_lengths, max_new_tokens, top_k, top_p, temperature, eos_id)
+    extra = _validate_draft(model, draft, num_draft, np.shape(input_ids)[1] + max_new_tokens)
     greedy = isinstance(temperature, (int, float)) and temperature == 0
     if rng is None:
         if not greedy:
@@ -138,7 +161,7 @@ def generate(
     input_ids = jnp.where(error[:, None], 0, input_ids)
     lens = jnp.where(error, 1, lens)
 
-    cache = model.init_cache(b, t + max_new_tokens)
+    cache = model.init_cache(b, t + max_new_tokens + extra)
     if prefill_chunk is None and jax.process_count() > 1:
         raise ValueError(
             "generate: pass prefill_chunk= with several processes (free memory differs between hosts and the chunk "
@@ -162,6 +185,17 @@ def generate(
     done = error if eos_id is None else error | (first == eos_id)
     tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     lengths = (~error).astype(jnp.int32)
+    if draft is not None:
+        from hybrid_jax.speculative import ngram_draft, speculative_decode  # it builds on this module's sampling
+
+        drafter = ngram_draft if draft == "ngram" else draft
+        tokens, lengths, drafted, accepted = speculative_decode(
+            model, cache, first, input_ids, lens, lengths, done, drafter=drafter, num_draft=num_draft,
+            max_new_tokens=max_new_tokens,
+            rng=rng, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id,
+            emit=None if on_token is None else emit,
+        )  # fmt: skip
+        return GenerateOutput(tokens=tokens, lengths=lengths, error=error, drafted=drafted, accepted=accepted)
 
     def cond(carry):
         step, _, _, done, _, _ = carry
@@ -180,7 +214,33 @@ def generate(
 
     carry = (jnp.int32(1), first, cache, done, tokens, lengths)
     _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
-    return GenerateOutput(tokens=tokens, lengths=lengths, error=error)
+    none = jnp.zeros((b,), jnp.int32)
+    return GenerateOutput(tokens=tokens, lengths=lengths, error=error, drafted=none, accepted=none)
+
+
+DRAFTERS = ("ngram", "mtp")
+
+
+def _validate_draft(model: HybridLM, draft, num_draft, total: int) -> int:
+    """The speculative arguments -> the cache room a verify step needs beyond prompt + max_new_tokens."""
+    if draft is None:
+        return 0
+    if not callable(draft) and draft not in DRAFTERS:
+        raise ValueError(f"draft={draft!r} must be None, one of {DRAFTERS} or a drafter function")
+    if draft == "mtp":
+        raise ValueError(
+            "draft='mtp': this model carries no multi-token-prediction layer (the loader does not keep one yet); "
+            "use draft='ngram'"
+        )
+    if not isinstance(num_draft, (int, np.integer)) or isinstance(num_draft, bool) or num_draft < 1:
+        raise ValueError(f"num_draft={num_draft!r} must be a positive int (static under jit)")
+    limit = model.config.max_position_embeddings
+    if total + num_draft > limit:
+        raise ValueError(
+            f"prompt + max_new_tokens = {total} plus num_draft={num_draft} exceeds max_position_embeddings={limit} "
+            "(a verify step writes its whole block before rolling back)"
+        )
+    return int(num_draft)
 
 
 # Bounds of the prefill chunk `generate` picks: at least MIN (a chunk keeps the GPU busy: thousands of rows per

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybrid_jax.cache import HybridCache, StepInfo, is_concrete, make_page_table
+from hybrid_jax.cache import HybridCache, KDAState, MLAState, PendingCache, StepInfo, is_concrete, make_page_table
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.attn_res import AttnResMix
 from hybrid_jax.layers.common import DTypes, RMSNorm, SwiGLU, linear
@@ -308,3 +308,58 @@ class HybridLM(nnx.Module):
         n_new = jnp.ones((b,), jnp.int32) if active is None else jnp.asarray(active).astype(jnp.int32)
         logits, cache = self._extend(token_ids[:, None], cache, n_new, "decode", False)
         return logits[:, 0], cache
+
+    def verify(self, input_ids: jax.Array, cache: HybridCache, lengths=None) -> tuple[jax.Array, PendingCache]:
+        """Score a block of tokens per sequence and keep what a rollback needs (speculative decoding): ids [B, T]
+        (right-padded), lengths [B] real tokens per row (default T) -> (logits [B, T, vocab] float32, a
+        `PendingCache`). Attention layers read the cache in the absorbed (decode) form and write all T tokens;
+        KDA layers run the decode step token by token and keep the state after each. Pass the result to
+        `commit` with the number of tokens each row keeps."""
+        self._check_ids(input_ids, lengths)
+        b, t = input_ids.shape
+        n_new = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        logits, new_cache = self._extend(input_ids, cache, n_new, "verify", False)
+        return logits, PendingCache(cache=new_cache, n_new=new_cache.lengths - cache.lengths, block=t)
+
+    def commit(self, pending: PendingCache, keep) -> HybridCache:
+        """The cache as if each row had been fed only the first keep[b] tokens of the verified block (keep [B] in
+        [0, n_new]): per-sequence states take their snapshot after keep tokens, pool rows past it are cleared,
+        lengths advance by keep. Nothing is recomputed. Under jit a keep outside [0, n_new] cannot raise: that row's
+        pools are left as they are, its states come back NaN and its length past max_len, so every later call
+        gives the row NaN logits (as an overflowing row does) — never a silently chosen snapshot."""
+        cache, n_new = pending.cache, pending.n_new
+        keep = jnp.asarray(keep, jnp.int32)
+        if keep.shape != n_new.shape:
+            raise ValueError(f"commit: keep shape {keep.shape} != ({n_new.shape[0]},)")
+        if is_concrete(keep, n_new):
+            k, n = np.asarray(keep), np.asarray(n_new)
+            bad = np.nonzero((k < 0) | (k > n))[0]
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(f"commit: keep[{i}]={int(k[i])} is outside [0, n_new={int(n[i])}]")
+        start = cache.lengths - n_new  # the length before the verify step
+        bad_row = (keep < 0) | (keep > n_new)
+        new_len = jnp.where(bad_row, cache.lengths, start + keep)  # where the clearing starts (none: bad rows)
+
+        def pick(x):  # snapshots [B, T+1, ...] -> the one after keep tokens [B, ...]
+            idx = jnp.where(bad_row, x.shape[1], keep).reshape((-1,) + (1,) * (x.ndim - 1))
+            return jnp.take_along_axis(x, idx, axis=1, mode="fill", fill_value=jnp.nan)[:, 0]
+
+        t, page_table = pending.block, cache.page_table
+        layers = []
+        for st in cache.layers:
+            if isinstance(st, KDAState):
+                st = KDAState(conv=pick(st.conv), recurrent=pick(st.recurrent))
+            elif isinstance(st, MLAState):
+                latent = st.latent.clear(page_table, new_len, cache.lengths, t)
+                rope = None if st.rope is None else st.rope.clear(page_table, new_len, cache.lengths, t)
+                index_k, tail = st.index_k, st.index_tail
+                if tail is not None:  # KPool: one key per complete pool; pools no longer complete are cleared
+                    p = self.config.index_kpool
+                    index_k = index_k.clear(page_table, new_len // p, cache.lengths // p, t // p + 1)
+                    tail = pick(tail)
+                elif index_k is not None:
+                    index_k = index_k.clear(page_table, new_len, cache.lengths, t)
+                st = MLAState(latent=latent, rope=rope, index_k=index_k, index_tail=tail)
+            layers.append(st)
+        return cache.replace(layers=tuple(layers), lengths=jnp.where(bad_row, cache.max_len + 1, new_len))

@@ -539,3 +539,20 @@ def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     for case, batch, tokens in [("TTFT (chunked prefill)", 1, 40), ("decode step (after the prefill)", 1, 96),
                                 ("decode step (random-filled cache)", 2, 48)]:  # fmt: skip
         assert f"case={case} | batch={batch} | tokens={tokens} | ms=" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_speculative_benchmark_runs_on_cpu(monkeypatch, capsys):
+    """The speculative benchmark at toy size: plain and speculative rows (the replay of plain greedy's tokens
+    emits k + 1 tokens a step in float32, where verify and decode agree), the verify and decode steps."""
+    from benchmarks import speculative
+
+    argv = ["speculative", "--preset", "tiny", "--batches", "2", "--context", "40", "--new", "11", "--num-draft",
+            "2", "--wrong-every", "--reps", "1", "--steps", "2", "--dtype", "float32", "--no-record"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    speculative.main()
+    out = capsys.readouterr().out
+    assert "| 2 | 40 | plain greedy |  |  |" in out
+    assert "| 2 | 40 | speculative k=2 | replay of plain greedy | 2.50 |" in out  # 10 tokens after the first: 3+3+3+1
+    assert out.count("| same tokens as plain greedy |") == 2, out[-2000:]
+    assert "verify step, 3 tokens + commit" in out and "x a decode step" in out

@@ -105,6 +105,10 @@ def test_tensor_parallel_forward_and_generate_equal_single_device():
                 lowered = fwd.lower(model, jnp.zeros((4, 16), jnp.int32)).as_text()
                 logits = np.asarray(fwd(model, ids))
                 tokens = np.asarray(gen(model, ids, max_new_tokens=6).tokens)
+                if (dp, tp) == (2, 4):  # speculative decoding: the verify step's snapshots placed like the states
+                    spec = jax.jit(generate, static_argnames=("max_new_tokens", "draft", "num_draft"))
+                    out = spec(model, ids, max_new_tokens=6, draft="ngram", num_draft=2)
+                    np.testing.assert_array_equal(np.asarray(out.tokens), ref_tokens)
             # a constraint at every layer boundary (and after the embedding)
             assert lowered.count('[{"dp"}, {"cp", "tp"}, {}]> : tensor<4x16x') >= cfg.num_layers + 1, (dp, tp)
             rel = np.linalg.norm(logits - ref_logits) / np.linalg.norm(ref_logits)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.linear_attention import kda, kda_decode_step, kda_state_summary
+from pallas_kernels.linear_attention import kda, kda_decode_step, kda_decode_steps, kda_state_summary
 from tests.conftest import examples, rel_err
 
 
@@ -47,6 +47,29 @@ def test_decode_step_kernel_bf16_inputs_and_state_in_place():
     o, s = step(*args[:5], args[5].copy())
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-5  # bf16 output rounding only
+
+
+@pytest.mark.parametrize("impl, scalar", [("reference", False), ("pallas", True)])
+def test_decode_steps_keep_the_state_after_every_token(impl, scalar):
+    """kda_decode_steps over T tokens: outputs equal the recurrence's, states[:, t] the recurrence's final state
+    over the first t + 1 tokens; a token with beta = 0 and g = 0 (padding) leaves the state as it was."""
+    b, t, n, dk, dv = 2, 5, 3, 16, 24
+    ks = jax.random.split(jax.random.key(11), 6)
+    q, k = (jax.random.normal(x, (b, t, n, dk)) for x in ks[:2])
+    v = jax.random.normal(ks[2], (b, t, n, dv))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, n) if scalar else (b, t, n, dk)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, n)))
+    beta, g = beta.at[1, 3].set(0.0), g.at[1, 3].set(0.0)  # row 1's 4th token is padding
+    state = jax.random.normal(ks[5], (b, n, dk, dv))
+    o, states = kda_decode_steps(q, k, v, g, beta, state, impl=impl, interpret=True if impl == "pallas" else None)
+    assert o.shape == (b, t, n, dv) and states.shape == (b, t, n, dk, dv) and states.dtype == jnp.float32
+    ref_o, _ = kda(q, k, v, g, beta, initial_state=state, impl="reference", form="recurrent")
+    assert rel_err(o, ref_o) < 1e-5
+    for i in range(t):
+        _, s_i = kda(q[:, : i + 1], k[:, : i + 1], v[:, : i + 1], g[:, : i + 1], beta[:, : i + 1],
+                     initial_state=state, impl="reference", form="recurrent")  # fmt: skip
+        assert rel_err(states[:, i], s_i) < 1e-5, i
+    np.testing.assert_array_equal(np.asarray(states[1, 3]), np.asarray(states[1, 2]))
 
 
 def test_decode_step_bad_input_is_named():

@@ -38,7 +38,7 @@ def test_readme_shows_every_public_entry_point():
     for name in (
         "generate", "HybridLM", "init_cache", "prefill", "decode_step", "from_pretrained", "save_pretrained",
         "convert", "load_tokenizer", "use_pallas", "record_indexer", "cache_bytes", "shard_params",
-        "prefill_context_parallel", "kda",
+        "prefill_context_parallel", "kda", "verify", "commit",
     ):  # fmt: skip
         assert re.search(rf"\b{name}\b", code), f"no README example uses {name}"
     assert len(LOCAL) >= 4 and ON_DEVICES
@@ -51,9 +51,13 @@ def test_readme_example_runs_on_its_own(line, code, monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # what an example writes stays in pytest's tmp
     namespace: dict = {"__name__": "__readme__"}
     exec(_compiled(line, code), namespace)
-    if "gen" in namespace:  # the generate example
+    if "pending" in namespace:  # the speculative example: 16 prompt tokens + 2 kept of a verified 3
+        vocab = namespace["model"].config.vocab_size
+        assert namespace["out"].tokens.shape == (1, 16) and namespace["logits"].shape == (1, 3, vocab)
+        assert int(namespace["cache"].lengths[0]) == 18
+    elif "gen" in namespace:  # the generate example
         assert namespace["out"].tokens.shape == (2, 16)
-    if "cache" in namespace and "logits" in namespace:  # the cache example ends on a decode step
+    elif "cache" in namespace and "logits" in namespace:  # the cache example ends on a decode step
         assert namespace["logits"].shape == (2, namespace["model"].config.vocab_size)
 
 

@@ -17,6 +17,7 @@ from pallas_kernels.linear_attention import (
     kda,
     kda_decode_layer,
     kda_decode_step,
+    kda_decode_steps,
     kda_gate,
     kda_sequence_parallel,
     short_conv,
@@ -27,10 +28,12 @@ from sharding.rules import constrain
 
 
 def _placed(state: KDAState) -> KDAState:
-    """Batch over the data axis, heads over the tensor axis (the conv tail's channels are q|k|v heads)."""
+    """Batch over the data axis, heads over the tensor axis (the conv tail's channels are q|k|v heads). A
+    verify step's snapshots (one more axis after the batch) are placed the same way."""
+    snap = (None,) * (state.recurrent.ndim - 4)
     return KDAState(
-        conv=constrain(state.conv, ("batch", None, "kda_heads")),
-        recurrent=constrain(state.recurrent, ("batch", "kda_heads", None, None)),
+        conv=constrain(state.conv, ("batch", *snap, None, "kda_heads")),
+        recurrent=constrain(state.recurrent, ("batch", *snap, "kda_heads", None, None)),
     )
 
 
@@ -201,6 +204,47 @@ class KimiDeltaAttention(nnx.Module):
         new_state = _placed(KDAState(conv=tail.astype(state.conv.dtype), recurrent=s_final))
         return self._output(z, o), new_state
 
+    def _verify(self, q, k, v, g, beta, z, raw, state: KDAState):
+        """A verify step over T tokens: the outputs, and as the new state the snapshots after 0 .. T tokens
+        (conv [B,T+1,W-1,3C], recurrent [B,T+1,N,K,V]) from which `HybridLM.commit` keeps one per row. The
+        recurrence runs token by token (`kda_decode_steps`: the unfused decode step's kernel, what decode runs
+        where the fused decode-layer kernel does not apply; `_verify_fused` where it does); snapshot j's conv
+        tail is the last W-1 raw inputs after j tokens, as `short_conv` would leave them."""
+        w = self.cfg.kda_conv_size
+        o, states = kda_decode_steps(q, k, v, g, beta, state.recurrent, use_qk_l2norm=True, impl="auto")
+        xhat = jnp.concatenate(raw, axis=-1)
+        ext = jnp.concatenate([state.conv.astype(xhat.dtype), xhat], axis=1)  # [B, W-1+T, 3C]
+        conv = jnp.stack([ext[:, j : j + w - 1] for j in range(q.shape[1] + 1)], axis=1).astype(state.conv.dtype)
+        recurrent = jnp.concatenate([state.recurrent[:, None].astype(jnp.float32), states], axis=1)
+        return self._output(z, o), _placed(KDAState(conv=conv, recurrent=recurrent))
+
+    def _verify_fused(self, q_raw, k_raw, v_raw, f, z, b_logits, info: StepInfo, state: KDAState | None):
+        """The verify step where decode runs the fused decode-layer kernel: that kernel once per token (a
+        `lax.scan` over the block), so the block's KDA arithmetic is the decode steps' own; the snapshots are the
+        conv tail and state after each token, as `_verify` returns them."""
+        cfg = self.cfg
+        b, t, _ = q_raw.shape
+        n, hd = cfg.kda_num_heads, cfg.kda_head_dim
+        state = self.init_state(b, q_raw.dtype) if state is None else state
+        weights = [c[...] for c in self._conv_kernels()]
+
+        def step(carry, xs):
+            conv, s = carry
+            q, k, v, fx, bx, zx, valid = xs
+            y, conv, s = kda_decode_layer(
+                q, k, v, conv, weights, fx, self.A_log[...], self.dt_bias[...], bx, zx, self.o_norm.weight[...], s,
+                valid, valid.astype(jnp.int32), num_heads=n, head_dim=hd, scalar_decay=cfg.kda_scalar_decay,
+                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps,
+            )  # fmt: skip
+            return (conv, s), (y, conv, s)
+
+        xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q_raw, k_raw, v_raw, f, b_logits, z, info.valid))
+        _, (y, convs, states) = jax.lax.scan(step, (state.conv, state.recurrent), xs)
+        y = jnp.moveaxis(y, 0, 1).reshape(b, t, n * hd)
+        conv = jnp.concatenate([state.conv[:, None], jnp.moveaxis(convs, 0, 1)], axis=1)
+        recurrent = jnp.concatenate([state.recurrent[:, None].astype(jnp.float32), jnp.moveaxis(states, 0, 1)], axis=1)
+        return self.o_proj(y), _placed(KDAState(conv=conv, recurrent=recurrent))
+
     def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):
         cfg = self.cfg
         b, t, _ = x.shape
@@ -220,6 +264,8 @@ class KimiDeltaAttention(nnx.Module):
             )  # fmt: skip
             return self.o_proj(y.reshape(b, t, n * hd)), _placed(KDAState(conv=conv, recurrent=s))
         q_raw, k_raw, v_raw, f, z, b_logits = self._projections(x)
+        if info.mode == "verify" and decode_layer_uses_kernel(hd):
+            return self._verify_fused(q_raw, k_raw, v_raw, f, z, b_logits, info, state)
         if info.cp is not None:
             xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)  # XLA's q, k, v end their own fusions
             return self._context_parallel(x, xhat, f, z, b_logits, info, state)
@@ -242,6 +288,8 @@ class KimiDeltaAttention(nnx.Module):
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid.reshape(valid.shape + (1,) * (g.ndim - 2)), g, 0.0)
 
+        if info.mode == "verify":  # every token's state kept: the rollback points of a speculative step
+            return self._verify(q, k, v, g, beta, z, (q_raw, k_raw, v_raw), state)
         if info.mode == "decode":  # one token: the fused state read-modify-write (Pallas on GPU)
             o, s = kda_decode_step(
                 q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent, use_qk_l2norm=True, impl="auto"

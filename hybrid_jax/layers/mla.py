@@ -177,10 +177,15 @@ class LightningIndexer(nnx.Module):
             pool = pool.write(where, keys)
         if tail is None:
             return pool, None
+        if info.mode == "verify":  # the tail after each of 0 .. T tokens: [B, T+1, P, 2H] (HybridLM.commit)
+            filled = off[:, None] + jnp.minimum(jnp.arange(t + 1)[None, :], n_new[:, None])
+        else:
+            filled = filled[:, None]
         last = jnp.minimum(filled // p, m - 1)  # the pool left incomplete (empty when filled % p == 0)
-        new_tail = jnp.take_along_axis(ext, last[:, None, None, None], axis=1)[:, 0]
-        kept = jnp.arange(p)[None, :] < (filled % p)[:, None]  # slots past the pool's tokens hold zeros
-        return pool, jnp.where(kept[..., None], new_tail, 0).astype(tail.dtype)
+        new_tail = jnp.take_along_axis(ext, last[:, :, None, None], axis=1)  # [B, S, P, 2H]
+        kept = jnp.arange(p)[None, None, :] < (filled % p)[..., None]  # slots past the pool's tokens hold zeros
+        new_tail = jnp.where(kept[..., None], new_tail, 0).astype(tail.dtype)
+        return pool, new_tail if info.mode == "verify" else new_tail[:, 0]
 
     def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None, tail=None):
         """Returns (indices [B,T,topk] int32 positions, -1 = none, in no promised order; the updated key pool;
@@ -404,7 +409,7 @@ class MultiHeadLatentAttention(nnx.Module):
             if inspect.recording():  # what dense attention would weigh, to compare with the indexer's choice
                 inspect.attach(attention=self._dense_probs(q_lat, q_pe, pages(), info))
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
-        elif info.mode == "decode":
+        elif info.mode in ("decode", "verify"):  # a few queries against the cache: the absorbed form
             ctx = rows()  # [B,S,L+R]
             # its own kernel: at one row XLA otherwise runs this product inside the concatenate below as one
             # serial reduction per output (docs/performance.md#projections)

@@ -5,6 +5,7 @@ from pallas_kernels.linear_attention.api import (
     kda,
     kda_decode_layer,
     kda_decode_step,
+    kda_decode_steps,
     kda_state_summary,
 )
 from pallas_kernels.linear_attention.context_parallel import (
@@ -23,6 +24,7 @@ __all__ = [
     "kda",
     "kda_decode_layer",
     "kda_decode_step",
+    "kda_decode_steps",
     "kda_gate",
     "kda_sequence_parallel",
     "kda_state_summary",

@@ -317,6 +317,27 @@ def kda_decode_step(
     return o[..., :dv], s[:, :, :dk, :dv]
 
 
+def kda_decode_steps(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=True, impl: str = "auto", **kw):
+    """T tokens one at a time, keeping the state after each: q, k [B,T,N,K]; v [B,T,N,V]; g [B,T,N,K] or
+    [B,T,N]; beta [B,T,N]; state [B,N,K,V] -> (o [B,T,N,V] in q.dtype, states [B,T,N,K,V] float32, states[:, t]
+    the state after token t).
+
+    What a speculative verify step needs: a few tokens whose every intermediate state is a rollback point.
+    It is `kda_decode_step` (same `impl`: the arithmetic of that op applied to the tokens one by one) in a
+    `lax.scan`; the chunked form keeps no intermediate states. A token with beta = 0 and g = 0 (padding) leaves
+    the state as it was."""
+    if q.ndim != 4 or beta.shape != q.shape[:3]:
+        raise ValueError(f"kda_decode_steps: q={q.shape} must be [B,T,N,K] with beta={beta.shape} [B,T,N]")
+
+    def step(s, xs):
+        o, s = kda_decode_step(*xs, s, scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, **kw)
+        return s, (o, s)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
+
+
 def decode_layer_uses_kernel(head_dim: int) -> bool:
     """Whether `kda_decode_layer(impl="auto")` runs the fused kernel here (`registry.resolve`): callers that
     would otherwise run the layer's steps one by one ask first."""

@@ -1,0 +1,165 @@
+"""Speculative decoding: decode tokens/s of `generate(draft=...)` against plain `generate` in the same process,
+and one verify step (k + 1 tokens through the caches, then `commit`) against one decode step.
+
+The model is a preset cut to --layers / --experts with random bf16 weights (default: Kimi-Linear-48B's widths,
+8 layers, 32 experts). Random weights do not continue a text the way a trained model does, so what the n-gram
+drafter gets accepted on them says nothing about a real checkpoint; the table therefore also runs a replay
+drafter (`hybrid_jax.speculative.replay_drafter`) that proposes plain greedy's output, as is or with every n-th
+token wrong. That is a known acceptance only while the speculative run follows plain greedy: in bf16 the block's
+rounding differs from a decode step's and random weights' logits nearly tie, so the runs part within a few
+tokens (the "same tokens" note says whether they did; `--dtype float32 --precision highest` keeps them
+together). The tokens per verify step are always measured, never assumed.
+
+The prompt is repetitive (a 64-token pattern repeated: code-like). Decode time = a generate call's time minus
+that of a generate call making one token (the same prefill), medians of --reps calls after a compile.
+
+    python -m benchmarks.speculative [--preset kimi_linear_48b] [--layers 8] [--experts 32] [--batches 1 16]
+        [--context 2048] [--new 256] [--num-draft 4] [--dtype bfloat16] [--precision highest] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import jit_module, median_ms, report
+from benchmarks.gpu_parity import cut_config
+from hybrid_jax import PRESETS, HybridLM, generate
+from hybrid_jax.speculative import replay_drafter
+
+
+def repetitive_prompt(batch: int, length: int, vocab: int, seed: int = 0) -> jax.Array:
+    """[batch, length] int32: a random 64-token pattern per row, repeated."""
+    pattern = jax.random.randint(jax.random.key(seed), (batch, 64), 0, vocab - 8, jnp.int32)
+    return jnp.tile(pattern, (1, -(-length // 64)))[:, :length]
+
+
+def step_ms(fn, cache, args, steps: int) -> float:
+    """Median ms of `cache = fn(cache, *args)` called `steps` times, each a separate dispatch on the cache the
+    previous call returned (nothing to hoist across calls), after one compile call."""
+    cache = fn(cache, *args)
+    jax.block_until_ready(cache)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        cache = fn(cache, *args)
+        jax.block_until_ready(cache)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(model, batch: int, args, emit) -> None:
+    cfg = model.config
+    k, new, ctx = args.num_draft, args.new, args.context
+    ids = repetitive_prompt(batch, ctx, cfg.vocab_size)
+    gen = jax.jit(generate, static_argnames=("max_new_tokens", "draft", "num_draft"))
+    base = dict(batch=batch, context=ctx, new=new)
+
+    def timed(**kw):
+        out = gen(model, ids, **kw)
+        jax.block_until_ready(out)
+        return median_ms(lambda: gen(model, ids, **kw), warmup=0, iters=args.reps), out
+
+    prefill_ms, _ = timed(max_new_tokens=1)
+    plain_ms, plain = timed(max_new_tokens=new)
+    decode_ms = plain_ms - prefill_ms
+    tokens = batch * (new - 1)
+    emit(dict(base, case="plain greedy", drafter="", ms=decode_ms, tok_s=tokens / decode_ms * 1e3, speedup=1.0))
+    reference = np.concatenate([np.asarray(ids), np.asarray(plain.tokens)], axis=1)
+    drafters = {"ngram": "ngram", "replay of plain greedy": replay_drafter(reference)}
+    drafters.update(
+        {f"replay of plain greedy, every {n}-th wrong": replay_drafter(reference, n) for n in args.wrong_every}
+    )
+    for label, draft in drafters.items():
+        ms, out = timed(max_new_tokens=new, draft=draft, num_draft=k)
+        same = bool(np.array_equal(np.asarray(out.tokens), np.asarray(plain.tokens)))
+        steps = np.asarray(out.drafted).sum() / k
+        per_step = (np.asarray(out.lengths).sum() - batch) / steps  # tokens emitted per verify step and row
+        ms -= prefill_ms
+        emit(
+            dict(
+                base, case=f"speculative k={k}", drafter=label, ms=ms, tok_s=tokens / ms * 1e3,
+                speedup=decode_ms / ms, per_step=per_step,
+                note=f"{'same tokens as plain greedy' if same else 'TOKENS DIFFER from plain greedy'}",
+            )
+        )  # fmt: skip
+
+    # one verify step (k + 1 tokens, keep 1) against one decode step, each its own dispatch
+    page = cfg.page_size
+    cache = model.init_cache(batch, -(-(ctx + 4 * (args.steps + 2) * (k + 1)) // page) * page)
+    cache = jit_module(lambda m, i, c: m.prefill(i, c)[1], model)(ids, cache)
+    decode = jit_module(lambda m, c, t: m.decode_step(t, c)[1], model, donate_argnums=0)
+    block = ids[:, -(k + 1) :]  # k + 1 different prompt tokens: they route to as many experts as a real block
+    keep = jnp.ones((batch,), jnp.int32)
+    verify = jit_module(lambda m, c, b, n: m.commit(m.verify(b, c)[1], n), model, donate_argnums=0)
+    d_ms = step_ms(decode, jax.tree.map(jnp.copy, cache), (ids[:, 0],), args.steps)
+    v_ms = step_ms(verify, cache, (block, keep), args.steps)
+    emit(dict(base, case="decode step", drafter="", ms=d_ms, note="one dispatch a call"))
+    emit(dict(base, case=f"verify step, {k + 1} tokens + commit", drafter="", ms=v_ms,
+              note=f"{v_ms / d_ms:.2f}x a decode step"))  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="kimi_linear_48b", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--num-draft", type=int, default=4)
+    p.add_argument("--wrong-every", type=int, nargs="*", default=[3])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--precision", default=None, choices=["default", "high", "highest"],
+        help="jax_default_matmul_precision (float32 runs: 'highest' keeps verify and decode logits within ~1e-6)",
+    )  # fmt: skip
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    for name, v in (("--new", args.new), ("--num-draft", args.num_draft), ("--context", args.context)):
+        if v < (2 if name == "--new" else 1):
+            raise SystemExit(f"speculative: {name}={v} is too small")
+    if args.precision is not None:
+        jax.config.update("jax_default_matmul_precision", args.precision)
+    cfg = cut_config(PRESETS[args.preset](), args.layers, args.experts)
+    dtype = jnp.dtype(args.dtype)
+    model = HybridLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        print("  " + " | ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+    try:
+        for b in args.batches:
+            measure(model, b, args, emit)
+    except KeyboardInterrupt:
+        print("interrupted: reporting the rows measured so far", flush=True)
+    shape = f"{args.preset} widths, {cfg.num_layers} layers, {cfg.num_experts} experts, random {args.dtype} weights"
+    if args.precision is not None:
+        shape += f", {args.precision} matmul precision"
+    title = f"Speculative decoding ({shape}); repetitive prompt, {args.new} new tokens"
+    columns = ("batch", "context", "case", "drafter", "per_step", "ms", "tok_s", "speedup", "note")
+    names = {"per_step": "tokens per verify step", "tok_s": "tokens/s", "speedup": "vs plain"}
+    table = [{names.get(c, c): _fmt(r.get(c)) for c in columns} for r in rows]
+    report("speculative", title, table, record=not args.no_record)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:,.0f}" if v >= 1000 else f"{v:.2f}"
+    return str(v)
+
+
+if __name__ == "__main__":
+    main()
