@@ -96,7 +96,7 @@ def test_tensor_parallel_forward_and_generate_equal_single_device():
         ref_model = HybridLM(cfg, rngs=nnx.Rngs(0))
         ref_logits = np.asarray(fwd(ref_model, ids))
         ref_tokens = np.asarray(gen(ref_model, ids, max_new_tokens=6).tokens)
-        for dp, tp in ((1, 8), (2, 4), (4, 2)):
+        for dp, tp in ((1, 8), (2, 4)):
             mesh = make_mesh(dp=dp, tp=tp)
             model = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
             kernel = model.layers[2].self_attn.kv_b_proj.kernel[...]

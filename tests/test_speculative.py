@@ -41,14 +41,12 @@ def _reference_rows(ids, lens, out) -> np.ndarray:
 @pytest.mark.parametrize(
     "make, quant",
     [
-        (HybridConfig.tiny, None),
         (variant_config, None),
-        (glm5_tiny, None),
         (HybridConfig.tiny, QUANT),
         (glm5_tiny, QUANT),
         (variant_config, "fused"),
     ],
-    ids=["tiny", "variant", "glm5", "tiny-quantized", "glm5-quantized", "variant-fused-kda-kernel"],
+    ids=["variant", "tiny-quantized", "glm5-quantized", "variant-fused-kda-kernel"],
 )
 def test_commit_leaves_the_caches_as_if_only_the_kept_tokens_were_fed(make, quant):
     """verify a block, commit a prefix per row (all, part, none; rows verifying different counts): every leaf of
@@ -116,7 +114,6 @@ def _fixture_model(name):
 
 
 MODELS = {
-    "tiny": lambda: HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)),
     "variant": lambda: HybridLM(variant_config(), rngs=nnx.Rngs(0)),
     "kimi_linear": lambda: _fixture_model("kimi_linear"),
     "deepseek_v32": lambda: _fixture_model("deepseek_v32"),
@@ -142,7 +139,7 @@ def _accepted_draft_columns(prompt_length: int, k: int, wrong_every: int, new: i
 def test_speculative_greedy_equals_plain_greedy(name):
     """Rows of mixed prompt lengths; an oracle drafter that is right at most positions (blocks accepted whole, in
     part and not at all) and an EOS that row 0 emits as an accepted draft, inside a block; the n-gram drafter on
-    one model."""
+    one model. (tiny, with AttnRes, runs speculative greedy in the streaming and CLI tests.)"""
     model = MODELS[name]()
     vocab = model.config.vocab_size
     b, t, new, k = 3, 13, 14, 4
@@ -157,12 +154,16 @@ def test_speculative_greedy_equals_plain_greedy(name):
     assert cols or name == "variant"
     col = cols[0] if cols else 0
     eos = int(row0[col])
-    plain_eos = GEN(model, ids, prompt_lengths=lens, max_new_tokens=new, eos_id=eos)
-    assert int(plain_eos.lengths[0]) == col + 1
+    # plain greedy with this EOS: the same tokens up to each row's first EOS, pad (0) after it
+    tokens = np.asarray(plain.tokens).copy()
+    hit = tokens == eos
+    stop = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, new)
+    tokens[np.arange(new)[None, :] >= stop[:, None]] = 0
+    assert stop[0] == col + 1
     draft = oracle(_reference_rows(ids, lens, plain))
     spec = GEN(model, ids, prompt_lengths=lens, max_new_tokens=new, eos_id=eos, draft=draft, num_draft=k)
-    np.testing.assert_array_equal(spec.tokens, plain_eos.tokens)
-    np.testing.assert_array_equal(spec.lengths, plain_eos.lengths)
+    np.testing.assert_array_equal(spec.tokens, tokens)
+    np.testing.assert_array_equal(spec.lengths, stop)
     accepted, drafted = np.asarray(spec.accepted), np.asarray(spec.drafted)
     long = np.asarray(spec.lengths) >= 8  # rows that ran several steps (the EOS may stop other rows early)
     assert long.any() and (accepted[long] > 0).all() and (accepted < drafted).any()
@@ -171,31 +172,31 @@ def test_speculative_greedy_equals_plain_greedy(name):
     extra = drafted // k - (np.asarray(spec.lengths) - 1 - accepted)
     assert (drafted % k == 0).all() and set(extra.tolist()) <= {0, 1}
     assert extra[0] == (1 if cols else 0)  # row 0 ended on its EOS emitted as an accepted draft
-    if name == "tiny":
+    if name == "variant":  # the n-gram drafter (also in the CLI test), on the cheapest model
         ngram = GEN(model, ids, prompt_lengths=lens, max_new_tokens=new, draft="ngram", num_draft=3)
         np.testing.assert_array_equal(ngram.tokens, plain.tokens)
         np.testing.assert_array_equal(ngram.lengths, plain.lengths)
-        assert (np.asarray(ngram.drafted) > 0).all()
+        assert (np.asarray(ngram.accepted) > 0).all()  # it repeats its last token: the n-gram drafts are right
 
 
 @pytest.mark.slow
 def test_speculative_streams_like_plain_decoding(tiny_model):
     """on_token sees the same (step, tokens) sequence as plain decoding, rows stopping at different steps (an
     EOS in row 0 only)."""
-    seen_plain, seen_spec = [], []
+    seen = []
     ids = random_ids(43, (2, 5))
     lens = jnp.array([5, 3])
     free = GEN(tiny_model, ids, prompt_lengths=lens, max_new_tokens=9)
     row0, row1 = np.asarray(free.tokens)
-    eos = int(next(tok for c, tok in enumerate(row0) if c >= 2 and tok not in row1 and tok not in row0[:c]))
-    kw = dict(prompt_lengths=lens, max_new_tokens=9, eos_id=eos)
-    plain = GEN(tiny_model, ids, **kw, on_token=lambda s, t: seen_plain.append((int(s), t)))
+    col = next(c for c, tok in enumerate(row0) if c >= 2 and tok not in row1 and tok not in row0[:c])
+    # plain decoding streams step s with each row's token, pad (0) once the row has stopped (test_generate)
+    want = np.stack([np.where(np.arange(9) <= col, row0, 0), row1], axis=1)  # [step, row]
     draft = oracle(_reference_rows(ids, lens, free))
-    GEN(tiny_model, ids, **kw, draft=draft, on_token=lambda s, t: seen_spec.append((int(s), t)))
+    kw = dict(prompt_lengths=lens, max_new_tokens=9, eos_id=int(row0[col]), draft=draft)
+    GEN(tiny_model, ids, **kw, on_token=lambda s, t: seen.append((int(s), t)))
     jax.effects_barrier()
-    assert int(plain.lengths[0]) < 9 == int(plain.lengths[1])
-    assert [s for s, _ in seen_spec] == [s for s, _ in seen_plain] == list(range(9))
-    np.testing.assert_array_equal(np.stack([t for _, t in seen_spec]), np.stack([t for _, t in seen_plain]))
+    assert [s for s, _ in seen] == list(range(9)) and col < 8
+    np.testing.assert_array_equal(np.stack([t for _, t in seen]), want)
 
 
 # ------------------------------------------------------------------------------------------- sampling
@@ -245,7 +246,7 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
     over the sequences either side saw at least 10 times."""
     cfg = HybridConfig.tiny().replace(vocab_size=16, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = HybridLM(cfg, rngs=nnx.Rngs(3))
-    n = 4096
+    n = 3072
     ids = jnp.broadcast_to(random_ids(44, (1, 6), 16), (n, 6))
     kw = dict(max_new_tokens=3, temperature=0.8, top_k=4)
     plain = GEN(model, ids, rng=jax.random.key(0), **kw)
