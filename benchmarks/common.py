@@ -265,13 +265,13 @@ VALUE_COLUMNS = frozenset({
     "min recall", "latent rel err", "output rel err", "mean KL (nats)", "max KL", "argmax agreement", "seconds",
     "per-device scores (x1e6)", "max / min", "max / mean", "checkpoint MB", "largest tensor MB",
     "RSS after imports MB", "peak RSS MB", "peak - imports - model MB", "load s", "speed-up vs first",
-    "check vs first",
+    "check vs first", "vs one shot",
 })  # fmt: skip
 # Identity columns that name the variant compared on one shape (implementation, engine, options...): the rest of
 # the identity is the shape, and a row of the same shape whose variant is a reference is its baseline.
 VARIANT_COLUMNS = frozenset({
     "impl", "engine", "path", "mesh", "options", "compiler_options", "pallas ops", "version", "stage", "layers",
-    "kernel", "loop", "tile (heads, rows, warps, stages)", "rows", "format", "vs", "layout",
+    "kernel", "loop", "tile (heads, rows, warps, stages)", "rows", "format", "vs", "layout", "block",
 })  # fmt: skip
 BASELINE = re.compile(r"^(jnp reference|reference$|XLA dot$|lax\.ragged_dot|plain$|transformers|default$)")
 # The row's main number: the first of these columns that holds one, with its unit.

@@ -150,7 +150,7 @@ def main() -> None:
     columns = ("batch", "context", "case", "drafter", "per_step", "ms", "tok_s", "speedup", "note")
     names = {"per_step": "tokens per verify step", "tok_s": "tokens/s", "speedup": "vs plain"}
     table = [{names.get(c, c): _fmt(r.get(c)) for c in columns} for r in rows]
-    report("speculative", title, table, record=not args.no_record)
+    report("speculative.py", title, table, record=not args.no_record)
 
 
 def _fmt(v) -> str:

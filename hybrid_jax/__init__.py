@@ -4,6 +4,7 @@ from hybrid_jax.cache import HybridCache
 from hybrid_jax.config import PRESETS, HybridConfig, YarnScaling
 from hybrid_jax.generate import GenerateOutput, generate, sample_logits
 from hybrid_jax.model import HybridLM
+from hybrid_jax.prefix_cache import PrefixCache
 from hybrid_jax.tokenizer import ByteTokenizer
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "HybridConfig",
     "HybridLM",
     "PRESETS",
+    "PrefixCache",
     "YarnScaling",
     "generate",
     "sample_logits",

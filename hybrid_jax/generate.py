@@ -25,6 +25,9 @@ class GenerateOutput(NamedTuple):
     # max_new_tokens ends the row first); zeros without a drafter
     drafted: jax.Array | None = None
     accepted: jax.Array | None = None
+    # `prefix_cache=`: the PrefixCache after this call (this call's prompts stored, its pools taken back); pass it
+    # to the next call. None without one.
+    prefix_cache: object | None = None
 
 
 def sample_logits(
@@ -117,6 +120,7 @@ def generate(
     prefill_chunk: int | None = None,
     draft: str | Callable | None = None,
     num_draft: int = 4,
+    prefix_cache=None,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
@@ -129,8 +133,8 @@ def generate(
     `jax.jit` the values are traced and cannot raise: a row whose inputs are invalid comes back with
     `error` set, pad tokens and length 0 (the other rows are unaffected).
     prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk through the caches
-    (`prefill_chunked`: one compiled chunk shape in a `lax.fori_loop`, the last chunk padded), so peak memory
-    stays that of one chunk beyond the cache itself; the outputs equal a one-shot prefill's. None: one shot up
+    (`prefill_chunked`: the full chunks, then the rest in smaller calls), so peak memory stays that of one
+    chunk beyond the cache itself; the outputs equal a one-shot prefill's. None: one shot up
     to `default_prefill_chunk(model)` tokens, in chunks of it beyond. Static under jit.
     on_token: called from the compiled loop (`jax.debug.callback`, in order) as on_token(step, tokens) with
     each new token of every row (int32 [B]; pad_id for a row that has stopped), step 0 being the token after
@@ -145,6 +149,10 @@ def generate(
     `draft(history [B, H] int32, length [B], k) -> [B, k] int32` drafts instead (deterministic in the history:
     the rejection rule takes its proposal as certain; tokens of `history` at or past `length` are not
     history). Static under jit, as is `num_draft`.
+    prefix_cache: a `hybrid_jax.PrefixCache` for this model. Prompts whose leading blocks it stores prefill only
+    the rest (the recurrent states resume from the stored snapshots; the attention pages are shared); the prompt
+    is prefilled block by block and its full blocks are stored. The outputs are those without the cache. The
+    updated cache comes back in `GenerateOutput.prefix_cache` (under jit, donate the one passed in).
     """
     _validate(model, input_ids, prompt_lengths, max_new_tokens, top_k, top_p, temperature, eos_id)
     extra = _validate_draft(model, draft, num_draft, np.shape(input_ids)[1] + max_new_tokens)
@@ -161,17 +169,26 @@ def generate(
     input_ids = jnp.where(error[:, None], 0, input_ids)
     lens = jnp.where(error, 1, lens)
 
-    cache = model.init_cache(b, t + max_new_tokens + extra)
-    if prefill_chunk is None and jax.process_count() > 1:
+    if prefix_cache is not None:
+        if prefill_chunk is not None and prefill_chunk != prefix_cache.block_size:
+            raise ValueError(
+                f"prefill_chunk={prefill_chunk!r}: with a prefix cache the prompt is prefilled in its blocks of "
+                f"block_size={prefix_cache.block_size} tokens"
+            )
+        room = t + max_new_tokens + extra
+        logits, cache, pc = prefix_cache.prefill(model, input_ids, lens, max_len=room, rows=~error)
+    elif prefill_chunk is None and jax.process_count() > 1:
         raise ValueError(
             "generate: pass prefill_chunk= with several processes (free memory differs between hosts and the chunk "
             "shapes the compiled program; the CLI takes the smallest default_prefill_chunk over the hosts)"
         )
-    chunk = default_prefill_chunk(model) if prefill_chunk is None else prefill_chunk
-    if t > chunk:
-        logits, cache = prefill_chunked(model, input_ids, cache, lens, chunk=chunk)
-    else:
-        logits, cache = model.prefill(input_ids, cache, lens, last_only=True)
+    if prefix_cache is None:
+        cache = model.init_cache(b, t + max_new_tokens + extra)
+        chunk = default_prefill_chunk(model) if prefill_chunk is None else prefill_chunk
+        if t > chunk:
+            logits, cache = prefill_chunked(model, input_ids, cache, lens, chunk=chunk)
+        else:
+            logits, cache = model.prefill(input_ids, cache, lens, last_only=True)
 
     def pick(logits, step):
         return sample_logits(logits, jax.random.fold_in(rng, step), temperature=temperature, top_k=top_k, top_p=top_p)
@@ -189,13 +206,14 @@ def generate(
         from hybrid_jax.speculative import ngram_draft, speculative_decode  # it builds on this module's sampling
 
         drafter = ngram_draft if draft == "ngram" else draft
-        tokens, lengths, drafted, accepted = speculative_decode(
+        tokens, lengths, drafted, accepted, cache = speculative_decode(
             model, cache, first, input_ids, lens, lengths, done, drafter=drafter, num_draft=num_draft,
             max_new_tokens=max_new_tokens,
             rng=rng, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id,
             emit=None if on_token is None else emit,
         )  # fmt: skip
-        return GenerateOutput(tokens=tokens, lengths=lengths, error=error, drafted=drafted, accepted=accepted)
+        pc = None if prefix_cache is None else pc.release(cache)
+        return GenerateOutput(tokens, lengths, error, drafted=drafted, accepted=accepted, prefix_cache=pc)
 
     def cond(carry):
         step, _, _, done, _, _ = carry
@@ -213,9 +231,10 @@ def generate(
         return step + 1, nxt, cache, done, tokens, lengths
 
     carry = (jnp.int32(1), first, cache, done, tokens, lengths)
-    _, _, _, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
+    _, _, cache, _, tokens, lengths = jax.lax.while_loop(cond, body, carry)
     none = jnp.zeros((b,), jnp.int32)
-    return GenerateOutput(tokens=tokens, lengths=lengths, error=error, drafted=none, accepted=none)
+    pc = None if prefix_cache is None else pc.release(cache)
+    return GenerateOutput(tokens, lengths, error, drafted=none, accepted=none, prefix_cache=pc)
 
 
 DRAFTERS = ("ngram", "mtp")
@@ -274,31 +293,63 @@ def default_prefill_chunk(model: HybridLM) -> int:
     return int(min(MAX_PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, chunk)))
 
 
-def prefill_chunked(model: HybridLM, input_ids, cache, lengths, *, chunk: int):
-    """`model.prefill(input_ids, cache, lengths, last_only=True)` in chunks of `chunk` tokens: one compiled
-    chunk shape run in a `lax.fori_loop` (the ids padded to whole chunks; a row that has no tokens left in a
-    chunk takes none). Returns (logits [B, vocab] at each row's last real token, the cache) — the one-shot
-    result, with a chunk's activations in memory at a time instead of the whole prompt's."""
-    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
-        raise ValueError(f"prefill_chunk={chunk!r} must be a positive int (static under jit)")
-    b, t = input_ids.shape
-    n = -(-t // chunk)
-    ids = jnp.pad(input_ids, [(0, 0), (0, n * chunk - t)])
+# A prompt's part after its last full chunk is prefilled in calls of chunk / TAIL_SPLIT tokens (for chunks of at
+# least TAIL_SPLIT_FROM tokens; smaller chunks keep one call shape): a second compiled shape that spares a prompt
+# just past a multiple of the chunk a whole padded chunk (docs/performance.md, "Prefix caching").
+TAIL_SPLIT, TAIL_SPLIT_FROM = 4, 1024
+
+
+def default_tail_chunk(chunk: int) -> int:
+    return chunk // TAIL_SPLIT if chunk >= TAIL_SPLIT_FROM else chunk
+
+
+def prefill_chunked(model: HybridLM, input_ids, cache, lengths, *, chunk: int, tail_chunk: int | None = None):
+    """`model.prefill(input_ids, cache, lengths, last_only=True)` in chunks: each row's full chunks of `chunk`
+    tokens, then the rest in calls of `tail_chunk` tokens (default `default_tail_chunk(chunk)`), each size one
+    compiled shape run in a `lax.while_loop` (a row with no tokens left in a call takes none). Returns (logits
+    [B, vocab] at each row's last real token, the cache) — the one-shot result, with one call's activations in
+    memory at a time instead of the whole prompt's."""
+    for name, v in (("prefill_chunk", chunk), ("tail_chunk", tail_chunk)):
+        if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name}={v!r} must be a positive int (static under jit)")
+    tail = default_tail_chunk(chunk) if tail_chunk is None else min(tail_chunk, chunk)
+    b = input_ids.shape[0]
     lengths = jnp.asarray(lengths, jnp.int32)
-    vocab = model.config.vocab_size
+    logits = jnp.zeros((b, model.config.vocab_size), jnp.float32)
+    zero = jnp.zeros((b,), jnp.int32)
+    if tail == chunk:
+        return prefill_calls(model, input_ids, lengths, cache, logits, zero, chunk)
+    full = lengths // chunk
+    logits, cache = prefill_calls(model, input_ids, lengths, cache, logits, zero, chunk, take=full)
+    return prefill_calls(model, input_ids, lengths, cache, logits, full * chunk, tail)
 
-    def body(i, carry):
-        logits, cache = carry
-        start = i * chunk
-        piece = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
-        n_new = jnp.clip(lengths - start, 0, chunk)
-        out, cache = model.prefill(piece, cache, n_new, last_only=True)
-        # each row's logits come from the chunk that holds its last real token
-        last = (lengths - 1) // chunk == i
-        return jnp.where(last[:, None], out, logits), cache
 
-    init = (jnp.zeros((b, vocab), jnp.float32), cache)
-    return jax.lax.fori_loop(0, n, body, init)
+def prefill_calls(model: HybridLM, ids, lengths, cache, logits, start, size: int, *, take=None, after=None, carry=None):
+    """Prefill calls of `size` tokens in a `lax.while_loop` until every row's tokens [start[r], lengths[r]) are in:
+    row r's call c takes [start[r] + c*size, ...), none past its length or, with `take`, from call take[r] on.
+    Each row's logits (a [B, vocab] running value, replaced in the call holding its last token) -> (logits, cache).
+    `after(c, n_new, cache, carry) -> carry` runs after each call on an extra loop value `carry` (then returned
+    third): what the prefix cache uses to store the states at block ends."""
+    t = ids.shape[1]
+    left = lengths - start
+    n_calls = jnp.max(-(-left // size)) if take is None else jnp.max(jnp.minimum(take, -(-left // size)))
+
+    def body(state):
+        c, logits, cache, extra = state
+        first = start + c * size
+        idx = jnp.clip(first[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :], 0, t - 1)
+        n_new = jnp.clip(lengths - first, 0, size)
+        if take is not None:
+            n_new = jnp.where(c < take, n_new, 0)
+        out, cache = model.prefill(jnp.take_along_axis(ids, idx, axis=1), cache, n_new, last_only=True)
+        here = (n_new > 0) & (lengths - 1 < first + size)
+        logits = jnp.where(here[:, None], out, logits)
+        if after is not None:
+            extra = after(c, n_new, cache, extra)
+        return c + 1, logits, cache, extra
+
+    _, logits, cache, extra = jax.lax.while_loop(lambda s: s[0] < n_calls, body, (jnp.int32(0), logits, cache, carry))
+    return (logits, cache) if after is None else (logits, cache, extra)
 
 
 def _row_errors(ids, lens, vocab: int, temperature, top_p) -> jax.Array:

@@ -123,7 +123,7 @@ def speculative_decode(
     emit: Callable | None,
 ):
     """The decode loop of `generate(draft=...)` after the prefill -> (tokens [B, max_new_tokens], lengths [B],
-    drafted [B], accepted [B]).
+    drafted [B], accepted [B], the final cache).
 
     drafter(history [B, H], length [B], k) -> drafts [B, k] int32, deterministic (its q is one-hot, as the
     rejection rule assumes). `first` [B]: the token after each prompt; `lengths` [B]: tokens generated so far
@@ -178,8 +178,8 @@ def speculative_decode(
     done = done | (lengths >= max_new_tokens)  # max_new_tokens = 1: the prefill's token is all
     carry = (jnp.int32(0), first, cache, done, tokens, lengths, hist, zeros, zeros, jnp.int32(1))
     out = jax.lax.while_loop(cond, body, carry)
-    _, _, _, _, tokens, lengths, _, drafted, accepted, _ = out
-    return tokens, lengths, drafted, accepted
+    _, _, cache, _, tokens, lengths, _, drafted, accepted, _ = out
+    return tokens, lengths, drafted, accepted, cache
 
 
 def _stream(emit: Callable, tokens, lengths, done, streamed, max_new_tokens: int):

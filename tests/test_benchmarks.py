@@ -556,3 +556,22 @@ def test_speculative_benchmark_runs_on_cpu(monkeypatch, capsys):
     assert "| 2 | 40 | speculative k=2 | replay of plain greedy | 2.50 |" in out  # 10 tokens after the first: 3+3+3+1
     assert out.count("| same tokens as plain greedy |") == 2, out[-2000:]
     assert "verify step, 3 tokens + commit" in out and "x a decode step" in out
+
+
+@pytest.mark.slow
+def test_prefix_cache_benchmark_runs_on_cpu(monkeypatch, capsys):
+    """The prefix-cache benchmark at toy size: every case, the warm call hitting the whole stored prompt (its
+    4 full blocks of 8; the 5th, partial, holds the last prompt token) and the bytes per cached token."""
+    from benchmarks import prefix_cache
+
+    argv = ["prefix_cache", "--preset", "tiny", "--layers", "2", "--experts", "4", "--prefix", "28", "--new", "5",
+            "--block-sizes", "8",
+            "--reps", "1", "--no-record"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    prefix_cache.main()
+    out = capsys.readouterr().out
+    cases = ("| no cache, one shot |", "| no cache |", "| no cache, block chunks | 8 |", "| cold cache (stores the")
+    for case in cases:
+        assert case in out, out[-2000:]
+    assert "| warm cache | 8 |" in out and "| 32 of 33 tokens hit; holds" in out, out[-2000:]
+    assert "KiB per cached token" in out

@@ -133,15 +133,19 @@ def test_chunked_prefill_equals_one_shot(tiny_model):
         np.testing.assert_array_equal(out.tokens, one.tokens)
         np.testing.assert_array_equal(out.lengths, one.lengths)
     ref_logits, ref_cache = tiny_model.prefill(ids, tiny_model.init_cache(3, 24), lens, last_only=True)
-    got_logits, got_cache = jax.jit(lambda m, i, c, n: prefill_chunked(m, i, c, n, chunk=6))(
-        tiny_model, ids, tiny_model.init_cache(3, 24), lens
-    )
-    assert np.abs(np.asarray(got_logits - ref_logits)).max() < 1e-4 * np.abs(np.asarray(ref_logits)).max()
-    np.testing.assert_array_equal(got_cache.lengths, ref_cache.lengths)
-    for a, b in zip(jax.tree.leaves(got_cache.layers), jax.tree.leaves(ref_cache.layers), strict=True):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
+    # chunks of 6 (19 = 3 x 6 + 1); then full chunks of 6 and the rest (11 = 6 + 5, 4) in calls of 4
+    for tail in (None, 4):
+        got_logits, got_cache = jax.jit(
+            lambda m, i, c, n, tail=tail: prefill_chunked(m, i, c, n, chunk=6, tail_chunk=tail)
+        )(tiny_model, ids, tiny_model.init_cache(3, 24), lens)
+        assert np.abs(np.asarray(got_logits - ref_logits)).max() < 1e-4 * np.abs(np.asarray(ref_logits)).max()
+        np.testing.assert_array_equal(got_cache.lengths, ref_cache.lengths)
+        for a, b in zip(jax.tree.leaves(got_cache.layers), jax.tree.leaves(ref_cache.layers), strict=True):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="prefill_chunk=0"):
         generate(tiny_model, ids, max_new_tokens=2, prefill_chunk=0)
+    with pytest.raises(ValueError, match="tail_chunk=0"):
+        prefill_chunked(tiny_model, ids, tiny_model.init_cache(3, 24), lens, chunk=6, tail_chunk=0)
 
 
 def test_generate_asks_for_the_prefill_chunk_under_several_processes(tiny_model, monkeypatch):

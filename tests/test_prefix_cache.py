@@ -1,0 +1,225 @@
+"""Prefix caching: a prefill through the cache equals a plain prefill for prompts sharing none, part or all of a
+stored prefix (every cache leaf, every model type), hits / misses / evictions counted, shared pages never
+written, generate's outputs unchanged under jit (plain and speculative), bad arguments."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from checkpoints import from_pretrained
+from hybrid_jax import HybridConfig, HybridLM, PrefixCache, generate
+from hybrid_jax.cache import KDAState, MLAState
+from hybrid_jax.quant.config import IndexerQuant, KVCacheQuant, ProjectionQuant, QuantConfig
+from tests.conftest import random_ids, rel_err, variant_config
+from tests.test_glm5 import glm5_tiny
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QUANT = QuantConfig(IndexerQuant("mxfp8"), KVCacheQuant("fp8", tile_size=16), ProjectionQuant("none"))
+STATIC = ("max_new_tokens", "top_k", "eos_id", "draft", "num_draft")
+GEN = jax.jit(generate, static_argnames=STATIC)
+GEN_PC = jax.jit(generate, static_argnames=STATIC, donate_argnames=("prefix_cache",))
+
+
+PREFILL = jax.jit(lambda p, m, i, n, max_len: p.prefill(m, i, n, max_len=max_len), static_argnames="max_len")
+PLAIN = jax.jit(lambda m, i, c, n: m.prefill(i, c, n, last_only=True))
+STEP = jax.jit(lambda m, i, c: m.decode_step(i, c))
+
+
+def _valid_rows(cache, lengths):
+    """Every pool's rows at the positions each sequence holds, per row: [(layer, field, row, rows)]."""
+    out = []
+    for li, st in enumerate(cache.layers):
+        if not isinstance(st, MLAState):
+            continue
+        for name in ("latent", "rope", "index_k"):
+            pool = getattr(st, name)
+            if pool is None:
+                continue
+            per_token = cache.page_size // pool.values.shape[1]  # 1, or the KPool size for pooled keys
+            rows = np.asarray(pool.gather(cache.page_table, jnp.float32))
+            out += [(li, name, b, rows[b, : int(n) // per_token]) for b, n in enumerate(np.asarray(lengths))]
+    return out
+
+
+def _per_seq_leaves(cache):
+    leaves = []
+    for st in cache.layers:
+        if isinstance(st, KDAState):
+            leaves += [st.conv, st.recurrent]
+        elif st.index_tail is not None:
+            leaves.append(st.index_tail)
+    return [np.asarray(x, np.float32) for x in leaves]
+
+
+def assert_same_cache(got, want, lengths, tol):
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    for a, w in zip(_per_seq_leaves(got), _per_seq_leaves(want), strict=True):
+        np.testing.assert_allclose(a, w, rtol=tol, atol=tol)
+    for (li, name, b, a), (_, _, _, w) in zip(_valid_rows(got, lengths), _valid_rows(want, lengths), strict=True):
+        np.testing.assert_allclose(a, w, rtol=tol, atol=tol, err_msg=f"layer {li} {name} row {b}")
+
+
+def _prompts(seed, blk, vocab):
+    """Two calls' prompts over block size blk. Call 1 (cold): rows 0 and 1 share 3 blocks (stored once), row 2 is
+    shorter than a block, row 3 has one block and a token. Call 2: all of row 0's stored prefix + new tokens, part
+    of it, a prompt equal to a stored one of whole blocks (its last block is recomputed: the last token's logits
+    are the output), none."""
+    base = np.array(random_ids(seed, (4, 6 * blk), vocab))
+    first = np.array(random_ids(seed + 1, (4, 6 * blk), vocab))
+    first[1, : 3 * blk] = first[0, : 3 * blk]
+    lens1 = np.array([5 * blk + 3, 4 * blk, blk - 3, blk + 1])
+    second = base.copy()
+    second[0, : 5 * blk] = first[0, : 5 * blk]  # 5 stored blocks + 1 new token ... + more
+    second[1, : 2 * blk] = first[0, : 2 * blk]  # 2 of them, then a different block
+    second[2, : 4 * blk] = first[1, : 4 * blk]  # exactly row 1's stored prompt
+    lens2 = np.array([5 * blk + 7, 3 * blk + 5, 4 * blk, 2 * blk + 1])
+    return (first, lens1), (second, lens2)
+
+
+def _model(make, quant):
+    if isinstance(make, str):
+        return from_pretrained(FIXTURES / make, dtype=jnp.float32, progress=False)
+    return HybridLM(make(), quant=quant, rngs=nnx.Rngs(3))
+
+
+@pytest.mark.parametrize(
+    "make, quant, tail_chunk",
+    [(variant_config, None, 5), (glm5_tiny, QUANT, None)],
+    ids=["variant-tail-chunks", "glm5-quantized"],
+)
+def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chunk):
+    """Float32. Each call's logits and every cache leaf (KDA states and conv tails, KPool tails; every pool row
+    the sequences hold) equal a one-shot prefill's; a hit gives the logits the miss of the same prompt gave;
+    hit / miss tokens counted exactly; the stored blocks' pages are untouched by the decode steps after. The
+    variant prefills each prompt's partial last block in calls of 5 tokens (its full blocks in block calls)."""
+    model = _model(make, quant)
+    cfg = model.config
+    blk = 2 * cfg.page_size
+    (ids1, lens1), (ids2, lens2) = _prompts(7, blk, cfg.vocab_size)
+    max_len = 6 * blk + 4
+    pc = PrefixCache(model, max_tokens=40 * blk, block_size=blk, tail_chunk=tail_chunk)
+    results = []
+    for ids, lens in ((ids1, lens1), (ids2, lens2)):
+        logits, cache, pc = PREFILL(pc, model, jnp.asarray(ids), jnp.asarray(lens), max_len=max_len)
+        want_logits, want = PLAIN(model, jnp.asarray(ids), model.init_cache(len(lens), max_len), jnp.asarray(lens))
+        assert rel_err(logits, want_logits) < 2e-5
+        assert_same_cache(cache, want, lens, 2e-5)
+        # decode two steps: the shared pages stay as they were stored
+        before = [np.asarray(st.latent.values) for st in cache.layers if isinstance(st, MLAState)]
+        for tok in (5, 9):
+            got_l, cache = STEP(model, jnp.full((len(lens),), tok), cache)
+            want_l, want = STEP(model, jnp.full((len(lens),), tok), want)
+            assert rel_err(got_l, want_l) < 2e-5
+        pc = pc.release(cache)
+        pages = np.nonzero(np.repeat(np.asarray(pc.valid), blk // cfg.page_size))[0]
+        after = [np.asarray(st.latent.values) for st in pc.store if isinstance(st, MLAState)]
+        for a, w in zip(after, before, strict=True):
+            np.testing.assert_array_equal(a[pages], w[pages])
+        results.append(logits)
+    s = pc.stats()
+    # call 1: nothing stored; rows 0, 1 store 5 + 1 blocks (3 shared), row 2 none, row 3 one.
+    # call 2: row 0 hits 5 blocks, row 1 2, row 2 3 (of its 4 stored: the last is recomputed), row 3 none.
+    hits = (5 + 2 + 3) * blk
+    assert s["hit_tokens"] == hits
+    assert s["miss_tokens"] == int(lens1.sum()) + int(lens2.sum()) - hits
+    assert s["evictions"] == 0
+    # a hit resumes from the miss's own state: row 2 of call 2 is row 1 of call 1
+    np.testing.assert_allclose(np.asarray(results[1][2]), np.asarray(results[0][1]), rtol=1e-6, atol=1e-6)
+
+
+def test_lru_eviction_keeps_recent_prefixes_and_results():
+    """A cache of 6 blocks, one prompt of 2 blocks + 1 token a call (3 blocks each: 2 stored, 1 private). The
+    least recently used chain loses its deepest block first; a prefix whose block was evicted hits only up to
+    it; every call's logits equal a plain prefill's."""
+    model = _model(variant_config, None)
+    blk = 2 * model.config.page_size
+    t = 2 * blk + 1
+    pc = PrefixCache(model, max_tokens=6 * blk, block_size=blk)
+    a, b, c = (jnp.asarray(random_ids(s, (1, t), model.config.vocab_size)) for s in (11, 12, 13))
+    lens = jnp.array([t])
+    expected = [  # (prompt, hit blocks of this call, evictions so far)
+        (a, 0, 0),  # stores A0 A1
+        (b, 0, 0),  # stores B0 B1; 2 slots free
+        (a, 2, 0),  # touches A
+        (c, 0, 1),  # needs 3: the 2 free + B1 (B is older than A)
+        (b, 1, 2),  # hits B0; needs 2: the free one + A1 (A older than C)
+        (a, 1, 3),  # hits A0; needs 2: none free, C1 then C0 (C older than B)
+    ]
+    hits = 0
+    for i, (ids, hit, evictions) in enumerate(expected):
+        logits, cache, pc = PREFILL(pc, model, ids, lens, max_len=t)
+        want, _ = PLAIN(model, ids, model.init_cache(1, t), lens)
+        assert rel_err(logits, want) < 2e-5, i
+        pc = pc.release(cache)
+        hits += hit * blk
+        s = pc.stats()
+        assert (s["hit_tokens"], s["evictions"]) == (hits, evictions), (i, s)
+        assert s["cached_tokens"] == min(2 * (i + 1), {0: 2, 1: 4, 2: 4, 3: 5, 4: 5, 5: 5}[i]) * blk, (i, s)
+
+
+GEN_MODELS = {"kimi_linear": lambda: _model("kimi_linear", None), "deepseek_v32": lambda: _model("deepseek_v32", None)}
+
+
+@pytest.mark.parametrize("name", list(GEN_MODELS))
+def test_generate_with_a_prefix_cache_equals_generate_without(name):
+    """jit(generate) with the cache donated, three calls sharing prefixes (none, part, all of a stored prompt,
+    rows of mixed lengths): greedy tokens equal generate without a cache, with speculative decoding too
+    (kimi_linear); hits counted. (The variant and glm5 models: the prefill test.)"""
+    model = GEN_MODELS[name]()
+    cfg = model.config
+    blk = cfg.page_size
+    vocab, new = cfg.vocab_size, 6
+    base = np.array(random_ids(21, (3, 3 * blk), vocab))
+    calls = [
+        (base, np.array([3 * blk, 2 * blk + 5, blk - 1])),
+        (np.stack([base[1], base[0], base[2]]), np.array([2 * blk + 7, 3 * blk, 2 * blk])),
+    ]
+    draft = "ngram" if name == "kimi_linear" else None
+    pc = PrefixCache(model, max_tokens=20 * blk, block_size=blk)
+    for ids, lens in calls:
+        ids, lens = jnp.asarray(ids), jnp.asarray(lens)
+        want = GEN(model, ids, prompt_lengths=lens, max_new_tokens=new, draft=draft)
+        got = GEN_PC(model, ids, prompt_lengths=lens, max_new_tokens=new, draft=draft, prefix_cache=pc)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.lengths, want.lengths)
+        pc = got.prefix_cache
+    # call 1 stores base[0]'s 3 blocks and base[1]'s first 2; call 2: row 0 (base[1]) hits 2, row 1 (base[0]) 2
+    # (its third is its last token's block), row 2 (base[2], 2 blocks now) none
+    assert pc.stats()["hit_tokens"] == 4 * blk
+
+
+def test_prefix_cache_bad_arguments():
+    model = _model(variant_config, None)
+    g = model.config.page_size
+    with pytest.raises(ValueError, match="block_size=12 must be a positive multiple of the page size 8"):
+        PrefixCache(model, max_tokens=1024, block_size=12)
+    with pytest.raises(ValueError, match="tail_chunk=17 must be an int in \\[1, block_size=16\\]"):
+        PrefixCache(model, max_tokens=1024, block_size=2 * g, tail_chunk=17)
+    with pytest.raises(ValueError, match="max_tokens=8 must be an int of at least one block"):
+        PrefixCache(model, max_tokens=8, block_size=2 * g)
+    pc = PrefixCache(model, max_tokens=4 * g, block_size=2 * g)
+    ids = random_ids(1, (2, 3 * g), model.config.vocab_size)
+    with pytest.raises(ValueError, match="a batch of 2 rows of up to max_len=30 tokens needs 4"):
+        pc.prefill(model, ids, max_len=30)
+    with pytest.raises(ValueError, match="max_len=10 must be an int in"):
+        pc.prefill(model, ids, max_len=10)
+    with pytest.raises(ValueError, match="lengths \\[0, 3\\] must lie in"):
+        pc.prefill(model, ids[:, :3], jnp.array([0, 3]), max_len=8)
+    other = HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="prefix_cache was built for another model"):
+        generate(other, ids[:1], max_new_tokens=2, prefix_cache=pc)
+    same_config = HybridLM(variant_config(), rngs=nnx.Rngs(5))
+    with pytest.raises(ValueError, match="built for other weights of this config"):
+        generate(same_config, ids[:1], max_new_tokens=2, prefix_cache=pc)
+    with pytest.raises(ValueError, match="prefill_chunk=4: with a prefix cache"):
+        generate(model, ids[:1], max_new_tokens=2, prefix_cache=pc, prefill_chunk=4)
+    _, cache, lent = pc.prefill(model, ids[:1, :5], max_len=8)
+    with pytest.raises(ValueError, match="prefix_cache is lent to a running cache"):
+        lent.prefill(model, ids[:1, :5], max_len=8)
+    with pytest.raises(ValueError, match="release: this prefix_cache lends no pools"):
+        pc.release(cache)
+    assert lent.release(cache).stats()["miss_tokens"] == 5
