@@ -293,9 +293,9 @@ def default_prefill_chunk(model: HybridLM) -> int:
     return int(min(MAX_PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, chunk)))
 
 
-# A prompt's part after its last full chunk is prefilled in calls of chunk / TAIL_SPLIT tokens (for chunks of at
-# least TAIL_SPLIT_FROM tokens; smaller chunks keep one call shape): a second compiled shape that spares a prompt
-# just past a multiple of the chunk a whole padded chunk (docs/performance.md, "Prefix caching").
+# A prompt's short remainder after its last full chunk is prefilled in calls of chunk / TAIL_SPLIT tokens (for
+# chunks of at least TAIL_SPLIT_FROM tokens; smaller chunks keep one call shape): a second compiled shape that
+# spares a prompt just past a multiple of the chunk a whole padded chunk (docs/performance.md, "Prefix caching").
 TAIL_SPLIT, TAIL_SPLIT_FROM = 4, 1024
 
 
@@ -304,24 +304,41 @@ def default_tail_chunk(chunk: int) -> int:
 
 
 def prefill_chunked(model: HybridLM, input_ids, cache, lengths, *, chunk: int, tail_chunk: int | None = None):
-    """`model.prefill(input_ids, cache, lengths, last_only=True)` in chunks: each row's full chunks of `chunk`
-    tokens, then the rest in calls of `tail_chunk` tokens (default `default_tail_chunk(chunk)`), each size one
-    compiled shape run in a `lax.while_loop` (a row with no tokens left in a call takes none). Returns (logits
-    [B, vocab] at each row's last real token, the cache) — the one-shot result, with one call's activations in
-    memory at a time instead of the whole prompt's."""
+    """`model.prefill(input_ids, cache, lengths, last_only=True)` in chunks of `chunk` tokens, the last rows'
+    short remainders in calls of `tail_chunk` tokens (default `default_tail_chunk(chunk)`; see
+    `prefill_in_two_sizes`), each size one compiled shape run in a `lax.while_loop`. Returns (logits [B, vocab]
+    at each row's last real token, the cache) — the one-shot result, with one call's activations in memory at a
+    time instead of the whole prompt's."""
     for name, v in (("prefill_chunk", chunk), ("tail_chunk", tail_chunk)):
         if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1):
             raise ValueError(f"{name}={v!r} must be a positive int (static under jit)")
     tail = default_tail_chunk(chunk) if tail_chunk is None else min(tail_chunk, chunk)
     b = input_ids.shape[0]
-    lengths = jnp.asarray(lengths, jnp.int32)
     logits = jnp.zeros((b, model.config.vocab_size), jnp.float32)
     zero = jnp.zeros((b,), jnp.int32)
-    if tail == chunk:
-        return prefill_calls(model, input_ids, lengths, cache, logits, zero, chunk)
-    full = lengths // chunk
-    logits, cache = prefill_calls(model, input_ids, lengths, cache, logits, zero, chunk, take=full)
-    return prefill_calls(model, input_ids, lengths, cache, logits, full * chunk, tail)
+    return prefill_in_two_sizes(model, input_ids, jnp.asarray(lengths, jnp.int32), cache, logits, zero, chunk, tail)
+
+
+def prefill_in_two_sizes(model: HybridLM, ids, lengths, cache, logits, start, chunk: int, tail: int, *, after=None,
+                         carry=None):  # fmt: skip
+    """Row r's tokens [start[r], lengths[r]) in calls of `chunk` tokens, call c of every row at
+    start + c * chunk, so that calls end on chunk boundaries (`after` runs after each of these, as in
+    `prefill_calls`); then, where it saves work, the remainder of the rows with the most full chunks in calls of
+    `tail` tokens. A row with fewer full chunks than the longest takes its remainder in a chunk call that runs
+    anyway; a remainder longer than chunk - tail takes one more chunk call (same tokens, fewer calls).
+    -> (logits, cache[, carry])."""
+    if tail >= chunk:
+        return prefill_calls(model, ids, lengths, cache, logits, start, chunk, after=after, carry=carry)
+    full = (lengths - start) // chunk
+    most = jnp.max(full)
+    rest = jnp.where(full == most, lengths - start - most * chunk, 0)  # what the tail calls would take
+    big = jnp.max(rest) > chunk - tail
+    take = jnp.where((full < most) | big, full + 1, full)  # calls of `chunk` each row takes
+    out = prefill_calls(model, ids, lengths, cache, logits, start, chunk, take=take, after=after, carry=carry)
+    logits, cache = out[:2]
+    tail_start = jnp.where(take > full, lengths, start + full * chunk)
+    logits, cache = prefill_calls(model, ids, lengths, cache, logits, tail_start, tail)
+    return (logits, cache) if after is None else (logits, cache, out[2])
 
 
 def prefill_calls(model: HybridLM, ids, lengths, cache, logits, start, size: int, *, take=None, after=None, carry=None):

@@ -40,9 +40,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from hybrid_jax.cache import HybridCache, KDAState, MLAState, is_concrete
-from hybrid_jax.generate import default_tail_chunk, prefill_calls
+from hybrid_jax.generate import default_tail_chunk, prefill_in_two_sizes
 
 # Default tokens per block: a KDA snapshot per block costs (layers x heads x K x V x 4 bytes) / block_size
 # bytes per cached token (~20 KiB at Kimi-Linear-48B widths), against ~8 KiB of MLA pages; a block of this many
@@ -59,18 +60,23 @@ def default_block_size(model) -> int:
     return max(g, DEFAULT_BLOCK_TOKENS // g * g)
 
 
-def _config_key(model) -> str:
-    return repr((model.config, jnp.dtype(model.dtypes.compute).name, model.quant))
+def _model_key(model) -> tuple:
+    """What a cache's contents depend on besides the weights: the config, the compute dtype, the quantization."""
+    return (model.config, jnp.dtype(model.dtypes.compute).name, repr(model.quant))
 
 
 def _weights_mark(model) -> jax.Array:
-    """A uint32 checksum of the embedding's bits: the same weights give the same mark under any compilation
-    (an integer sum is exact in any order); other weights of the same config almost surely do not."""
-    emb = model.embed_tokens.embedding[...]
-    rows = emb[: min(64, emb.shape[0])].astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(rows, jnp.uint32)
-    w = jnp.arange(1, bits.size + 1, dtype=jnp.uint32).reshape(bits.shape) * jnp.uint32(2654435761)
-    return jnp.sum(bits * w, dtype=jnp.uint32)
+    """A uint32 checksum of the bits of up to 256 leading elements of every parameter: the same weights give the
+    same mark under any compilation (an integer sum is exact in any order); other weights of the same config
+    almost surely do not, unless they agree in all of these elements (a fine-tune that froze most tensors and
+    changed the rest only past their first 256 values would pass)."""
+    total = jnp.uint32(0)
+    for i, leaf in enumerate(jax.tree.leaves(nnx.state(model, nnx.Param))):
+        x = jnp.ravel(leaf)[:256].astype(jnp.float32)
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        w = (jnp.arange(1, x.size + 1, dtype=jnp.uint32) + jnp.uint32(i * 7919)) * jnp.uint32(2654435761)
+        total = total + jnp.sum(bits * w, dtype=jnp.uint32)
+    return total
 
 
 def _per_seq(state):
@@ -135,11 +141,11 @@ class PrefixCache:
         self.counts = jnp.zeros((len(COUNTERS), 2), jnp.int32)
         self.mark = _weights_mark(model)
         self.block_size, self.tail_chunk, self.page_size = int(blk), int(tail_chunk), g
-        self.config_key, self.lent = _config_key(model), False
+        self.model_key, self.lent = _model_key(model), False
 
     # ------------------------------------------------------------------ pytree
     _CHILDREN = ("store", "tokens", "parent", "valid", "depth", "used", "clock", "counts", "mark")
-    _STATIC = ("block_size", "tail_chunk", "page_size", "config_key", "lent")
+    _STATIC = ("block_size", "tail_chunk", "page_size", "model_key", "lent")
 
     def tree_flatten(self):
         return tuple(getattr(self, k) for k in self._CHILDREN), tuple(getattr(self, k) for k in self._STATIC)
@@ -171,8 +177,16 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the cache holds (pools, snapshots and the block table); the pools count while lent."""
+        """Device bytes the cache holds (pools, snapshots and the block table); a lent cache holds no pools."""
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self) if hasattr(x, "nbytes"))
+
+    def __repr__(self) -> str:
+        stored = f"{int(np.asarray(self.valid).sum())}" if is_concrete(self.valid) else "?"
+        lent = ", lent" if self.lent else ""
+        return (
+            f"PrefixCache({stored} of {self.num_slots} blocks of {self.block_size} tokens stored, "
+            f"tail_chunk={self.tail_chunk}{lent})"
+        )
 
     def stats(self) -> dict[str, int]:
         """hit_tokens / miss_tokens: prompt tokens served from the cache / prefilled, over every call;
@@ -186,12 +200,17 @@ class PrefixCache:
     def check(self, model) -> None:
         """ValueError unless this cache was built for `model` (config, dtype, quantization and, where concrete,
         its weights)."""
-        key = _config_key(model)
-        if key != self.config_key:
-            raise ValueError(
-                f"prefix_cache was built for another model: its config/dtype/quant {self.config_key[:120]}... "
-                f"!= {key[:120]}..."
-            )
+        key = _model_key(model)
+        if key != self.model_key:
+            (cfg, dt, quant), (own_cfg, own_dt, own_quant) = key, self.model_key
+            diff = [
+                f"{f.name}={getattr(cfg, f.name)!r} (cache: {getattr(own_cfg, f.name)!r})"
+                for f in dataclasses.fields(cfg)
+                if getattr(cfg, f.name) != getattr(own_cfg, f.name)
+            ]
+            diff += [f"dtype={dt} (cache: {own_dt})"] if dt != own_dt else []
+            diff += [f"quant={quant} (cache: {own_quant})"] if quant != own_quant else []
+            raise ValueError(f"prefix_cache was built for another model: {'; '.join(diff)}")
         mark = _weights_mark(model)
         if is_concrete(mark, self.mark) and int(mark) != int(self.mark):
             raise ValueError(
@@ -331,9 +350,9 @@ class PrefixCache:
         return slots, valid, parent, evicted
 
     def _prefill_blocks(self, model, ids, lens, m, slots, cache):
-        """Prefill each row's tokens from its first unmatched block on: its full blocks one block per call, the
-        per-sequence states after each going to the block's slot; then the partial last block in calls of
-        `tail_chunk` tokens (when smaller than a block: a few new tokens after a hit cost a few tokens, not a
+        """Prefill each row's tokens from its first unmatched block on in block calls aligned to its blocks, the
+        per-sequence states after each full block going to the block's slot; a short partial last block in calls
+        of `tail_chunk` tokens (`prefill_in_two_sizes`: a few new tokens after a hit cost a few tokens, not a
         whole padded block). -> (logits at the last prompt token, cache, the store's per-sequence snapshots)."""
         blk, tc, s = self.block_size, self.tail_chunk, self.num_slots
         start0 = m * blk
@@ -348,14 +367,7 @@ class PrefixCache:
             )
 
         snaps = tuple(_per_seq(st) for st in self.store)
-        if tc == blk:  # one call shape: the blocks, the last one partial
-            return prefill_calls(model, ids, lens, cache, logits, start0, blk, after=store, carry=snaps)
-        full = (lens - start0) // blk
-        logits, cache, snaps = prefill_calls(
-            model, ids, lens, cache, logits, start0, blk, take=full, after=store, carry=snaps
-        )
-        logits, cache = prefill_calls(model, ids, lens, cache, logits, start0 + full * blk, tc)
-        return logits, cache, snaps
+        return prefill_in_two_sizes(model, ids, lens, cache, logits, start0, blk, tc, after=store, carry=snaps)
 
     def _register(self, ids, lens, m, slots, ok, parent, valid, used):
         """Store every full prompt block past the matched ones, row by row (a block already stored — by an

@@ -120,8 +120,8 @@ def test_on_token_streams_every_token_in_order(tiny_model):
 
 @pytest.mark.slow
 def test_chunked_prefill_equals_one_shot(tiny_model):
-    """generate(prefill_chunk=C) prefills through the caches C tokens at a time (the last chunk padded, rows of
-    mixed lengths running out at different chunks) and decodes exactly what the one-shot prefill does."""
+    """generate(prefill_chunk=C) prefills through the caches C tokens at a time (rows of mixed lengths running out
+    at different chunks; short remainders in smaller calls) and decodes exactly what the one-shot prefill does."""
     from hybrid_jax.generate import prefill_chunked
 
     ids = random_ids(25, (3, 19))
@@ -132,12 +132,15 @@ def test_chunked_prefill_equals_one_shot(tiny_model):
         out = chunked(tiny_model, ids, prompt_lengths=lens, max_new_tokens=5, prefill_chunk=chunk)
         np.testing.assert_array_equal(out.tokens, one.tokens)
         np.testing.assert_array_equal(out.lengths, one.lengths)
-    ref_logits, ref_cache = tiny_model.prefill(ids, tiny_model.init_cache(3, 24), lens, last_only=True)
-    # chunks of 6 (19 = 3 x 6 + 1); then full chunks of 6 and the rest (11 = 6 + 5, 4) in calls of 4
-    for tail in (None, 4):
-        got_logits, got_cache = jax.jit(
-            lambda m, i, c, n, tail=tail: prefill_chunked(m, i, c, n, chunk=6, tail_chunk=tail)
-        )(tiny_model, ids, tiny_model.init_cache(3, 24), lens)
+    # chunks of 6, the rows' lengths traced (one compile per tail size):
+    # [19, 11, 4], tail None: 4 calls of 6, the last row-0 call holding 1 token;
+    # [19, 11, 4], tail 4: rows 1 and 2 finish inside chunk calls that run anyway, row 0's last token in a call of 4;
+    # [17, 5, 2], tail 4: row 0's remainder (5 > 6 - 4) takes one more chunk call, no call of 4
+    run = jax.jit(lambda m, i, c, n, tail: prefill_chunked(m, i, c, n, chunk=6, tail_chunk=tail), static_argnums=4)
+    for lens_, tail in (([19, 11, 4], None), ([19, 11, 4], 4), ([17, 5, 2], 4)):
+        lens_ = jnp.array(lens_)
+        ref_logits, ref_cache = tiny_model.prefill(ids, tiny_model.init_cache(3, 24), lens_, last_only=True)
+        got_logits, got_cache = run(tiny_model, ids, tiny_model.init_cache(3, 24), lens_, tail)
         assert np.abs(np.asarray(got_logits - ref_logits)).max() < 1e-4 * np.abs(np.asarray(ref_logits)).max()
         np.testing.assert_array_equal(got_cache.lengths, ref_cache.lengths)
         for a, b in zip(jax.tree.leaves(got_cache.layers), jax.tree.leaves(ref_cache.layers), strict=True):

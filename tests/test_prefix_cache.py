@@ -63,6 +63,10 @@ def assert_same_cache(got, want, lengths, tol):
         np.testing.assert_allclose(a, w, rtol=tol, atol=tol, err_msg=f"layer {li} {name} row {b}")
 
 
+def _pool_leaves(state: MLAState) -> list:
+    return jax.tree.leaves((state.latent, state.rope, state.index_k))
+
+
 def _prompts(seed, blk, vocab):
     """Two calls' prompts over block size blk. Call 1 (cold): rows 0 and 1 share 3 blocks (stored once), row 2 is
     shorter than a block, row 3 has one block and a token. Call 2: all of row 0's stored prefix + new tokens, part
@@ -109,15 +113,16 @@ def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chun
         assert rel_err(logits, want_logits) < 2e-5
         assert_same_cache(cache, want, lens, 2e-5)
         # decode two steps: the shared pages stay as they were stored
-        before = [np.asarray(st.latent.values) for st in cache.layers if isinstance(st, MLAState)]
+        before = [np.asarray(x) for st in cache.layers if isinstance(st, MLAState) for x in _pool_leaves(st)]
         for tok in (5, 9):
             got_l, cache = STEP(model, jnp.full((len(lens),), tok), cache)
             want_l, want = STEP(model, jnp.full((len(lens),), tok), want)
             assert rel_err(got_l, want_l) < 2e-5
         pc = pc.release(cache)
         pages = np.nonzero(np.repeat(np.asarray(pc.valid), blk // cfg.page_size))[0]
-        after = [np.asarray(st.latent.values) for st in pc.store if isinstance(st, MLAState)]
-        for a, w in zip(after, before, strict=True):
+        after = [np.asarray(x) for st in pc.store if isinstance(st, MLAState) for x in _pool_leaves(st)]
+        assert len(after) == len(before) > 0
+        for a, w in zip(after, before, strict=True):  # every pool: latent, rope, indexer keys, their scales
             np.testing.assert_array_equal(a[pages], w[pages])
         results.append(logits)
     s = pc.stats()
@@ -147,7 +152,7 @@ def test_lru_eviction_keeps_recent_prefixes_and_results():
         (a, 2, 0),  # touches A
         (c, 0, 1),  # needs 3: the 2 free + B1 (B is older than A)
         (b, 1, 2),  # hits B0; needs 2: the free one + A1 (A older than C)
-        (a, 1, 3),  # hits A0; needs 2: none free, C1 then C0 (C older than B)
+        (a, 1, 3),  # hits A0; needs 2: the free one + C1 (C older than B)
     ]
     hits = 0
     for i, (ids, hit, evictions) in enumerate(expected):
@@ -166,9 +171,10 @@ GEN_MODELS = {"kimi_linear": lambda: _model("kimi_linear", None), "deepseek_v32"
 
 @pytest.mark.parametrize("name", list(GEN_MODELS))
 def test_generate_with_a_prefix_cache_equals_generate_without(name):
-    """jit(generate) with the cache donated, three calls sharing prefixes (none, part, all of a stored prompt,
-    rows of mixed lengths): greedy tokens equal generate without a cache, with speculative decoding too
-    (kimi_linear); hits counted. (The variant and glm5 models: the prefill test.)"""
+    """jit(generate) with the cache donated, two calls sharing prefixes (none, part, all of a stored prompt, rows
+    of mixed lengths), the cache just big enough for one call so that the second evicts: greedy tokens equal
+    generate without a cache, with speculative decoding too (kimi_linear); hits and evictions counted. (The
+    variant and glm5 models: the prefill test.)"""
     model = GEN_MODELS[name]()
     cfg = model.config
     blk = cfg.page_size
@@ -179,7 +185,8 @@ def test_generate_with_a_prefix_cache_equals_generate_without(name):
         (np.stack([base[1], base[0], base[2]]), np.array([2 * blk + 7, 3 * blk, 2 * blk])),
     ]
     draft = "ngram" if name == "kimi_linear" else None
-    pc = PrefixCache(model, max_tokens=20 * blk, block_size=blk)
+    max_len = 3 * blk + new + (4 if draft else 0)
+    pc = PrefixCache(model, max_tokens=3 * -(-max_len // blk) * blk, block_size=blk)
     for ids, lens in calls:
         ids, lens = jnp.asarray(ids), jnp.asarray(lens)
         want = GEN(model, ids, prompt_lengths=lens, max_new_tokens=new, draft=draft)
@@ -188,8 +195,9 @@ def test_generate_with_a_prefix_cache_equals_generate_without(name):
         np.testing.assert_array_equal(got.lengths, want.lengths)
         pc = got.prefix_cache
     # call 1 stores base[0]'s 3 blocks and base[1]'s first 2; call 2: row 0 (base[1]) hits 2, row 1 (base[0]) 2
-    # (its third is its last token's block), row 2 (base[2], 2 blocks now) none
-    assert pc.stats()["hit_tokens"] == 4 * blk
+    # (its third is its last token's block), row 2 (base[2], 2 blocks now) none; the 12 slots hold 5 stored
+    # blocks and call 2 needs 8 fresh ones: base[0]'s third block, the one not matched, is evicted
+    assert (pc.stats()["hit_tokens"], pc.stats()["evictions"]) == (4 * blk, 1)
 
 
 def test_prefix_cache_bad_arguments():
@@ -210,9 +218,10 @@ def test_prefix_cache_bad_arguments():
     with pytest.raises(ValueError, match="lengths \\[0, 3\\] must lie in"):
         pc.prefill(model, ids[:, :3], jnp.array([0, 3]), max_len=8)
     other = HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="prefix_cache was built for another model"):
+    with pytest.raises(ValueError, match="built for another model: layer_types=\\('linear', 'linear', 'sparse'"):
         generate(other, ids[:1], max_new_tokens=2, prefix_cache=pc)
     same_config = HybridLM(variant_config(), rngs=nnx.Rngs(5))
+    same_config.embed_tokens.embedding[...] = model.embed_tokens.embedding[...]  # only the other weights differ
     with pytest.raises(ValueError, match="built for other weights of this config"):
         generate(same_config, ids[:1], max_new_tokens=2, prefix_cache=pc)
     with pytest.raises(ValueError, match="prefill_chunk=4: with a prefix cache"):
@@ -222,4 +231,7 @@ def test_prefix_cache_bad_arguments():
         lent.prefill(model, ids[:1, :5], max_len=8)
     with pytest.raises(ValueError, match="release: this prefix_cache lends no pools"):
         pc.release(cache)
-    assert lent.release(cache).stats()["miss_tokens"] == 5
+    back = lent.release(cache)
+    assert back.stats()["miss_tokens"] == 5
+    assert repr(back) == "PrefixCache(0 of 2 blocks of 16 tokens stored, tail_chunk=16)"
+    assert repr(lent).endswith(", lent)")
