@@ -127,6 +127,16 @@ def test_decode_layer_errors_and_auto(monkeypatch):
     )
 
 
+def _decode_steps(model, ids, decode, first, cache):
+    """A prefill's logits `first` [B, P, V] and its cache, then decode steps through the rest of ids:
+    (logits [B, T, V], the last cache)."""
+    steps = [first]
+    for i in range(first.shape[1], ids.shape[1]):
+        lg, cache = decode(model, ids[:, i], cache)
+        steps.append(lg[:, None])
+    return jnp.concatenate(steps, axis=1), cache
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scalar", [False, True], ids=["kda", "gated-deltanet"])
 def test_model_decode_through_fused_layer_kernel(tiny_cfg, scalar):
@@ -135,11 +145,20 @@ def test_model_decode_through_fused_layer_kernel(tiny_cfg, scalar):
     from flax import nnx
 
     from hybrid_jax import HybridLM
-    from tests.conftest import decode_with_ops, random_ids
+    from tests.conftest import fresh_jits, random_ids
 
     cfg = tiny_cfg.replace(kda_scalar_decay=True, kda_decay_rank=None) if scalar else tiny_cfg
     model = HybridLM(cfg, rngs=nnx.Rngs(5))
-    (ref, ref_cache), (got, cache), traced = decode_with_ops(model, random_ids(43, (2, 10)), ["kda_decode_layer"])
+    ids = random_ids(43, (2, 10))
+    # CI time: one prefill for both (the layer kernel is a decode step's: the prefill is the same program with
+    # it switched on); the decode step under the switch traced once (the jaxpr checked is the one that runs)
+    jits = fresh_jits()
+    first, start = jits["prefill"](model, ids[:, :7], model.init_cache(2, 16), jnp.full((2,), 7))
+    ref, ref_cache = _decode_steps(model, ids, jits["decode"], first, start)
+    with use_pallas(ops=["kda_decode_layer"]):
+        decode = fresh_jits()["decode"]
+        traced = str(decode.trace(model, ids[:, 7], start).jaxpr)
+        got, cache = _decode_steps(model, ids, decode, first, start)
     assert "name=kda_decode_layer" in traced  # the kernel, traced once, called by every KDA layer:
     assert traced.count("name=decode_layer_pallas") == cfg.layer_types.count("linear")
     assert rel_err(got, ref) < 1e-5
@@ -155,12 +174,23 @@ def test_model_batch1_decode_reads_projection_partials(tiny_cfg):
     from flax import nnx
 
     from hybrid_jax import HybridLM
-    from tests.conftest import decode_with_ops, random_ids
+    from tests.conftest import fresh_jits, prefill_then_decode, random_ids
 
     model = HybridLM(tiny_cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
     ids = random_ids(44, (1, 10))
-    (ref, ref_cache), (got, cache), traced = decode_with_ops(model, ids, ["projection", "kda_decode_layer"])
-    _, (unfused, _), traced_unfused = decode_with_ops(model, ids, ["projection"])
+    ref, ref_cache = prefill_then_decode(model, ids, fresh_jits(), 7, 16)
+    # CI time: the prefill (7 rows: the projection kernel, no decode-layer kernel, the same program under both
+    # switches) compiled once, and each decode step traced once (the jaxpr checked is the one that runs)
+    with use_pallas(ops=["projection"]):
+        prefill = fresh_jits()["prefill"]
+        first, start = prefill(model, ids[:, :7], model.init_cache(1, 16), jnp.full((1,), 7))
+    runs = []
+    for ops in (["projection", "kda_decode_layer"], ["projection"]):
+        with use_pallas(ops=ops):
+            decode = fresh_jits()["decode"]
+            traced_ops = str(decode.trace(model, ids[:, 7], start).jaxpr)
+            runs.append((*_decode_steps(model, ids, decode, first, start), traced_ops))
+    (got, cache, traced), (unfused, _, traced_unfused) = runs
     n_linear = tiny_cfg.layer_types.count("linear")
     assert traced.count("name=decode_layer_pallas") == n_linear
     # fewer reductions than the unfused step's: q/k/v, f/z, β and the low-rank inputs are added in the kernels

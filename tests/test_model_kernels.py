@@ -2,6 +2,7 @@
 model through the jnp references: the wiring of pools, scales and states into the kernels."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -15,15 +16,19 @@ from tests.test_quant import _quant
 @pytest.mark.slow
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16-pools", "fp8-latent+mxfp8-indexer"])
 def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized):
-    # the sparse MLA kernel reads rope tiles of >= 16 values; the indexer prolog kernel column groups of >= 16
+    # the sparse MLA kernel reads rope tiles of >= 16 values; the indexer prolog kernel column groups of >= 16.
+    # One layer of each type, a dense MLP and MoE (CI time: each layer compiles its own interpret-mode kernels)
     cfg = tiny_cfg.replace(qk_rope_head_dim=16, index_num_heads=16, index_head_dim=64, index_rope_dim=32)
+    cfg = cfg.replace(num_layers=3, layer_types=("linear", "sparse", "full"), mlp_types=("dense", "moe", "moe"))
     model = HybridLM(cfg, quant=_quant() if quantized else None, rngs=nnx.Rngs(3))
     ids = random_ids(41, (2, 12))
     ref, ref_cache = prefill_then_decode(model, ids, _fresh_jits(), 9, 16)
     with use_pallas():
         jits = _fresh_jits()
-        kernels = str(jax.make_jaxpr(lambda m, i, c: m.decode_step(i, c))(model, ids[:, 0], model.init_cache(2, 16)))
-        kernels += str(jax.make_jaxpr(lambda m, i, c: m.prefill(i, c))(model, ids, model.init_cache(2, 16)))
+        # the programs that run below, each traced once (a jit reuses its trace for the same argument types)
+        empty = model.init_cache(2, 16)
+        kernels = str(jits["decode"].trace(model, ids[:, 0], empty).jaxpr)
+        kernels += str(jits["prefill"].trace(model, ids[:, :9], empty, jnp.full((2,), 9)).jaxpr)
         got, cache = prefill_then_decode(model, ids, jits, 9, 16)
     for name in (
         "sparse_mla",

@@ -340,25 +340,26 @@ def test_selection_kernel_matches_top_k(seed, rows, chunks, k, ties, digit_bits,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["normal", "ties", "cauchy", "lognormal", "mostly_neg_inf", "constant"])
-def test_prefiltered_selection_equals_full_selection(kind):
+def test_prefiltered_selection_equals_full_selection():
     """The prefilter narrows each long row to k..2k candidates at or above a bound it searches for, in
     position order; the selection among them equals the selection over the whole row (ties to the lowest
     positions), on heavy tails and ties too. Rows it cannot narrow (too short, too few finite scores, all
-    tied) are marked -1 and selected in full."""
+    tied) are marked -1 and selected in full. Every kind of row in one batch (the rows are independent: one
+    compile of each kernel serves them all)."""
     from pallas_kernels.indexer.select_kernel import prefilter_rows, top_k_rows_pallas
 
-    rng = np.random.default_rng(11)
     r, s, k, chunk = 6, 512, 12, 32
-    x = {
-        "normal": lambda: rng.standard_normal((r, s)),
-        "ties": lambda: np.round(rng.standard_normal((r, s)) * 2) / 2,
-        "cauchy": lambda: rng.standard_cauchy((r, s)),
-        "lognormal": lambda: rng.lognormal(0.0, 4.0, (r, s)),
-        "mostly_neg_inf": lambda: np.where(rng.random((r, s)) < 0.9, -np.inf, rng.standard_normal((r, s))),
-        "constant": lambda: np.ones((r, s)),
-    }[kind]().astype(np.float32)
+    kinds = {
+        "normal": lambda rng: rng.standard_normal((r, s)),
+        "ties": lambda rng: np.round(rng.standard_normal((r, s)) * 2) / 2,
+        "cauchy": lambda rng: rng.standard_cauchy((r, s)),
+        "lognormal": lambda rng: rng.lognormal(0.0, 4.0, (r, s)),
+        "mostly_neg_inf": lambda rng: np.where(rng.random((r, s)) < 0.9, -np.inf, rng.standard_normal((r, s))),
+        "constant": lambda rng: np.ones((r, s)),
+    }
     limits = np.array([512, 40, 31, 300, 129, 0], np.int32)  # 40 > the 32-candidate width > 31
+    x = np.concatenate([draw(np.random.default_rng(11)).astype(np.float32) for draw in kinds.values()])
+    limits = np.tile(limits, len(kinds))
     x[np.arange(s)[None, :] >= limits[:, None]] = -np.inf
     xs, ls = jnp.asarray(x), jnp.asarray(limits)
     full = top_k_rows_pallas(xs, ls, k=k, chunk=chunk, interpret=True, prefilter=False)
@@ -367,10 +368,13 @@ def test_prefiltered_selection_equals_full_selection(kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     cand, pos, count = (np.asarray(a) for a in prefilter_rows(xs, ls[:, None], k=k, chunk=chunk, interpret=True))
     count = count[:, 0]
-    # narrowed: every row with more finite scores than the width, unless all of them are tied
-    narrowed = (np.isfinite(x).sum(axis=1) > 32) & (kind != "constant")
-    assert ((count >= k) & (count <= 32)).tolist() == narrowed.tolist() and narrowed.sum() >= (kind != "constant")
-    assert (count[~((count >= k) & (count <= 32))] == -1).all()
+    for j, kind in enumerate(kinds):  # kind by kind
+        rows = slice(j * r, (j + 1) * r)
+        # narrowed: every row with more finite scores than the width, unless all of them are tied
+        narrowed = (np.isfinite(x[rows]).sum(axis=1) > 32) & (kind != "constant")
+        took = (count[rows] >= k) & (count[rows] <= 32)
+        assert took.tolist() == narrowed.tolist() and narrowed.sum() >= (kind != "constant"), kind
+        assert (count[rows][~took] == -1).all(), kind
     for i in np.flatnonzero(count >= 0):  # the candidates: scores >= some bound, in position order, then pads
         n = count[i]
         assert (np.diff(pos[i, :n]) > 0).all() and (pos[i, n:] == -1).all() and np.isneginf(cand[i, n:]).all()
@@ -408,36 +412,43 @@ def _tied_kth(rng, r, s):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["normal", "ties", "cauchy", "mostly_neg_inf", "constant", "skewed", "tied_kth"])
-def test_split_selection_equals_row_selection(kind):
+def test_split_selection_equals_row_selection():
     """The split selection (each row's statistics, counting and compaction over many programs, then one
     selection among the candidates) returns what one program per row does — same positions in position
     order, same values, ties to the lowest positions, -1 / -inf pads — on heavy tails, ties, rows with
     fewer than k finite scores, empty rows, and a segment count that is not a power of two (6 segments of
-    64, each pass two 32-score steps inside a segment with `seg` 64 and the pass step patched to 32)."""
+    64, each pass two 32-score steps inside a segment with `seg` 64 and the pass step patched to 32).
+    Every kind of row in one batch (the rows are independent: one compile of each path serves them all)."""
     from pallas_kernels.indexer import select_split
     from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 
-    rng = np.random.default_rng(5)
     r, s, k = 6, 384, 20
-    x = {
-        "normal": lambda: rng.standard_normal((r, s)),
-        "ties": lambda: np.round(rng.standard_normal((r, s)) * 2) / 2,
-        "cauchy": lambda: rng.standard_cauchy((r, s)),
-        "mostly_neg_inf": lambda: np.where(rng.random((r, s)) < 0.95, -np.inf, rng.standard_normal((r, s))),
-        "constant": lambda: np.ones((r, s)),
-        "skewed": lambda: rng.exponential(size=(r, s)) ** 3,
-        "tied_kth": lambda: _tied_kth(rng, r, s),
-    }[kind]().astype(np.float32)
+    kinds = {
+        "normal": lambda rng: rng.standard_normal((r, s)),
+        "ties": lambda rng: np.round(rng.standard_normal((r, s)) * 2) / 2,
+        "cauchy": lambda rng: rng.standard_cauchy((r, s)),
+        "mostly_neg_inf": lambda rng: np.where(rng.random((r, s)) < 0.95, -np.inf, rng.standard_normal((r, s))),
+        "constant": lambda rng: np.ones((r, s)),
+        "skewed": lambda rng: rng.exponential(size=(r, s)) ** 3,
+        "tied_kth": lambda rng: _tied_kth(rng, r, s),
+    }
     limits = np.array([384, 200, 64, 19, 0, 321], np.int32)  # whole, mid-segment, one segment, < k, empty
+    x = np.concatenate([draw(np.random.default_rng(5)).astype(np.float32) for draw in kinds.values()])
+    limits = np.tile(limits, len(kinds))
     x[np.arange(s)[None, :] >= limits[:, None]] = -np.inf
     xs, ls = jnp.asarray(x), jnp.asarray(limits)
+
+    def check(got, want):  # kind by kind
+        for a, b in zip(got, want, strict=True):
+            for i, kind in enumerate(kinds):
+                np.testing.assert_array_equal(np.asarray(a)[i * r : (i + 1) * r], np.asarray(b)[i * r : (i + 1) * r],
+                                              err_msg=kind)  # fmt: skip
+
     want = top_k_rows_pallas(xs, ls, k=k, chunk=128, interpret=True, prefilter=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(select_split, "PASS_CHUNK", 32)
         got = select_split.top_k_split.__wrapped__(xs, ls, k=k, chunk=128, seg=64, interpret=True)
-    for a, b in zip(want, got, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    check(got, want)
     # best first: the candidates ranked against each other (rows with more than 2k of them — ties, a
     # constant row, tied_kth — cut to k by each ranking program's own search), in lax.top_k's order
     with pytest.MonkeyPatch.context() as mp:
@@ -449,16 +460,15 @@ def test_split_selection_equals_row_selection(kind):
             xs, ls, k=k, chunk=128, seg=64, best_first=True, interpret=True
         )
     top_v, top_i = jax.lax.top_k(xs, k)
-    np.testing.assert_array_equal(np.asarray(vals), np.asarray(top_v))
-    np.testing.assert_array_equal(np.asarray(idx), np.where(np.isneginf(top_v), -1, np.asarray(top_i)))
-    if kind == "normal":  # the default segment size, and the shape errors
-        got = select_split.top_k_split(xs, ls, k=k, chunk=128, interpret=True)
-        for a, b in zip(want, got, strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        with pytest.raises(ValueError, match="seg=48"):
-            select_split.top_k_split(xs, ls, k=k, chunk=128, seg=48, interpret=True)
-        with pytest.raises(ValueError, match="chunk=96"):
-            select_split.top_k_split(xs, ls, k=k, chunk=96, interpret=True)
+    check((vals, idx), (top_v, np.where(np.isneginf(top_v), -1, np.asarray(top_i))))
+    # the default segment size (for the 6 rows of one kind), and the shape errors
+    got = select_split.top_k_split(xs[:r], ls[:r], k=k, chunk=128, interpret=True)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[:r], np.asarray(b))
+    with pytest.raises(ValueError, match="seg=48"):
+        select_split.top_k_split(xs, ls, k=k, chunk=128, seg=48, interpret=True)
+    with pytest.raises(ValueError, match="chunk=96"):
+        select_split.top_k_split(xs, ls, k=k, chunk=96, interpret=True)
 
 
 @pytest.mark.slow
