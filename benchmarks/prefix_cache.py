@@ -8,7 +8,7 @@ The model is a preset cut to --layers / --experts with random bf16 weights (defa
 - "no cache, one shot": generate(prefill_chunk=prompt length): the whole prompt in one call (the baseline);
 - "no cache": plain generate (one-shot prefill up to `default_prefill_chunk`, chunks of it beyond);
 - "no cache, block chunks": generate(prefill_chunk=block_size), the chunking alone, no snapshots;
-- "cold cache": an empty PrefixCache (a fresh one each call): the prompt prefilled block by block, the states
+- "cold cache (storing)": an empty PrefixCache (a fresh one each call): the prompt prefilled block by block, the states
   after each block stored: the cost of filling the cache;
 - "warm cache": the prefix stored by an earlier call: only the blocks past it are prefilled.
 
@@ -99,7 +99,7 @@ def main() -> None:
             cold()  # compile
             runs = [cold() for _ in range(args.reps)]
             ms = statistics.median(r[0] for r in runs)
-            emit(dict(case="cold cache (stores the prompt)", block=blk, ms=ms, vs=ms / base_ms))
+            emit(dict(case="cold cache (storing)", block=blk, ms=ms, vs=ms / base_ms))
             state = {"pc": runs[-1][1].prefix_cache}
 
             def warm(state=state):
@@ -114,15 +114,15 @@ def main() -> None:
             emit(
                 dict(
                     case="warm cache", block=blk, ms=ms, vs=ms / base_ms,
-                    note=f"{hit} of {t} tokens hit; holds {(pool + snap) / 1024:.1f} KiB per cached token "
-                    f"({pool / 1024:.1f} pages + {snap / 1024:.1f} state snapshots)",
+                    note=f"{hit} of {t} hit; {(pool + snap) / 1024:.1f} KiB/token "
+                    f"({pool / 1024:.1f} pages + {snap / 1024:.1f} snapshots)",
                 )
             )  # fmt: skip
     except KeyboardInterrupt:
         print("interrupted: reporting the rows measured so far", flush=True)
     title = (
-        f"Prefix caching ({args.preset} widths, {cfg.num_layers} layers, {cfg.num_experts} experts, random bf16 "
-        f"weights); B=1, {args.prefix} shared + {args.new} new tokens, time to first token"
+        f"Prefix caching ({args.preset} widths, {cfg.num_layers} layers, {cfg.num_experts} experts, bf16); "
+        f"B=1, {args.prefix} shared + {args.new} new tokens, TTFT"
     )
     names = {"vs": "vs one shot"}
     table = [
