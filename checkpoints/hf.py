@@ -54,6 +54,7 @@ FP8_BLOCK = 128
 # Tensors a checkpoint may carry that inference does not use.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _VISION = "model.visual."  # glm5_next's vision tower: recognised and skipped
+_QWEN_MTP = "mtp."  # Qwen3-Next's multi-token-prediction module (transformers ignores `^mtp.*` too)
 log = logging.getLogger("hybrid_jax.checkpoints")
 
 
@@ -121,6 +122,11 @@ def _source(path: tuple, cfg: HybridConfig, reader: CheckpointFolder, prefix: st
     if gate:
         alternatives.append(f"{gate.group(1)}forget_gate.{gate.group(2)}")
 
+    if ".mlp.shared_experts." in hf:  # Qwen's single shared expert
+        alternatives.append(hf.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
+    gdn = re.fullmatch(r"layers\.(\d+)\.self_attn\.(.+)", key)
+    if gdn and f"{prefix}layers.{gdn.group(1)}.linear_attn.out_proj.weight" in reader:
+        return _gdn_source(f"{prefix}layers.{gdn.group(1)}.linear_attn.", gdn.group(2), cfg, reader)
     m = re.fullmatch(re.escape(prefix) + r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)", hf)
     if m:
         return _expert_source(int(m.group(1)), m.group(2), cfg, reader, prefix)
@@ -136,6 +142,48 @@ def _source(path: tuple, cfg: HybridConfig, reader: CheckpointFolder, prefix: st
     if key.endswith(".kernel") or (hc and hc.group(3) == "fn"):  # hc fn: torch [2N + N², N·D] -> ours [N·D, ...]
         return Source([name], lambda t: _t(t[0]))
     return Source([name], lambda t: t[0])
+
+
+def _gdn_source(base: str, leaf: str, cfg: HybridConfig, reader: CheckpointFolder) -> Source:
+    """A Gated DeltaNet parameter of Qwen's checkpoints (`linear_attn.*`) -> ours (`self_attn.*`, Kimi's names).
+
+    qwen3_next fuses the input projections per key head: `in_proj_qkvz` [N_k (2K + 2rV), D] holds, for each
+    key head, its q (K rows), k (K), then the v and z rows of its r = N / N_k value heads (rV each);
+    `in_proj_ba` [N_k 2r, D] holds each key head's r β logits, then its r decay inputs. qwen3_5 keeps them
+    apart: `in_proj_qkv` [2 N_k K + N V, D] (q | k | v), `in_proj_z`, `in_proj_b`, `in_proj_a`. The conv
+    weight [2 N_k K + N V, 1, W] runs over q | k | v in that order either way."""
+    nk, n, dk, dv = cfg.kda_k_heads, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_v_dim
+    r, c = n // nk, cfg.kda_dim
+    rows = {"q": (0, dk), "k": (dk, 2 * dk), "v": (2 * dk, 2 * dk + r * dv), "z": (2 * dk + r * dv, 2 * (dk + r * dv))}
+    fused = base + "in_proj_qkvz.weight" in reader
+    proj = re.fullmatch(r"([qkvfbg])_proj\.kernel", leaf)
+    if proj:
+        part = {"f": "a", "g": "z"}.get(proj.group(1), proj.group(1))
+        if part in "ba":
+            if fused:  # [N_k, 2r, D]: b rows first
+                lo = 0 if part == "b" else r
+                return Source(
+                    [base + "in_proj_ba.weight"], lambda t: t[0].reshape(nk, 2 * r, -1)[:, lo : lo + r].reshape(n, -1).T
+                )
+            return Source([base + f"in_proj_{part}.weight"], lambda t: t[0].T)
+        if fused:
+            lo, hi = rows[part]
+            return Source(
+                [base + "in_proj_qkvz.weight"],
+                lambda t: t[0].reshape(nk, 2 * (dk + r * dv), -1)[:, lo:hi].reshape(nk * (hi - lo), -1).T,
+            )
+        if part == "z":
+            return Source([base + "in_proj_z.weight"], lambda t: t[0].T)
+        lo, hi = {"q": (0, c), "k": (c, 2 * c), "v": (2 * c, cfg.kda_conv_dim)}[part]
+        return Source([base + "in_proj_qkv.weight"], lambda t: t[0][lo:hi].T)
+    conv = re.fullmatch(r"([qkv])_conv1d\.kernel", leaf)
+    if conv:
+        lo, hi = {"q": (0, c), "k": (c, 2 * c), "v": (2 * c, cfg.kda_conv_dim)}[conv.group(1)]
+        return Source([base + "conv1d.weight"], lambda t: t[0][lo:hi, 0, :].T)
+    names = {"A_log": "A_log", "dt_bias": "dt_bias", "o_norm.weight": "norm.weight", "o_proj.kernel": "out_proj.weight"}
+    if leaf not in names:
+        return Source([base + leaf], lambda t: t[0])  # reported missing
+    return Source([base + names[leaf]], (lambda t: t[0].T) if leaf.endswith(".kernel") else (lambda t: t[0]))
 
 
 def _expert_source(layer: int, which: str, cfg: HybridConfig, reader: CheckpointFolder, prefix: str) -> Source:
@@ -311,6 +359,9 @@ def load_safetensors_model(
             if n + "_scale_inv" in reader:
                 reader.release(n + "_scale_inv")
     mtp = mtp_layers(raw, config)
+    qwen_mtp = [n for n in reader if n.startswith(_QWEN_MTP)] if raw.get("model_type") == "qwen3_next" else []
+    if qwen_mtp:
+        log.info("%s: skipping the multi-token-prediction module (%d tensors under mtp.*)", root, len(qwen_mtp))
     skipped = [n for n in reader if n.startswith(_VISION)]
     if skipped:
         log.info(
@@ -319,6 +370,7 @@ def load_safetensors_model(
     extra = sorted(
         n for n in reader
         if n not in used and not _IGNORED.match(n) and not _is_mtp(n, mtp, prefix) and not n.startswith(_VISION)
+        and not (qwen_mtp and n.startswith(_QWEN_MTP))
     )  # fmt: skip
     if extra and strict:
         shown = ", ".join(extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10 else "")

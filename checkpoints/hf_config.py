@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` -> HybridConfig for `kimi_linear`, `deepseek_v32`, `glm5_next` and our own `hybrid`.
+"""Hugging Face `config.json` -> HybridConfig for `kimi_linear`, `deepseek_v32`, `glm5_next`, `qwen3_next` and our own
+`hybrid`.
 
 Every field that changes the math is either mapped or rejected: an unknown field is an error unless it is
 listed as having no effect on inference (`_NO_EFFECT`). Every value is type-checked against the HybridConfig
@@ -16,7 +17,7 @@ from typing import Any
 from checkpoints.safetensors_io import CheckpointError
 from hybrid_jax.config import HybridConfig, YarnScaling
 
-SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "glm5_next", "glm5_next_text", "hybrid")
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "glm5_next", "glm5_next_text", "qwen3_next", "hybrid")
 # glm5_next's top level (the multimodal wrapper): the vision tower and its token ids do not touch text inference
 _GLM5_TOP = {
     "vision_config", "image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
@@ -454,6 +455,103 @@ def _mlp_types_glm5(f: _Fields, n: int) -> tuple[str, ...]:
     return tuple("moe" if t == "sparse" else "dense" for t in types)
 
 
+def _qwen_rope(f: _Fields, head_dim: int) -> tuple[float, int]:
+    """(rope_theta, rotary dims) from `rope_parameters` (transformers 5) or the flat `rope_theta` /
+    `partial_rotary_factor` / `rope_scaling` of the released files; only the default rope type."""
+    rp = f.get("rope_parameters", default={})
+    if not isinstance(rp, dict):
+        raise CheckpointError(f"rope_parameters={rp!r} is not an object")
+    unknown = sorted(set(rp) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    if unknown:
+        raise CheckpointError(f"rope_parameters has unknown field(s) {unknown}")
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind != "default" or f.get("rope_scaling") is not None:
+        scaling = f.get("rope_scaling")
+        raise CheckpointError(f"rope type {kind!r} / rope_scaling={scaling!r}: only default RoPE is supported")
+    theta = rp.get("rope_theta", f.get("rope_theta", default=10000.0))
+    factor = rp.get("partial_rotary_factor", f.get("partial_rotary_factor", default=0.25))
+    for name, value in (("rope_theta", theta), ("partial_rotary_factor", factor)):
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"{name}={value!r} is not a positive number")
+    if factor > 1:
+        raise CheckpointError(f"partial_rotary_factor={factor!r} is more than 1")
+    return float(theta), int(head_dim * factor)  # transformers: int(head_dim * partial_rotary_factor)
+
+
+def _qwen_layer_types(f: _Fields, n: int) -> tuple[str, ...]:
+    names = {"linear_attention": "linear", "full_attention": "attention"}
+    lt = f.get("layer_types")
+    if lt is None:
+        every = f.get("full_attention_interval", default=4)
+        if type(every) is not int or every <= 0:
+            raise CheckpointError(f"full_attention_interval={every!r} is not a positive integer")
+        return tuple("linear" if (i + 1) % every else "attention" for i in range(n))
+    f.used.add("full_attention_interval")  # transformers ignores it once layer_types is given
+    if not isinstance(lt, list) or len(lt) != n or any(str(t) not in names for t in lt):
+        raise CheckpointError(f"layer_types={lt!r}: need {n} of {sorted(names)}")
+    return tuple(names[str(t)] for t in lt)
+
+
+# transformers 5.23 Qwen3NextConfig's defaults for the fields the mapping reads (a config.json that leaves one out
+# means this value, as transformers reads it)
+_QWEN3_NEXT_DEFAULTS = {
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "decoder_sparse_step": 1, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 10, "num_experts": 512, "norm_topk_prob": True, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def _qwen3_next(f: _Fields) -> HybridConfig:
+    """Qwen3-Next (transformers 5.23 `Qwen3NextConfig`): Gated DeltaNet layers (grouped q/k heads, SiLU-gated
+    output norm) 3 : 1 with gated GQA (q/k norm, partial RoPE), softmax Top-K MoE with a sigmoid-gated shared
+    expert, zero-centred RMSNorm weights."""
+    n = f.require("num_hidden_layers")
+    if type(n) is not int or n <= 0:
+        raise CheckpointError(f"num_hidden_layers={n!r} is not a positive integer")
+    f.expect("hidden_act", ("silu",), default="silu")
+    f.expect("attention_bias", (False,), default=False)
+    if f.get("use_sliding_window", default=False) is not False:
+        raise CheckpointError("use_sliding_window=true is not supported (Qwen3-Next attends to every position)")
+    f.get("sliding_window", "max_window_layers")  # read by transformers only with use_sliding_window
+    f.get("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")  # the MTP module (`mtp.*`) is skipped
+    heads, hidden, head_dim = f.require("num_attention_heads"), f.require("hidden_size"), f.require("head_dim")
+    theta, rope_dim = _qwen_rope(f, head_dim if type(head_dim) is int else 0)
+    experts = f.require("num_experts")
+    step = f.require("decoder_sparse_step")
+    only = f.get("mlp_only_layers", default=[])
+    if type(step) is not int or step <= 0:
+        raise CheckpointError(f"decoder_sparse_step={step!r} is not a positive integer")
+    if not isinstance(only, list) or any(type(i) is not int for i in only):
+        raise CheckpointError(f"mlp_only_layers={only!r} is not a list of layer indices")
+    mlp = tuple("moe" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n))
+    shared = f.require("shared_expert_intermediate_size")
+    if type(shared) is not int or shared < 0:
+        raise CheckpointError(f"shared_expert_intermediate_size={shared!r} is not a non-negative integer")
+    return _build(dict(
+        vocab_size=f.require("vocab_size"), hidden_size=hidden, num_layers=n,
+        layer_types=_qwen_layer_types(f, n), mlp_types=mlp,
+        kda_num_heads=f.require("linear_num_value_heads"), kda_num_k_heads=f.require("linear_num_key_heads"),
+        kda_head_dim=f.require("linear_key_head_dim"), kda_v_head_dim=f.require("linear_value_head_dim"),
+        kda_conv_size=f.require("linear_conv_kernel_dim"),
+        kda_scalar_decay=True, kda_decay_rank=None, kda_output_gate_rank=None, kda_norm_gate="silu",
+        num_heads=heads, attn_num_kv_heads=f.require("num_key_value_heads"), attn_head_dim=head_dim,
+        attn_rope_dim=rope_dim, rope_theta=theta, attn_output_gate=True, attn_qk_norm=True,
+        num_experts=experts, num_experts_per_tok=f.require("num_experts_per_tok"),
+        num_shared_experts=1 if shared else 0, shared_expert_intermediate_size=shared or None,
+        shared_expert_gate=bool(shared), router_bias=False, scoring_func="softmax",
+        norm_topk_prob=f.flag("norm_topk_prob", default=True),
+        moe_intermediate_size=f.require("moe_intermediate_size"), intermediate_size=f.require("intermediate_size"),
+        rms_norm_eps=f.number("rms_norm_eps", required=True), norm_zero_centered=True,
+        tie_word_embeddings=f.flag("tie_word_embeddings", default=False),
+        max_position_embeddings=f.require("max_position_embeddings"),
+        bos_token_id=f.get("bos_token_id"), eos_token_id=_eos(f.get("eos_token_id")),
+        pad_token_id=f.get("pad_token_id"),
+    ))  # fmt: skip
+
+
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> HybridConfig:
     """Map a parsed config.json to a HybridConfig; raises CheckpointError, with `source` (the file) and the
     field named, on anything it cannot honour."""
@@ -489,8 +587,12 @@ def _config_from_hf(d: dict[str, Any]) -> HybridConfig:
     if model_type == "glm5_next":
         d = _glm5_text(d)
         model_type = "glm5_next_text"
+    if model_type == "qwen3_next":
+        d = {**_QWEN3_NEXT_DEFAULTS, **d}
     f = _Fields(d, model_type)
-    build = {"kimi_linear": _kimi, "deepseek_v32": _deepseek, "glm5_next_text": _glm5}[model_type]
+    build = {"kimi_linear": _kimi, "deepseek_v32": _deepseek, "glm5_next_text": _glm5, "qwen3_next": _qwen3_next}[
+        model_type
+    ]
     cfg = build(f)
     f.check_leftovers()
     return cfg

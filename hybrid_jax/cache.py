@@ -128,6 +128,15 @@ class MLAState:
 
 
 @struct.dataclass
+class AttnState:
+    """A gated GQA layer's cache: keys and values of every token, [P, G, N_kv * H] each (FP8 per tile when
+    the KV cache is quantized)."""
+
+    k: Pool
+    v: Pool
+
+
+@struct.dataclass
 class HybridCache:
     layers: tuple
     page_table: jax.Array  # [B, n] int32
@@ -184,6 +193,22 @@ class StepInfo:
     kv_lengths: jax.Array  # [B] keys visible after this call (cache length + n_new)
     mode: str = struct.field(pytree_node=False)  # "prefill" or "decode"
     cp: ContextParallel | None = struct.field(pytree_node=False, default=None)  # sequence split over devices
+
+
+def store_rows(pool: Pool | None, rows: jax.Array, info: StepInfo, fmt: str, tile: int) -> Pool:
+    """Write this call's rows into the pool; without a cache the new rows *are* the (contiguous) pool.
+    Either way they pass through the pool's format, so cached and uncached runs see the same rounding.
+    Context parallel: every device attends over the whole causal prefix, so the rows of all devices are
+    gathered over the cp axis (and, with a cache, every device writes the same full set into its pool copy,
+    which is the pool that decode then reads)."""
+    if info.cp is not None:
+        rows = info.cp.gather_sequence(rows)
+        info = dataclasses.replace(
+            info, positions=info.cp.gather_sequence(info.positions), valid=info.cp.gather_sequence(info.valid)
+        )
+    if pool is None:
+        return Pool.from_rows(rows, fmt, tile, rows.dtype)
+    return pool.write(info, rows)
 
 
 def is_concrete(*xs) -> bool:

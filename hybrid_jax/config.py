@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-LAYER_TYPES = ("linear", "full", "sparse")
+LAYER_TYPES = ("linear", "full", "sparse", "attention")
+NORM_GATES = ("sigmoid", "silu")
 MLP_TYPES = ("dense", "moe")
 SCORING_FUNCS = ("sigmoid", "softmax")
 
@@ -53,8 +54,9 @@ class YarnScaling:
 class HybridConfig:
     """Architecture of a hybrid KDA / (sparse) MLA / AttnRes / MoE decoder.
 
-    `layer_types[i]` is `linear` (KDA), `full` (dense MLA) or `sparse` (MLA over the lightning indexer's
-    Top-K); `mlp_types[i]` is `dense` (SwiGLU) or `moe`. Layer lists are 0-based (HF config files are
+    `layer_types[i]` is `linear` (KDA / Gated DeltaNet), `full` (dense MLA), `sparse` (MLA over the lightning
+    indexer's Top-K) or `attention` (gated GQA with a paged K/V cache, Qwen3-Next); `mlp_types[i]` is `dense`
+    (SwiGLU) or `moe`. Layer lists are 0-based (HF config files are
     1-based; the checkpoint loader converts).
     """
 
@@ -72,6 +74,12 @@ class HybridConfig:
     kda_scalar_decay: bool = False  # True = Gated DeltaNet: one decay per head instead of per channel
     kda_gate_lower_bound: float | None = None  # "safe gate" g = lb * sigmoid(exp(A_log) * (f + dt_bias))
     kda_chunk_size: int = 64
+    # Gated DeltaNet grouping (Qwen3-Next / Qwen3.5): q and k have `kda_num_k_heads` heads, each serving
+    # kda_num_heads / kda_num_k_heads consecutive value heads; the recurrence runs over the kda_num_heads value
+    # heads of width `kda_v_head_dim`. None = as many / as wide as the value heads (Kimi).
+    kda_num_k_heads: int | None = None
+    kda_v_head_dim: int | None = None
+    kda_norm_gate: str = "sigmoid"  # the output gate of the gated RMSNorm: sigmoid (Kimi) or silu (Qwen)
     # MLA (docs/architecture.md §5)
     num_heads: int = 0
     q_lora_rank: int | None = None
@@ -85,6 +93,13 @@ class HybridConfig:
     rope_scaling: YarnScaling | None = None
     mla_output_gate: bool = False  # o = o * sigmoid(W_og x) before o_proj (Kimi K3 gated MLA)
     mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm use the module default, not rms_norm_eps
+    # Gated GQA ("attention" layers, docs/architecture.md §5b): num_heads query heads over attn_num_kv_heads
+    # key/value heads of attn_head_dim; RoPE (half-split pairs) on the first attn_rope_dim dims of q and k
+    attn_num_kv_heads: int = 0
+    attn_head_dim: int = 0
+    attn_rope_dim: int = 0
+    attn_output_gate: bool = True  # q_proj also yields a per-head gate: o ← o ⊙ σ(gate) before o_proj
+    attn_qk_norm: bool = True  # RMSNorm over each q / k head before RoPE
     # Lightning indexer (docs/architecture.md §6)
     index_num_heads: int = 0
     index_head_dim: int = 0
@@ -112,6 +127,11 @@ class HybridConfig:
     # Clamped SwiGLU (GLM-5.3-Flash): gate ← min(gate, limit), up ← clip(up, −limit, limit) before SiLU(gate)·up,
     # in dense, shared and routed experts; None = plain SwiGLU
     swiglu_limit: float | None = None
+    # Qwen-style MoE: the shared expert's own width (None = moe_intermediate_size x num_shared_experts) and its
+    # output scaled by σ(W_sg x) per token; router_bias False = no selection bias (plain softmax / sigmoid Top-K)
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    router_bias: bool = True
     # Block Attention Residuals (docs/architecture.md §7): decoder layers per block; None = plain residuals
     attn_res_block_size: int | None = None
     # Multi-stream hyper-connections (mHC, docs/architecture.md §7): `hc_mult` residual streams mixed around each
@@ -120,6 +140,9 @@ class HybridConfig:
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
     rms_norm_eps: float = 1e-5
+    # RMSNorm weights stored zero-centred: y = (1 + w) ⊙ x̂, applied in float32 before the cast (Qwen3-Next);
+    # every RMSNorm except the KDA output's gated one
+    norm_zero_centered: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     page_size: int = 64  # tokens per page of the paged MLA / indexer caches
@@ -172,6 +195,15 @@ class HybridConfig:
             lb = self.kda_gate_lower_bound
             if lb is not None and not (-5.0 <= lb < 0.0):
                 _fail("kda_gate_lower_bound", lb, "must lie in [-5, 0)")
+            nk = self.kda_num_k_heads
+            if nk is not None and (nk <= 0 or self.kda_num_heads % nk):
+                _fail("kda_num_k_heads", nk, f"must be positive and divide kda_num_heads={self.kda_num_heads}")
+            if self.kda_v_head_dim is not None and self.kda_v_head_dim <= 0:
+                _fail("kda_v_head_dim", self.kda_v_head_dim, "must be positive or None (= kda_head_dim)")
+            if not self.kda_scalar_decay and (self.kda_k_heads != self.kda_num_heads):
+                _fail("kda_num_k_heads", nk, "grouped q/k heads need the scalar (Gated DeltaNet) decay")
+            if self.kda_norm_gate not in NORM_GATES:
+                _fail("kda_norm_gate", self.kda_norm_gate, f"must be one of {NORM_GATES}")
 
         if any(t in ("full", "sparse") for t in self.layer_types):
             for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -183,6 +215,18 @@ class HybridConfig:
                 _fail("q_lora_rank", self.q_lora_rank, "must be positive or None (no query LoRA)")
             if self.rope_scaling is not None and not self.mla_use_rope:
                 _fail("rope_scaling", self.rope_scaling, "is set but mla_use_rope=False (NoPE)")
+
+        if "attention" in self.layer_types:
+            for name in ("num_heads", "attn_num_kv_heads", "attn_head_dim"):
+                if getattr(self, name) <= 0:
+                    _fail(name, getattr(self, name), "must be positive when the model has attention layers")
+            if self.num_heads % self.attn_num_kv_heads:
+                _fail("attn_num_kv_heads", self.attn_num_kv_heads, f"must divide num_heads={self.num_heads}")
+            r = self.attn_rope_dim
+            if r < 0 or r % 2 or r > self.attn_head_dim:
+                _fail("attn_rope_dim", r, f"must be even and in [0, attn_head_dim={self.attn_head_dim}]")
+            if self.rope_scaling is not None:
+                _fail("rope_scaling", self.rope_scaling, "YaRN is implemented for MLA only, not attention layers")
 
         if "sparse" in self.layer_types:
             for name in ("index_num_heads", "index_head_dim", "index_topk"):
@@ -244,6 +288,11 @@ class HybridConfig:
                 )
             if self.scoring_func not in SCORING_FUNCS:
                 _fail("scoring_func", self.scoring_func, f"must be one of {SCORING_FUNCS}")
+            se = self.shared_expert_intermediate_size
+            if se is not None and (se <= 0 or not self.num_shared_experts):
+                _fail("shared_expert_intermediate_size", se, "must be positive, with num_shared_experts >= 1")
+            if self.shared_expert_gate and not self.num_shared_experts:
+                _fail("shared_expert_gate", True, "needs a shared expert (num_shared_experts >= 1)")
         if self.swiglu_limit is not None and not (0 < self.swiglu_limit < math.inf):
             _fail("swiglu_limit", self.swiglu_limit, "must be a finite positive number or None (no clamp)")
         if "dense" in self.mlp_types and self.intermediate_size <= 0:
@@ -271,8 +320,33 @@ class HybridConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def kda_k_heads(self) -> int:
+        """Heads of the KDA / GDN queries and keys (kda_num_k_heads, else one per value head)."""
+        return self.kda_num_k_heads or self.kda_num_heads
+
+    @property
+    def kda_v_dim(self) -> int:
+        """Width of one KDA / GDN value head (kda_v_head_dim, else kda_head_dim)."""
+        return self.kda_v_head_dim or self.kda_head_dim
+
+    @property
     def kda_dim(self) -> int:
-        return self.kda_num_heads * self.kda_head_dim
+        """Width of the KDA q (and k) projection: q/k heads x key head dim."""
+        return self.kda_k_heads * self.kda_head_dim
+
+    @property
+    def kda_value_dim(self) -> int:
+        """Width of the KDA v projection (and the output gate): value heads x value head dim."""
+        return self.kda_num_heads * self.kda_v_dim
+
+    @property
+    def kda_conv_dim(self) -> int:
+        """Channels of the short conv and its cached tail: q | k | v."""
+        return 2 * self.kda_dim + self.kda_value_dim
+
+    @property
+    def shared_expert_width(self) -> int:
+        return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.num_shared_experts
 
     @property
     def latent_dim(self) -> int:
@@ -291,8 +365,8 @@ class HybridConfig:
 
     @property
     def layer_pattern(self) -> str:
-        """One letter per layer: L linear, F full, S sparse (upper case = MoE FFN)."""
-        letters = {"linear": "l", "full": "f", "sparse": "s"}
+        """One letter per layer: L linear, F full, S sparse, A attention (upper case = MoE FFN)."""
+        letters = {"linear": "l", "full": "f", "sparse": "s", "attention": "a"}
         return "".join(
             letters[t].upper() if m == "moe" else letters[t]
             for t, m in zip(self.layer_types, self.mlp_types, strict=True)
@@ -553,6 +627,50 @@ class HybridConfig:
             pad_token_id=154820,
         )
 
+    @classmethod
+    def qwen3_next_80b(cls) -> HybridConfig:
+        """Qwen/Qwen3-Next-80B-A3B (`qwen3_next`): 48 layers, Gated DeltaNet 3 : 1 gated GQA (16 query / 2 kv
+        heads of 256, RoPE on 64 dims, theta 1e7), 512 experts (10 routed + a gated shared one)."""
+        n = 48
+        return cls(
+            vocab_size=151936,
+            hidden_size=2048,
+            num_layers=n,
+            layer_types=tuple("attention" if i % 4 == 3 else "linear" for i in range(n)),
+            mlp_types=("moe",) * n,
+            kda_num_heads=32,
+            kda_num_k_heads=16,
+            kda_head_dim=128,
+            kda_v_head_dim=128,
+            kda_conv_size=4,
+            kda_decay_rank=None,
+            kda_output_gate_rank=None,
+            kda_scalar_decay=True,
+            kda_norm_gate="silu",
+            num_heads=16,
+            attn_num_kv_heads=2,
+            attn_head_dim=256,
+            attn_rope_dim=64,
+            rope_theta=10_000_000.0,
+            num_experts=512,
+            num_experts_per_tok=10,
+            num_shared_experts=1,
+            shared_expert_intermediate_size=512,
+            shared_expert_gate=True,
+            router_bias=False,
+            scoring_func="softmax",
+            norm_topk_prob=True,
+            moe_intermediate_size=512,
+            intermediate_size=5120,
+            rms_norm_eps=1e-6,
+            norm_zero_centered=True,
+            tie_word_embeddings=False,
+            max_position_embeddings=262144,
+            page_size=64,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        )
+
 
 PRESETS = {
     "tiny": HybridConfig.tiny,
@@ -560,6 +678,7 @@ PRESETS = {
     "kimi_linear_48b": HybridConfig.kimi_linear_48b,
     "deepseek_v32": HybridConfig.deepseek_v32,
     "glm5_next_flash": HybridConfig.glm5_next_flash,
+    "qwen3_next_80b": HybridConfig.qwen3_next_80b,
 }
 
 

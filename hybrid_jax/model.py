@@ -7,8 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybrid_jax.cache import HybridCache, KDAState, MLAState, PendingCache, StepInfo, is_concrete, make_page_table
+from hybrid_jax.cache import (
+    AttnState,
+    HybridCache,
+    KDAState,
+    MLAState,
+    PendingCache,
+    StepInfo,
+    is_concrete,
+    make_page_table,
+)
 from hybrid_jax.config import HybridConfig
+from hybrid_jax.layers.attention import GatedAttention
 from hybrid_jax.layers.attn_res import AttnResMix
 from hybrid_jax.layers.common import DTypes, RMSNorm, SwiGLU, linear
 from hybrid_jax.layers.hyper import HyperConnection, collapse_streams, expand_streams
@@ -36,7 +46,7 @@ class Embed(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """One mixer (KDA or MLA) + one FFN (SwiGLU or MoE), pre-norm.
+    """One mixer (KDA, MLA or gated GQA) + one FFN (SwiGLU or MoE), pre-norm.
 
     Plain residuals:  h ← h + Mixer(RMSNorm(h));  h ← h + FFN(RMSNorm(h)).
     Block AttnRes (the Kimi K3 reference's order; layer i, block size S layers, `blocks` = completed block
@@ -52,10 +62,13 @@ class DecoderLayer(nnx.Module):
         self.cfg, self.index = cfg, index
         self.layer_type = cfg.layer_types[index]
         d = cfg.hidden_size
-        self.input_layernorm = RMSNorm(d, eps=cfg.rms_norm_eps, dt=dt)
-        self.post_attention_layernorm = RMSNorm(d, eps=cfg.rms_norm_eps, dt=dt)
+        norm = dict(eps=cfg.rms_norm_eps, dt=dt, zero_centered=cfg.norm_zero_centered)
+        self.input_layernorm = RMSNorm(d, **norm)
+        self.post_attention_layernorm = RMSNorm(d, **norm)
         if self.layer_type == "linear":
             self.self_attn = KimiDeltaAttention(cfg, dt, rngs=rngs)
+        elif self.layer_type == "attention":
+            self.self_attn = GatedAttention(cfg, dt, quant, rngs=rngs)
         else:
             sparse, shared = self.layer_type == "sparse", cfg.shares_indexer(index)
             self.self_attn = MultiHeadLatentAttention(cfg, dt, quant, sparse=sparse, shared=shared, rngs=rngs)
@@ -73,7 +86,7 @@ class DecoderLayer(nnx.Module):
 
     def _mix(self, x: jax.Array, info: StepInfo, state, selection):
         """The mixer -> (y, (new state, the selection later shared layers read))."""
-        if self.layer_type == "linear":
+        if self.layer_type in ("linear", "attention"):
             y, state = self.self_attn(x, info, state)
             return y, (state, selection)
         y, state, idx = self.self_attn(x, info, state, selection)
@@ -106,7 +119,7 @@ class DecoderLayer(nnx.Module):
 
 
 class HybridLM(nnx.Module):
-    """Causal LM over a hybrid stack of KDA, dense MLA and indexer-sparse MLA layers.
+    """Causal LM over a hybrid stack of KDA / Gated DeltaNet, dense MLA, indexer-sparse MLA and gated GQA layers.
 
     `model(ids)` is the full forward without a cache. Incremental inference: `cache = model.init_cache(B, L)`,
     then `logits, cache = model.prefill(ids, cache, lengths)` (any number of calls, each appending tokens)
@@ -138,12 +151,14 @@ class HybridLM(nnx.Module):
         has_mla = any(t in ("full", "sparse") for t in config.layer_types)
         if quant.kv_cache.enabled and has_mla and config.kv_lora_rank % tile:
             raise ValueError(f"FP8 KV cache tile_size={tile} must divide kv_lora_rank={config.kv_lora_rank}")
+        if quant.kv_cache.enabled and "attention" in config.layer_types and config.attn_head_dim % tile:
+            raise ValueError(f"FP8 KV cache tile_size={tile} must divide attn_head_dim={config.attn_head_dim}")
         dt = DTypes(compute=jnp.dtype(dtype), param=jnp.dtype(param_dtype), fp8_weights=quant.projection.fp8_weights)
         self.dtypes = dt
         d = config.hidden_size
         self.embed_tokens = Embed(config.vocab_size, d, dt, rngs)
         self.layers = nnx.List([DecoderLayer(config, i, dt, quant, rngs=rngs) for i in range(config.num_layers)])
-        self.norm = RMSNorm(d, eps=config.rms_norm_eps, dt=dt)
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps, dt=dt, zero_centered=config.norm_zero_centered)
         if config.attn_res_block_size is not None:
             self.final_attn_residual = AttnResMix(d, eps=config.rms_norm_eps, rngs=rngs)
         if not config.tie_word_embeddings:
@@ -350,6 +365,8 @@ class HybridLM(nnx.Module):
         for st in cache.layers:
             if isinstance(st, KDAState):
                 st = KDAState(conv=pick(st.conv), recurrent=pick(st.recurrent))
+            elif isinstance(st, AttnState):
+                st = AttnState(*(p.clear(page_table, new_len, cache.lengths, t) for p in (st.k, st.v)))
             elif isinstance(st, MLAState):
                 latent = st.latent.clear(page_table, new_len, cache.lengths, t)
                 rope = None if st.rope is None else st.rope.clear(page_table, new_len, cache.lengths, t)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybrid_jax.cache import HybridCache, KDAState, MLAState, is_concrete
+from hybrid_jax.cache import AttnState, HybridCache, KDAState, MLAState, is_concrete
 from hybrid_jax.generate import default_tail_chunk, prefill_in_two_sizes
 
 # Default tokens per block: a KDA snapshot per block costs (layers x heads x K x V x 4 bytes) / block_size
@@ -83,6 +83,8 @@ def _per_seq(state):
     """The per-sequence leaves of a layer's cache state (what a snapshot holds)."""
     if isinstance(state, KDAState):
         return (state.conv, state.recurrent)
+    if isinstance(state, AttnState):  # gated GQA: pools only
+        return None
     return state.index_tail
 
 
@@ -91,6 +93,8 @@ def _with_per_seq(state, leaves, pools_from=None):
     if isinstance(state, KDAState):
         return KDAState(conv=leaves[0], recurrent=leaves[1])
     src = state if pools_from is None else pools_from
+    if isinstance(state, AttnState):
+        return AttnState(k=src.k, v=src.v)
     return MLAState(latent=src.latent, rope=src.rope, index_k=src.index_k, index_tail=leaves)
 
 
@@ -286,10 +290,11 @@ class PrefixCache:
             raise ValueError("release: the cache was not made by this prefix_cache's prefill")
         store = []
         for st, ca in zip(self.store, cache.layers, strict=True):
-            if isinstance(st, MLAState):
-                if ca.latent.values.shape[0] != self.num_slots * (self.block_size // self.page_size):
+            if isinstance(st, (MLAState, AttnState)):
+                pool = ca.latent if isinstance(st, MLAState) else ca.k
+                if pool.values.shape[0] != self.num_slots * (self.block_size // self.page_size):
                     raise ValueError("release: the cache's page pools are not this prefix_cache's")
-                st = _with_per_seq(st, st.index_tail, pools_from=ca)
+                st = _with_per_seq(st, _per_seq(st), pools_from=ca)
             store.append(st)
         return self._replace(store=tuple(store), lent=False)
 
@@ -413,6 +418,8 @@ class _NoPools:
     latent: None = None
     rope: None = None
     index_k: None = None
+    k: None = None
+    v: None = None
 
 
 _NO_POOLS = _NoPools()

@@ -4,15 +4,16 @@ Needs CPU torch and transformers 5.23 (a separate Python 3.11 venv is fine):
     python -m venv /tmp/oracle && /tmp/oracle/bin/pip install torch==2.13.0 transformers==5.23.0
     /tmp/oracle/bin/python scripts/make_parity_fixtures.py [--only glm5_next_a glm5_next_b] [--out DIR]
 
-For each of `kimi_linear`, `deepseek_v32`, `glm5_next_a` and `glm5_next_b` it writes `tests/fixtures/<name>/`:
+For each of `kimi_linear`, `deepseek_v32`, `glm5_next_a`, `glm5_next_b` and `qwen3_next` it writes
+`tests/fixtures/<name>/`:
 the checkpoint as `save_pretrained` writes it (config.json + model.safetensors, float32), and `reference.npz`
 with the input ids, the float32 logits of a full forward pass (eager attention) and 16 greedily generated tokens.
 
-The glm5_next (GLM-5.3-Flash) fixtures are drawn so that no Top-K decision is a near-tie: every DSA indexer pool
-selection and every MoE router group/expert selection, in the forward pass and in every generate step, has its
-K-th and (K+1)-th score at least MIN_REL_GAP apart (relative to the row's largest |score|), and so has every greedy
-argmax. Prompt ids are redrawn id by id until that holds (it is causal); the weights seed is redrawn if it cannot.
-Building them takes a few minutes on a few CPU cores.
+The glm5_next (GLM-5.3-Flash) and qwen3_next fixtures are drawn so that no Top-K decision is a near-tie: every DSA
+indexer pool selection and every MoE router group/expert selection, in the forward pass and in every generate step,
+has its K-th and (K+1)-th score at least MIN_REL_GAP apart (relative to the row's largest |score|), and so has every
+greedy argmax. Prompt ids are redrawn id by id until that holds (it is causal); the weights seed is redrawn if it
+cannot. Building them takes a few minutes on a few CPU cores.
 """
 
 from __future__ import annotations
@@ -446,10 +447,12 @@ def glm5_generate(model, ids: torch.Tensor):
     )
 
 
-def draw_row(model, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+def draw_row(model, gen: torch.Generator, recorder=None, generate=None) -> tuple[torch.Tensor, int]:
     """One prompt row, drawn id by id: every router and indexer Top-K (and every greedy argmax of the continuation)
     must clear MIN_REL_GAP. Everything is causal, so position t only depends on ids <= t and a rejected id is
-    simply redrawn. The last id is picked among the valid ones so that the greedy continuation is tie-free too."""
+    simply redrawn. The last id is picked among the valid ones so that the greedy continuation is tie-free too.
+    recorder / generate: the Top-K recorder and the greedy generate of the model family (default glm5_next's)."""
+    recorder, generate = recorder or TopkGaps, generate or glm5_generate
     row = torch.randint(ID_LOW, ID_HIGH, (SEQ,), generator=gen)
     redraws = 0
     for t in range(SEQ):
@@ -458,7 +461,7 @@ def draw_row(model, gen: torch.Generator) -> tuple[torch.Tensor, int]:
         passing = []
         for chunk in order.split(CANDIDATES):
             batch = torch.cat([row[:t].expand(len(chunk), t), chunk[:, None]], dim=1)
-            with torch.no_grad(), TopkGaps(model) as rec:
+            with torch.no_grad(), recorder(model) as rec:
                 model(batch, use_cache=False)
             ok = chunk[rec.min_per_row(position=t) >= MIN_REL_GAP]
             passing.extend(ok.tolist())
@@ -473,8 +476,8 @@ def draw_row(model, gen: torch.Generator) -> tuple[torch.Tensor, int]:
         # last position: greedy-decode every valid candidate and keep the first whose continuation is tie-free too
         for chunk in torch.tensor(passing).split(4 * CANDIDATES):
             batch = torch.cat([row[:t].expand(len(chunk), t), chunk[:, None]], dim=1)
-            with torch.no_grad(), TopkGaps(model) as rec:
-                out = glm5_generate(model, batch)
+            with torch.no_grad(), recorder(model) as rec:
+                out = generate(model, batch)
             ok = (rec.min_per_row() >= MIN_REL_GAP) & (argmax_gaps(out.logits).amin(-1) >= MIN_REL_GAP)
             if ok.any():
                 pick = int(chunk[ok.nonzero()[0, 0]])
@@ -566,11 +569,157 @@ def build_glm5(name: str, out: Path = OUT) -> None:
     print(f"{name}: {size / 1e6:.2f} MB, logits {logits.shape}, generated {gen_tokens.tolist()}")
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Qwen3-Next (`qwen3_next`): Gated DeltaNet (grouped q/k heads, K != V) + gated GQA (partial RoPE) + softmax MoE with a
+# gated shared expert, zero-centred norms. Awkward sizes: 6 value heads over 2 key heads, an odd hidden size, a
+# prompt of 77 tokens (not a multiple of the 64-token chunk).
+
+QWEN3_NEXT = {
+    "vocab_size": 160,
+    "hidden_size": 45,
+    "intermediate_size": 40,
+    "num_hidden_layers": 5,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 6,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 12,
+    "shared_expert_intermediate_size": 20,
+    "mlp_only_layers": [0],
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+    "pad_token_id": 159,
+    "bos_token_id": 157,
+    "eos_token_id": 158,
+    "tie_word_embeddings": False,
+}
+
+
+class RouterGaps:
+    """While active, records for every MoE router Top-K of a Qwen model the relative gap at the selection boundary
+    of its softmax probabilities, per (batch row, position): `records` holds ("expert", layer, gaps [B, S])."""
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+        self.records: list[tuple[str, int, torch.Tensor]] = []
+        self.handles = []
+        self.shape: tuple[int, int] = (0, 0)  # [B, S] of the MoE block running now (its router sees [B * S, D])
+        for name, mod in model.named_modules():
+            if isinstance(mod, Qwen3NextSparseMoeBlock):
+                layer = int(name.split("layers.")[1].split(".")[0])
+                self.handles.append(mod.register_forward_pre_hook(self._block))
+                self.handles.append(mod.gate.register_forward_hook(self._router(layer)))
+
+    def _block(self, _, args):
+        self.shape = tuple(args[0].shape[:2])
+
+    def _router(self, layer):
+        def hook(router, _args, out):
+            probs = torch.softmax(out[0].float(), dim=-1)
+            self.records.append(("expert", layer, rel_topk_gap(probs, router.top_k).view(*self.shape)))
+
+        return hook
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
+
+    min_by_kind = TopkGaps.min_by_kind
+    min_per_row = TopkGaps.min_per_row
+
+
+def qwen_randomize_(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Every parameter seeded random: zero-centred RMSNorm weights (applied as 1 + w) get 0.1 N(0, 1), the gated
+    norm's (applied as w) 1 + 0.1 N(0, 1), A_log / dt_bias a perturbation, matrices std 0.5 / sqrt(fan_in) (the
+    router 1.5, to spread its softmax)."""
+
+    def randn(shape) -> torch.Tensor:
+        return torch.randn(shape, generator=gen)
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("linear_attn.norm.weight"):
+                new = 1.0 + 0.1 * randn(p.shape)
+            elif "norm" in name:
+                new = 0.1 * randn(p.shape)
+            elif leaf in ("A_log", "dt_bias"):
+                new = p + 0.1 * randn(p.shape)
+            elif name.endswith("embed_tokens.weight"):
+                new = randn(p.shape)
+            elif p.dim() >= 2:
+                fan_in = p.shape[-1] if p.dim() == 3 else int(np.prod(p.shape[1:]))
+                gain = 1.5 if name.endswith("mlp.gate.weight") else 0.5
+                new = gain / fan_in**0.5 * randn(p.shape)
+            else:
+                raise ValueError(f"no randomisation rule for {name} {tuple(p.shape)}")
+            p.copy_(new)
+
+
+def qwen_generate(model, ids: torch.Tensor):
+    return model.generate(
+        ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=model.config.pad_token_id,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+
+
+def build_qwen3_next(name: str = "qwen3_next", out: Path = OUT) -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    for seed in range(MAX_SEEDS):
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(2000 + seed)
+        cfg = Qwen3NextConfig(**QWEN3_NEXT, attn_implementation="eager", experts_implementation="eager")
+        model = Qwen3NextForCausalLM(cfg).float().eval()
+        qwen_randomize_(model, gen)
+        try:
+            rows = [draw_row(model, gen, RouterGaps, qwen_generate) for _ in range(2)]
+        except Rejected as e:
+            print(f"{name}: seed {seed} rejected ({e})")
+            continue
+        ids = torch.stack([r for r, _ in rows])
+        with torch.no_grad(), RouterGaps(model) as fwd:
+            logits = model(ids).logits.float().numpy()
+        with torch.no_grad(), RouterGaps(model) as gen_rec:
+            out_gen = qwen_generate(model, ids)
+        gaps = {f"forward_{k}": v for k, v in fwd.min_by_kind().items()}
+        gaps |= {f"generate_{k}": v for k, v in gen_rec.min_by_kind().items()}
+        gaps["generate_argmax"] = float(argmax_gaps(out_gen.logits).min())
+        if min(gaps.values()) < MIN_REL_GAP:
+            print(f"{name}: seed {seed} rejected in the batched check {gaps}")
+            continue
+        break
+    else:
+        raise RuntimeError(f"{name}: no seed in range({MAX_SEEDS}) gives tie-free Top-K decisions")
+    gen_tokens = out_gen.sequences[:, SEQ:].numpy()
+    extra = {"seed": seed, "min_rel_gaps": {k: round(v, 6) for k, v in sorted(gaps.items())}}
+    size = write_fixture(out / name, model, ids, logits, gen_tokens, extra)
+    listed = ", ".join(f"{k} {v:.2e}" for k, v in sorted(gaps.items()))
+    print(f"{name}: seed {seed}, prompt ids redrawn {[n for _, n in rows]} times per row; min gaps {listed}")
+    print(f"{name}: {size / 1e6:.2f} MB, logits {logits.shape}, generated {gen_tokens.tolist()}")
+
+
 BUILDERS = {
     "kimi_linear": lambda out: build("kimi_linear", kimi_linear, out),
     "deepseek_v32": lambda out: build("deepseek_v32", deepseek_v32, out),
     "glm5_next_a": lambda out: build_glm5("glm5_next_a", out),
     "glm5_next_b": lambda out: build_glm5("glm5_next_b", out),
+    "qwen3_next": lambda out: build_qwen3_next("qwen3_next", out),
 }
 
 

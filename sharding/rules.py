@@ -23,6 +23,7 @@ LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
     "embed": None,  # the model dimension stays whole: activations are sequence-parallel instead
     "heads": "tp",  # MLA query / output heads (flattened heads x head_dim)
     "kda_heads": "tp",  # KDA heads (q/k/v/gates, conv channels, A_log, dt_bias)
+    "kv_heads": "tp",  # gated GQA key / value heads (flattened kv heads x head_dim)
     "index_heads": "tp",  # lightning-indexer heads
     "q_lora": None,
     "kv_lora": None,  # the compressed latent is shared by all heads

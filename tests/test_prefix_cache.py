@@ -12,10 +12,11 @@ from flax import nnx
 
 from checkpoints import from_pretrained
 from hybrid_jax import HybridConfig, HybridLM, PrefixCache, generate
-from hybrid_jax.cache import KDAState, MLAState
+from hybrid_jax.cache import AttnState, KDAState, MLAState
 from hybrid_jax.quant.config import IndexerQuant, KVCacheQuant, ProjectionQuant, QuantConfig
 from tests.conftest import random_ids, rel_err, variant_config
 from tests.test_glm5 import glm5_tiny
+from tests.test_qwen3_next import qwen_tiny
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QUANT = QuantConfig(IndexerQuant("mxfp8"), KVCacheQuant("fp8", tile_size=16), ProjectionQuant("none"))
@@ -33,9 +34,9 @@ def _valid_rows(cache, lengths):
     """Every pool's rows at the positions each sequence holds, per row: [(layer, field, row, rows)]."""
     out = []
     for li, st in enumerate(cache.layers):
-        if not isinstance(st, MLAState):
+        if isinstance(st, KDAState):
             continue
-        for name in ("latent", "rope", "index_k"):
+        for name in ("latent", "rope", "index_k") if isinstance(st, MLAState) else ("k", "v"):
             pool = getattr(st, name)
             if pool is None:
                 continue
@@ -50,7 +51,7 @@ def _per_seq_leaves(cache):
     for st in cache.layers:
         if isinstance(st, KDAState):
             leaves += [st.conv, st.recurrent]
-        elif st.index_tail is not None:
+        elif isinstance(st, MLAState) and st.index_tail is not None:
             leaves.append(st.index_tail)
     return [np.asarray(x, np.float32) for x in leaves]
 
@@ -63,7 +64,9 @@ def assert_same_cache(got, want, lengths, tol):
         np.testing.assert_allclose(a, w, rtol=tol, atol=tol, err_msg=f"layer {li} {name} row {b}")
 
 
-def _pool_leaves(state: MLAState) -> list:
+def _pool_leaves(state: MLAState | AttnState) -> list:
+    if isinstance(state, AttnState):
+        return jax.tree.leaves((state.k, state.v))
     return jax.tree.leaves((state.latent, state.rope, state.index_k))
 
 
@@ -92,14 +95,15 @@ def _model(make, quant):
 
 @pytest.mark.parametrize(
     "make, quant, tail_chunk",
-    [(variant_config, None, 5), (glm5_tiny, QUANT, None)],
-    ids=["variant-tail-chunks", "glm5-quantized"],
+    [(variant_config, None, 5), (glm5_tiny, QUANT, None), (qwen_tiny, QUANT, None)],
+    ids=["variant-tail-chunks", "glm5-quantized", "qwen3-next-quantized"],
 )
 def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chunk):
-    """Float32. Each call's logits and every cache leaf (KDA states and conv tails, KPool tails; every pool row
-    the sequences hold) equal a one-shot prefill's; a hit gives the logits the miss of the same prompt gave;
-    hit / miss tokens counted exactly; the stored blocks' pages are untouched by the decode steps after. The
-    variant prefills each prompt's partial last block in calls of 5 tokens (its full blocks in block calls)."""
+    """Float32. Each call's logits and every cache leaf (KDA states and conv tails, KPool tails; every pool row —
+    MLA, indexer, GQA K/V — the sequences hold) equal a one-shot prefill's; a hit gives the logits the miss of the
+    same prompt gave; hit / miss tokens counted exactly; the stored blocks' pages are untouched by the decode steps
+    after. The variant prefills each prompt's partial last block in calls of 5 tokens (its full blocks in block
+    calls)."""
     model = _model(make, quant)
     cfg = model.config
     blk = 2 * cfg.page_size
@@ -113,14 +117,14 @@ def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chun
         assert rel_err(logits, want_logits) < 2e-5
         assert_same_cache(cache, want, lens, 2e-5)
         # decode two steps: the shared pages stay as they were stored
-        before = [np.asarray(x) for st in cache.layers if isinstance(st, MLAState) for x in _pool_leaves(st)]
+        before = [np.asarray(x) for st in cache.layers if not isinstance(st, KDAState) for x in _pool_leaves(st)]
         for tok in (5, 9):
             got_l, cache = STEP(model, jnp.full((len(lens),), tok), cache)
             want_l, want = STEP(model, jnp.full((len(lens),), tok), want)
             assert rel_err(got_l, want_l) < 2e-5
         pc = pc.release(cache)
         pages = np.nonzero(np.repeat(np.asarray(pc.valid), blk // cfg.page_size))[0]
-        after = [np.asarray(x) for st in pc.store if isinstance(st, MLAState) for x in _pool_leaves(st)]
+        after = [np.asarray(x) for st in pc.store if not isinstance(st, KDAState) for x in _pool_leaves(st)]
         assert len(after) == len(before) > 0
         for a, w in zip(after, before, strict=True):  # every pool: latent, rope, indexer keys, their scales
             np.testing.assert_array_equal(a[pages], w[pages])

@@ -177,21 +177,32 @@ def project_many(
 
 
 class RMSNorm(nnx.Module):
-    """y = w ⊙ cast(x · (mean(x²) + eps)^-1/2), statistics in float32 (HF: weight applied after the cast)."""
+    """y = w ⊙ cast(x · (mean(x²) + eps)^-1/2), statistics in float32 (HF: weight applied after the cast).
 
-    def __init__(self, dim: int, *, eps: float, dt: DTypes, param_dtype=None, axis_name: str = "norm"):
+    zero_centered (Qwen3-Next): the weight is stored as w and applied as 1 + w, in float32 before the cast:
+    y = cast(x · (mean(x²) + eps)^-1/2 · (1 + w))."""
+
+    def __init__(
+        self, dim: int, *, eps: float, dt: DTypes, param_dtype=None, axis_name: str = "norm", zero_centered=False
+    ):
         self.eps = eps
         self.dtype = dt.compute
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype or dt.param), logical_axes=(axis_name,))
+        self.zero_centered = zero_centered
+        init = jnp.zeros if zero_centered else jnp.ones
+        self.weight = nnx.Param(init((dim,), param_dtype or dt.param), logical_axes=(axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.zero_centered:
+            x32 = x.astype(jnp.float32)
+            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.dtype)
         # `pallas_kernels.norm` (its reference is this formula); the kernel at decode sizes where switched on
         return rms_norm(x, self.weight[...], eps=self.eps, out_dtype=self.dtype)[1]
 
     def add(self, residual: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(residual + x, this norm of it): one kernel where `pallas_kernels.norm.norm_uses_kernel` says so —
         an explicit opt-in (`use_pallas(ops=["rms_norm"])`), measured slower than XLA's fused add + norm."""
-        if residual.dtype == x.dtype and norm_uses_kernel(x):
+        if residual.dtype == x.dtype and not self.zero_centered and norm_uses_kernel(x):
             return rms_norm(x, self.weight[...], eps=self.eps, residual=residual, out_dtype=self.dtype)
         h = residual + x
         return h, self(h)

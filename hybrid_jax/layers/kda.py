@@ -49,15 +49,16 @@ class ShortConv(nnx.Module):
 
 
 class GatedRMSNorm(nnx.Module):
-    """y = γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(z) per head, in float32 with one final rounding
-    (fla FusedRMSNormGated, transformers 5.23 Kimi-Linear); γ is shared by all heads."""
+    """y = γ ⊙ o / sqrt(mean(o²) + ε) ⊙ act(z) per head, in float32 with one final rounding (fla
+    FusedRMSNormGated; transformers 5.23 Kimi-Linear with act = σ, Qwen3-Next with act = SiLU); γ is shared by
+    all heads."""
 
-    def __init__(self, dim: int, *, eps: float, dt: DTypes):
-        self.eps, self.dtype = eps, dt.compute
+    def __init__(self, dim: int, *, eps: float, dt: DTypes, gate: str = "sigmoid"):
+        self.eps, self.dtype, self.gate = eps, dt.compute, gate
         self.weight = nnx.Param(jnp.ones((dim,), dt.param), logical_axes=("norm",))
 
     def __call__(self, o: jax.Array, z: jax.Array) -> jax.Array:
-        return gated_rms_norm(o, z, self.weight[...], self.eps, self.dtype)
+        return gated_rms_norm(o, z, self.weight[...], self.eps, self.dtype, self.gate)
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -68,22 +69,25 @@ class KimiDeltaAttention(nnx.Module):
         g = −exp(A_log) ⊙ softplus(W_fb W_fa x + dt_bias)   (or lb·σ(exp(A_log)(f + dt_bias)) with a lower bound)
         β = σ(W_b x)
         S_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ;   o_t = S_tᵀ q_t
-        y = W_o [ γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(W_gb W_ga x) ]   (per head over V)
+        y = W_o [ γ ⊙ o / sqrt(mean(o²) + ε) ⊙ act(W_gb W_ga x) ]   (per head over V; act σ, or SiLU for Qwen)
 
+    Gated DeltaNet (`kda_scalar_decay`): one decay per head, g = −exp(A_log) softplus(W_a x + dt_bias). Qwen's
+    grouping: q and k have N_k = `kda_num_k_heads` heads of K, v has N value heads of V = `kda_v_head_dim`; value
+    head n reads q / k head n // (N / N_k) (transformers' repeat_interleave), so the state is [N, K, V].
     Padded tokens (valid=False) get β = 0 and g = 0, which leaves the state untouched.
     """
 
     def __init__(self, cfg: HybridConfig, dt: DTypes, *, rngs: nnx.Rngs):
         self.cfg, self.dt = cfg, dt
         d, n, hd = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
-        dim = n * hd
-        self.q_proj = linear(d, dim, ("embed", "kda_heads"), dt, rngs)
-        self.k_proj = linear(d, dim, ("embed", "kda_heads"), dt, rngs)
+        qk_dim, dim = cfg.kda_dim, cfg.kda_value_dim  # q / k width, v (and output gate) width
+        self.q_proj = linear(d, qk_dim, ("embed", "kda_heads"), dt, rngs)
+        self.k_proj = linear(d, qk_dim, ("embed", "kda_heads"), dt, rngs)
         self.v_proj = linear(d, dim, ("embed", "kda_heads"), dt, rngs)
-        self.q_conv1d = ShortConv(dim, cfg.kda_conv_size, dt, rngs)
-        self.k_conv1d = ShortConv(dim, cfg.kda_conv_size, dt, rngs)
+        self.q_conv1d = ShortConv(qk_dim, cfg.kda_conv_size, dt, rngs)
+        self.k_conv1d = ShortConv(qk_dim, cfg.kda_conv_size, dt, rngs)
         self.v_conv1d = ShortConv(dim, cfg.kda_conv_size, dt, rngs)
-        gate_dim = n if cfg.kda_scalar_decay else dim
+        gate_dim = n if cfg.kda_scalar_decay else n * hd
         if cfg.kda_decay_rank is None:
             self.f_proj = linear(d, gate_dim, ("embed", "kda_heads"), dt, rngs)
         else:
@@ -102,17 +106,33 @@ class KimiDeltaAttention(nnx.Module):
         else:
             self.g_a_proj = linear(d, cfg.kda_output_gate_rank, ("embed", None), dt, rngs)
             self.g_b_proj = linear(cfg.kda_output_gate_rank, dim, (None, "kda_heads"), dt, rngs)
-        self.o_norm = GatedRMSNorm(hd, eps=cfg.rms_norm_eps, dt=dt)
+        self.o_norm = GatedRMSNorm(cfg.kda_v_dim, eps=cfg.rms_norm_eps, dt=dt, gate=cfg.kda_norm_gate)
         self.o_proj = linear(dim, d, ("kda_heads", "embed"), dt, rngs)
+        # the fused decode-layer kernel takes Kimi's layout: one q/k head per value head, K = V, a σ output gate
+        self.fused_layout = cfg.kda_k_heads == n and cfg.kda_v_dim == hd and cfg.kda_norm_gate == "sigmoid"
 
     def init_state(self, batch_size: int, dtype) -> KDAState:
         cfg = self.cfg
         return _placed(
             KDAState(
-                conv=jnp.zeros((batch_size, cfg.kda_conv_size - 1, 3 * cfg.kda_dim), dtype),
-                recurrent=jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
+                conv=jnp.zeros((batch_size, cfg.kda_conv_size - 1, cfg.kda_conv_dim), dtype),
+                recurrent=jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_v_dim), jnp.float32),
             )
         )
+
+    def _heads(self, q, k, v):
+        """Convolved q, k [B,T,N_k·K], v [B,T,N·V] -> per value head: q, k [B,T,N,K] (head n reads q / k head
+        n // (N / N_k)), v [B,T,N,V]."""
+        cfg = self.cfg
+        b, t = q.shape[:2]
+        n, nk, hd = cfg.kda_num_heads, cfg.kda_k_heads, cfg.kda_head_dim
+        q, k = (x.reshape(b, t, nk, hd) for x in (q, k))
+        if nk != n:
+            q, k = (jnp.repeat(x, n // nk, axis=2) for x in (q, k))
+        return q, k, v.reshape(b, t, n, cfg.kda_v_dim)
+
+    def _uses_fused_decode(self) -> bool:
+        return self.fused_layout and decode_layer_uses_kernel(self.cfg.kda_head_dim)
 
     def _short_conv(self, xhat: jax.Array, prev: jax.Array, n_new: jax.Array) -> tuple[jax.Array, jax.Array]:
         """xhat [B,T,3C] raw projections, prev [B,W-1,3C] -> (SiLU(conv) [B,T,3C], new conv state)."""
@@ -150,7 +170,7 @@ class KimiDeltaAttention(nnx.Module):
         )  # fmt: skip
 
     def _output(self, z: jax.Array, o: jax.Array) -> jax.Array:
-        """Output gate z [B,T,C] + gated RMSNorm per head, then o_proj: o [B,T,N,V] -> [B,T,D]."""
+        """Output gate z [B,T,N·V] + gated RMSNorm per head, then o_proj: o [B,T,N,V] -> [B,T,D]."""
         b, t, n, hd = o.shape
         return self.o_proj(self.o_norm(o, z.reshape(b, t, n, hd)).reshape(b, t, n * hd))
 
@@ -163,7 +183,7 @@ class KimiDeltaAttention(nnx.Module):
         the same new state: the last W-1 raw inputs of the real tokens and the final recurrent state."""
         cfg, cp = self.cfg, info.cp
         b, t, _ = x.shape
-        n, hd, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+        w = cfg.kda_conv_size
         table = np.asarray(cp.table)
         pieces = split_pieces(xhat, cp.pieces)
         if pieces[0].shape[1] < w - 1:
@@ -176,7 +196,8 @@ class KimiDeltaAttention(nnx.Module):
         mine = jnp.asarray(table)[jax.lax.axis_index(cp.axis)]
         full = jnp.full((b,), pieces[0].shape[1], jnp.int32)
         qkv = jnp.concatenate([self._short_conv(p, halos[mine[i]], full)[0] for i, p in enumerate(pieces)], axis=1)
-        q, k, v = (z.reshape(b, t, n, hd) for z in jnp.split(qkv, 3, axis=-1))
+        c = cfg.kda_dim
+        q, k, v = self._heads(qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :])
         valid = info.valid
         beta = jnp.where(valid[..., None], jax.nn.sigmoid(b_logits.astype(jnp.float32)), 0.0)
         g = self._decay(f)
@@ -249,7 +270,7 @@ class KimiDeltaAttention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
-        if info.mode == "decode" and info.cp is None and decode_layer_uses_kernel(hd):
+        if info.mode == "decode" and info.cp is None and self._uses_fused_decode():
             # conv, gates, state update and gated norm as one kernel (pallas_kernels/linear_attention), which
             # adds the GEMV kernel's partial sums itself at batch 1
             q_raw, k_raw, v_raw, f, z, b_logits = (
@@ -264,7 +285,7 @@ class KimiDeltaAttention(nnx.Module):
             )  # fmt: skip
             return self.o_proj(y.reshape(b, t, n * hd)), _placed(KDAState(conv=conv, recurrent=s))
         q_raw, k_raw, v_raw, f, z, b_logits = self._projections(x)
-        if info.mode == "verify" and decode_layer_uses_kernel(hd):
+        if info.mode == "verify" and self._uses_fused_decode():
             return self._verify_fused(q_raw, k_raw, v_raw, f, z, b_logits, info, state)
         if info.cp is not None:
             xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)  # XLA's q, k, v end their own fusions
@@ -274,12 +295,12 @@ class KimiDeltaAttention(nnx.Module):
         # q, k and v convolved each on its own channels of the conv state ([q | k | v]): one [B,T,3C]
         # convolution split afterwards had XLA copy q, k and v once more
         c = cfg.kda_dim
+        bounds = ((0, c), (c, 2 * c), (2 * c, cfg.kda_conv_dim))  # q | k | v channels of the conv state
         parts = [
-            short_conv(raw, state.conv[..., i * c : (i + 1) * c], kern[...].astype(jnp.float32), info.n_new,
-                       self.dt.compute)
-            for i, (raw, kern) in enumerate(zip((q_raw, k_raw, v_raw), self._conv_kernels(), strict=True))
-        ]  # fmt: skip
-        q, k, v = (y.reshape(b, t, n, hd) for y, _ in parts)
+            short_conv(raw, state.conv[..., lo:hi], kern[...].astype(jnp.float32), info.n_new, self.dt.compute)
+            for (lo, hi), raw, kern in zip(bounds, (q_raw, k_raw, v_raw), self._conv_kernels(), strict=True)
+        ]
+        q, k, v = self._heads(*(y for y, _ in parts))
         conv = jnp.concatenate([tail for _, tail in parts], axis=-1)
 
         g = self._decay(f)

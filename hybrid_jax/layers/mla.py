@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax import inspect
-from hybrid_jax.cache import MLAState, Pool, StepInfo
+from hybrid_jax.cache import MLAState, Pool, StepInfo, store_rows
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, linear, own_kernels, project_many
 from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies, rope_tables
@@ -32,22 +32,6 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # through kv_b_proj one block at a time and the blocks' attention merged by LSE, so a prefill chunk's
 # temporaries are one block's whatever the cache holds (expanding all of it took 15 GiB at a 1M-token cache).
 PREFILL_KEY_BLOCK = 16384
-
-
-def _store(pool: Pool | None, rows: jax.Array, info: StepInfo, fmt: str, tile: int) -> Pool:
-    """Write this call's rows into the pool; without a cache the new rows *are* the (contiguous) pool.
-    Either way they pass through the pool's format, so cached and uncached runs see the same rounding.
-    Context parallel: every device attends over the whole causal prefix, so the rows of all devices are
-    gathered over the cp axis (and, with a cache, every device writes the same full set into its pool copy,
-    which is the pool that decode then reads)."""
-    if info.cp is not None:
-        rows = info.cp.gather_sequence(rows)
-        info = dataclasses.replace(
-            info, positions=info.cp.gather_sequence(info.positions), valid=info.cp.gather_sequence(info.valid)
-        )
-    if pool is None:
-        return Pool.from_rows(rows, fmt, tile, rows.dtype)
-    return pool.write(info, rows)
 
 
 class LightningIndexer(nnx.Module):
@@ -134,7 +118,7 @@ class LightningIndexer(nnx.Module):
             w = self.weights_proj(x.astype(jnp.float32)) * cfg.index_num_heads**-0.5
         if self.fmt == "mxfp8":
             q = Pool.from_rows(q, "mxfp8", 0, q.dtype).read(q.dtype)
-        return q, w, _store(pool, k, info, self.fmt, 0)
+        return q, w, store_rows(pool, k, info, self.fmt, 0)
 
     def init_state(self, num_pages: int, page_size: int, batch_size: int, dtype) -> tuple[Pool, jax.Array | None]:
         """(the key pool, the KPool tail [B, P, 2 H_I] or None). KPool: pages of page_size / P slots, so that pool
@@ -370,10 +354,10 @@ class MultiHeadLatentAttention(nnx.Module):
         q_nope, q_pe = q[..., :nope], self._rope(q[..., nope:], info.positions)
         c = self.kv_a_layernorm(kv[..., :lat])
         k_pe = self._rope(kv[..., lat:], info.positions)
-        latent = _store(None if state is None else state.latent, c, info, self.latent_fmt, self.tile)
+        latent = store_rows(None if state is None else state.latent, c, info, self.latent_fmt, self.tile)
         rope = None
         if cfg.qk_rope_head_dim:
-            rope = _store(None if state is None else state.rope, k_pe, info, "dense", 0)
+            rope = store_rows(None if state is None else state.rope, k_pe, info, "dense", 0)
         pools = (latent,) if rope is None else (latent, rope)
 
         def pages():  # [P,G,L+R] dequantized; the sparse path reads the pools as stored instead

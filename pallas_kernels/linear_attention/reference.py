@@ -197,11 +197,15 @@ def kda_gate(f, a_log, dt_bias, *, num_heads, head_dim, scalar, lower_bound=None
     return -a * softplus
 
 
-def gated_rms_norm(o, z, weight, eps, out_dtype):
-    """γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(z) over the last axis, float32 with one final rounding."""
-    o32 = o.astype(jnp.float32)
+def gated_rms_norm(o, z, weight, eps, out_dtype, gate: str = "sigmoid"):
+    """γ ⊙ o / sqrt(mean(o²) + ε) ⊙ act(z) over the last axis, float32 with one final rounding; act is σ
+    (`gate="sigmoid"`, Kimi's KDA) or SiLU (`"silu"`, Qwen's Gated DeltaNet)."""
+    if gate not in ("sigmoid", "silu"):
+        raise ValueError(f"gated_rms_norm: gate={gate!r} must be 'sigmoid' or 'silu'")
+    o32, z32 = o.astype(jnp.float32), z.astype(jnp.float32)
     y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32) * jax.nn.sigmoid(z.astype(jnp.float32))).astype(out_dtype)
+    act = jax.nn.sigmoid(z32) if gate == "sigmoid" else jax.nn.silu(z32)
+    return (y * weight.astype(jnp.float32) * act).astype(out_dtype)
 
 
 def kda_decode_layer_reference(
