@@ -53,8 +53,8 @@ from sharding.rules import LOGICAL_AXIS_RULES, param_sharding
 FP8_BLOCK = 128
 # Tensors a checkpoint may carry that inference does not use.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_VISION = "model.visual."  # glm5_next's vision tower: recognised and skipped
-_QWEN_MTP = "mtp."  # Qwen3-Next's multi-token-prediction module (transformers ignores `^mtp.*` too)
+_VISION = "model.visual."  # glm5_next's / qwen3_5_moe's vision tower: recognised and skipped
+_QWEN_MTP = "mtp."  # Qwen3-Next's / 3.5's multi-token-prediction module (transformers ignores `^mtp.*` too)
 log = logging.getLogger("hybrid_jax.checkpoints")
 
 
@@ -359,7 +359,8 @@ def load_safetensors_model(
             if n + "_scale_inv" in reader:
                 reader.release(n + "_scale_inv")
     mtp = mtp_layers(raw, config)
-    qwen_mtp = [n for n in reader if n.startswith(_QWEN_MTP)] if raw.get("model_type") == "qwen3_next" else []
+    qwen = raw.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+    qwen_mtp = [n for n in reader if n.startswith(_QWEN_MTP)] if qwen else []
     if qwen_mtp:
         log.info("%s: skipping the multi-token-prediction module (%d tensors under mtp.*)", root, len(qwen_mtp))
     skipped = [n for n in reader if n.startswith(_VISION)]

@@ -1,5 +1,5 @@
-"""Hugging Face `config.json` -> HybridConfig for `kimi_linear`, `deepseek_v32`, `glm5_next`, `qwen3_next` and our own
-`hybrid`.
+"""Hugging Face `config.json` -> HybridConfig for `kimi_linear`, `deepseek_v32`, `glm5_next`, `qwen3_next`,
+`qwen3_5_moe` (text part) and our own `hybrid`.
 
 Every field that changes the math is either mapped or rejected: an unknown field is an error unless it is
 listed as having no effect on inference (`_NO_EFFECT`). Every value is type-checked against the HybridConfig
@@ -17,7 +17,14 @@ from typing import Any
 from checkpoints.safetensors_io import CheckpointError
 from hybrid_jax.config import HybridConfig, YarnScaling
 
-SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v32", "glm5_next", "glm5_next_text", "qwen3_next", "hybrid")
+SUPPORTED_MODEL_TYPES = (
+    "kimi_linear", "deepseek_v32", "glm5_next", "glm5_next_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text",
+    "hybrid",
+)  # fmt: skip
+# qwen3_5_moe's top level (the multimodal wrapper): the vision tower and its token ids do not touch text inference
+_QWEN35_TOP = {
+    "vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+}  # fmt: skip
 # glm5_next's top level (the multimodal wrapper): the vision tower and its token ids do not touch text inference
 _GLM5_TOP = {
     "vision_config", "image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
@@ -455,15 +462,26 @@ def _mlp_types_glm5(f: _Fields, n: int) -> tuple[str, ...]:
     return tuple("moe" if t == "sparse" else "dense" for t in types)
 
 
-def _qwen_rope(f: _Fields, head_dim: int) -> tuple[float, int]:
+def _qwen_rope(f: _Fields, head_dim: int, mrope: bool = False) -> tuple[float, int]:
     """(rope_theta, rotary dims) from `rope_parameters` (transformers 5) or the flat `rope_theta` /
-    `partial_rotary_factor` / `rope_scaling` of the released files; only the default rope type."""
+    `partial_rotary_factor` / `rope_scaling` of the released files; only the default rope type.
+
+    mrope (qwen3_5): `mrope_section` / `mrope_interleaved` say which of the temporal, height and width positions
+    each rotary frequency takes. Text positions are the same on all three axes, so for text they change no angle:
+    the rotation is the plain one (transformers: `Qwen3_5TextRotaryEmbedding.recomposition_frequencies`)."""
     rp = f.get("rope_parameters", default={})
     if not isinstance(rp, dict):
         raise CheckpointError(f"rope_parameters={rp!r} is not an object")
-    unknown = sorted(set(rp) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    known |= {"mrope_section", "mrope_interleaved"} if mrope else set()
+    unknown = sorted(set(rp) - known)
     if unknown:
         raise CheckpointError(f"rope_parameters has unknown field(s) {unknown}")
+    section = rp.get("mrope_section", [11, 11, 10])
+    if not isinstance(section, list) or len(section) != 3 or any(type(x) is not int or x < 0 for x in section):
+        raise CheckpointError(f"rope_parameters mrope_section={section!r} is not three non-negative integers")
+    if type(rp.get("mrope_interleaved", True)) is not bool:
+        raise CheckpointError(f"rope_parameters mrope_interleaved={rp['mrope_interleaved']!r} is not true or false")
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind != "default" or f.get("rope_scaling") is not None:
         scaling = f.get("rope_scaling")
@@ -504,29 +522,64 @@ _QWEN3_NEXT_DEFAULTS = {
 }  # fmt: skip
 
 
-def _qwen3_next(f: _Fields) -> HybridConfig:
+# transformers 5.23 Qwen3_5MoeTextConfig's defaults: Qwen3NextConfig's but these, and no dense layers (no
+# intermediate_size / decoder_sparse_step / mlp_only_layers / norm_topk_prob: every layer MoE, Top-K renormalised)
+_QWEN35_DEFAULTS = {
+    **{k: v for k, v in _QWEN3_NEXT_DEFAULTS.items()
+       if k not in ("intermediate_size", "decoder_sparse_step", "norm_topk_prob")},
+    "vocab_size": 248320, "num_hidden_layers": 40, "num_experts_per_tok": 8, "num_experts": 256,
+}  # fmt: skip
+
+
+def _qwen35_text(d: dict[str, Any]) -> dict[str, Any]:
+    """The text part of a qwen3_5_moe config.json (`text_config`), or a flat qwen3_5_moe_text one."""
+    if d.get("model_type") == "qwen3_5_moe_text":
+        return {**_QWEN35_DEFAULTS, **d}
+    text = d.get("text_config", {})
+    if not isinstance(text, dict):
+        raise CheckpointError(f"text_config={text!r} is not an object")
+    extra = sorted(set(d) - _QWEN35_TOP - _NO_EFFECT - {"text_config", "tie_word_embeddings"})
+    if extra:
+        raise CheckpointError(f"qwen3_5_moe: unknown top-level field(s) {extra} that may change the model's math")
+    top_tie, text_tie = d.get("tie_word_embeddings", False), text.get("tie_word_embeddings", False)
+    if top_tie != text_tie:
+        raise CheckpointError(f"tie_word_embeddings={top_tie!r} at the top level but {text_tie!r} in text_config")
+    return {**_QWEN35_DEFAULTS, **text, "model_type": "qwen3_5_moe_text"}
+
+
+def _qwen3_5_moe(f: _Fields) -> HybridConfig:
+    """Qwen3.5-MoE's text model (transformers 5.23 `Qwen3_5MoeTextConfig`): Qwen3-Next's layers with the Gated
+    DeltaNet projections split (a loading matter), every FFN MoE, multimodal RoPE sections (plain RoPE for text)."""
+    return _qwen3_next(f, qwen35=True)
+
+
+def _qwen3_next(f: _Fields, qwen35: bool = False) -> HybridConfig:
     """Qwen3-Next (transformers 5.23 `Qwen3NextConfig`): Gated DeltaNet layers (grouped q/k heads, SiLU-gated
     output norm) 3 : 1 with gated GQA (q/k norm, partial RoPE), softmax Top-K MoE with a sigmoid-gated shared
-    expert, zero-centred RMSNorm weights."""
+    expert, zero-centred RMSNorm weights. qwen35: Qwen3.5-MoE's text model (`_qwen3_5_moe`)."""
     n = f.require("num_hidden_layers")
     if type(n) is not int or n <= 0:
         raise CheckpointError(f"num_hidden_layers={n!r} is not a positive integer")
     f.expect("hidden_act", ("silu",), default="silu")
     f.expect("attention_bias", (False,), default=False)
     if f.get("use_sliding_window", default=False) is not False:
-        raise CheckpointError("use_sliding_window=true is not supported (Qwen3-Next attends to every position)")
+        raise CheckpointError("use_sliding_window=true is not supported (Qwen's full layers attend to every position)")
     f.get("sliding_window", "max_window_layers")  # read by transformers only with use_sliding_window
     f.get("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")  # the MTP module (`mtp.*`) is skipped
+    f.get("attn_output_gate")  # in some released files; transformers' modules always gate (q_proj is 2x wide)
     heads, hidden, head_dim = f.require("num_attention_heads"), f.require("hidden_size"), f.require("head_dim")
-    theta, rope_dim = _qwen_rope(f, head_dim if type(head_dim) is int else 0)
+    theta, rope_dim = _qwen_rope(f, head_dim if type(head_dim) is int else 0, mrope=qwen35)
     experts = f.require("num_experts")
-    step = f.require("decoder_sparse_step")
-    only = f.get("mlp_only_layers", default=[])
-    if type(step) is not int or step <= 0:
-        raise CheckpointError(f"decoder_sparse_step={step!r} is not a positive integer")
-    if not isinstance(only, list) or any(type(i) is not int for i in only):
-        raise CheckpointError(f"mlp_only_layers={only!r} is not a list of layer indices")
-    mlp = tuple("moe" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n))
+    if qwen35:
+        mlp = ("moe",) * n
+    else:
+        step = f.require("decoder_sparse_step")
+        only = f.get("mlp_only_layers", default=[])
+        if type(step) is not int or step <= 0:
+            raise CheckpointError(f"decoder_sparse_step={step!r} is not a positive integer")
+        if not isinstance(only, list) or any(type(i) is not int for i in only):
+            raise CheckpointError(f"mlp_only_layers={only!r} is not a list of layer indices")
+        mlp = tuple("moe" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n))
     shared = f.require("shared_expert_intermediate_size")
     if type(shared) is not int or shared < 0:
         raise CheckpointError(f"shared_expert_intermediate_size={shared!r} is not a non-negative integer")
@@ -542,8 +595,9 @@ def _qwen3_next(f: _Fields) -> HybridConfig:
         num_experts=experts, num_experts_per_tok=f.require("num_experts_per_tok"),
         num_shared_experts=1 if shared else 0, shared_expert_intermediate_size=shared or None,
         shared_expert_gate=bool(shared), router_bias=False, scoring_func="softmax",
-        norm_topk_prob=f.flag("norm_topk_prob", default=True),
-        moe_intermediate_size=f.require("moe_intermediate_size"), intermediate_size=f.require("intermediate_size"),
+        norm_topk_prob=True if qwen35 else f.flag("norm_topk_prob", default=True),
+        moe_intermediate_size=f.require("moe_intermediate_size"),
+        intermediate_size=0 if qwen35 else f.require("intermediate_size"),
         rms_norm_eps=f.number("rms_norm_eps", required=True), norm_zero_centered=True,
         tie_word_embeddings=f.flag("tie_word_embeddings", default=False),
         max_position_embeddings=f.require("max_position_embeddings"),
@@ -589,10 +643,14 @@ def _config_from_hf(d: dict[str, Any]) -> HybridConfig:
         model_type = "glm5_next_text"
     if model_type == "qwen3_next":
         d = {**_QWEN3_NEXT_DEFAULTS, **d}
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        d = _qwen35_text(d)
+        model_type = "qwen3_5_moe_text"
     f = _Fields(d, model_type)
-    build = {"kimi_linear": _kimi, "deepseek_v32": _deepseek, "glm5_next_text": _glm5, "qwen3_next": _qwen3_next}[
-        model_type
-    ]
+    build = {
+        "kimi_linear": _kimi, "deepseek_v32": _deepseek, "glm5_next_text": _glm5, "qwen3_next": _qwen3_next,
+        "qwen3_5_moe_text": _qwen3_5_moe,
+    }[model_type]  # fmt: skip
     cfg = build(f)
     f.check_leftovers()
     return cfg

@@ -671,6 +671,25 @@ class HybridConfig:
             eos_token_id=151645,
         )
 
+    @classmethod
+    def qwen3_5_moe_35b(cls) -> HybridConfig:
+        """The text model of Qwen3.5-MoE at transformers 5.23's `Qwen3_5MoeTextConfig` defaults (the
+        Qwen/Qwen3.5-35B-A3B shapes): Qwen3-Next's layers, 40 of them, 256 experts (8 routed + a gated shared
+        one), a 248,320-token vocabulary."""
+        return cls.qwen3_next_80b().replace(
+            vocab_size=248320,
+            num_layers=40,
+            layer_types=tuple("attention" if i % 4 == 3 else "linear" for i in range(40)),
+            mlp_types=("moe",) * 40,
+            num_experts=256,
+            num_experts_per_tok=8,
+            intermediate_size=0,
+            rope_theta=10000.0,
+            max_position_embeddings=32768,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+
 
 PRESETS = {
     "tiny": HybridConfig.tiny,
@@ -679,6 +698,7 @@ PRESETS = {
     "deepseek_v32": HybridConfig.deepseek_v32,
     "glm5_next_flash": HybridConfig.glm5_next_flash,
     "qwen3_next_80b": HybridConfig.qwen3_next_80b,
+    "qwen3_5_moe_35b": HybridConfig.qwen3_5_moe_35b,
 }
 
 

@@ -4,12 +4,12 @@ Needs CPU torch and transformers 5.23 (a separate Python 3.11 venv is fine):
     python -m venv /tmp/oracle && /tmp/oracle/bin/pip install torch==2.13.0 transformers==5.23.0
     /tmp/oracle/bin/python scripts/make_parity_fixtures.py [--only glm5_next_a glm5_next_b] [--out DIR]
 
-For each of `kimi_linear`, `deepseek_v32`, `glm5_next_a`, `glm5_next_b` and `qwen3_next` it writes
+For each of `kimi_linear`, `deepseek_v32`, `glm5_next_a`, `glm5_next_b`, `qwen3_next` and `qwen3_5_moe` it writes
 `tests/fixtures/<name>/`:
 the checkpoint as `save_pretrained` writes it (config.json + model.safetensors, float32), and `reference.npz`
 with the input ids, the float32 logits of a full forward pass (eager attention) and 16 greedily generated tokens.
 
-The glm5_next (GLM-5.3-Flash) and qwen3_next fixtures are drawn so that no Top-K decision is a near-tie: every DSA
+The glm5_next (GLM-5.3-Flash) and Qwen fixtures are drawn so that no Top-K decision is a near-tie: every DSA
 indexer pool selection and every MoE router group/expert selection, in the forward pass and in every generate step,
 has its K-th and (K+1)-th score at least MIN_REL_GAP apart (relative to the row's largest |score|), and so has every
 greedy argmax. Prompt ids are redrawn id by id until that holds (it is causal); the weights seed is redrawn if it
@@ -610,13 +610,11 @@ class RouterGaps:
     of its softmax probabilities, per (batch row, position): `records` holds ("expert", layer, gaps [B, S])."""
 
     def __init__(self, model: torch.nn.Module):
-        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
-
         self.records: list[tuple[str, int, torch.Tensor]] = []
         self.handles = []
         self.shape: tuple[int, int] = (0, 0)  # [B, S] of the MoE block running now (its router sees [B * S, D])
         for name, mod in model.named_modules():
-            if isinstance(mod, Qwen3NextSparseMoeBlock):
+            if type(mod).__name__ in ("Qwen3NextSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock"):
                 layer = int(name.split("layers.")[1].split(".")[0])
                 self.handles.append(mod.register_forward_pre_hook(self._block))
                 self.handles.append(mod.gate.register_forward_hook(self._router(layer)))
@@ -654,6 +652,8 @@ def qwen_randomize_(model: torch.nn.Module, gen: torch.Generator) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
+            if name.startswith("model.visual."):  # the vision tower: unused by text inference, left as initialised
+                continue
             if name.endswith("linear_attn.norm.weight"):
                 new = 1.0 + 0.1 * randn(p.shape)
             elif "norm" in name:
@@ -672,20 +672,44 @@ def qwen_randomize_(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 
 def qwen_generate(model, ids: torch.Tensor):
+    pad = getattr(model.config, "text_config", model.config).pad_token_id
     return model.generate(
-        ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=model.config.pad_token_id,
+        ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=pad,
         return_dict_in_generate=True, output_logits=True,
     )  # fmt: skip
 
 
-def build_qwen3_next(name: str = "qwen3_next", out: Path = OUT) -> None:
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+# Qwen3.5-MoE (`qwen3_5_moe`, text part): qwen3_next's sizes without the dense layer (every FFN MoE); 4 value heads
+# over 2 key heads; RoPE with multimodal sections (plain for text); a tiny (unused) vision tower.
+QWEN3_5_MOE_TEXT = {
+    **{k: v for k, v in QWEN3_NEXT.items() if k not in ("intermediate_size", "mlp_only_layers", "decoder_sparse_step",
+                                                        "norm_topk_prob", "rope_parameters")},
+    "linear_num_value_heads": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5,
+                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+}  # fmt: skip
+QWEN3_5_VISION = {
+    "depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 45, "intermediate_size": 32, "patch_size": 2,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16,
+}  # fmt: skip
 
+
+def qwen_model(name: str):
+    """A Qwen model of the fixture `name` (eager attention and experts: the grouped-mm path needs 16-byte strides)."""
+    import transformers as tf
+
+    kw = dict(attn_implementation="eager", experts_implementation="eager")
+    if name == "qwen3_next":
+        return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**QWEN3_NEXT, **kw))
+    cfg = tf.Qwen3_5MoeConfig(text_config=dict(QWEN3_5_MOE_TEXT), vision_config=dict(QWEN3_5_VISION), **kw)
+    return tf.Qwen3_5MoeForConditionalGeneration(cfg)
+
+
+def build_qwen3_next(name: str = "qwen3_next", out: Path = OUT) -> None:
     for seed in range(MAX_SEEDS):
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(2000 + seed)
-        cfg = Qwen3NextConfig(**QWEN3_NEXT, attn_implementation="eager", experts_implementation="eager")
-        model = Qwen3NextForCausalLM(cfg).float().eval()
+        model = qwen_model(name).float().eval()
         qwen_randomize_(model, gen)
         try:
             rows = [draw_row(model, gen, RouterGaps, qwen_generate) for _ in range(2)]
@@ -720,6 +744,7 @@ BUILDERS = {
     "glm5_next_a": lambda out: build_glm5("glm5_next_a", out),
     "glm5_next_b": lambda out: build_glm5("glm5_next_b", out),
     "qwen3_next": lambda out: build_qwen3_next("qwen3_next", out),
+    "qwen3_5_moe": lambda out: build_qwen3_next("qwen3_5_moe", out),
 }
 
 

@@ -25,7 +25,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 GEN = jax.jit(generate, static_argnames=("max_new_tokens",))
 
 
-@pytest.fixture(scope="module", params=["kimi_linear", "deepseek_v32", "glm5_next_a", "glm5_next_b", "qwen3_next"])
+@pytest.fixture(
+    scope="module", params=["kimi_linear", "deepseek_v32", "glm5_next_a", "glm5_next_b", "qwen3_next", "qwen3_5_moe"]
+)
 def fixture(request):
     d = FIXTURES / request.param
     return d, from_pretrained(d, dtype=jnp.float32, progress=False), np.load(d / "reference.npz")
@@ -35,8 +37,8 @@ def test_logits_match_transformers(fixture):
     d, model, ref = fixture
     logits = np.asarray(jax.jit(lambda m, i: m(i))(model, jnp.asarray(ref["input_ids"])))
     max_rel = np.abs(logits - ref["logits"]).max() / np.abs(ref["logits"]).max()
-    # glm5_next, qwen3_next: 1e-5, tight enough that an eps of 1e-6 for 1e-5 in one norm shows (measured 4.7e-7 /
-    # 5.8e-7 / 6.8e-7)
+    # glm5_next, qwen: 1e-5, tight enough that an eps of 1e-6 for 1e-5 in one norm shows (measured 4.7e-7 / 5.8e-7 /
+    # 6.8e-7 / 7.7e-7)
     assert max_rel <= (1e-5 if d.name.startswith(("glm5", "qwen")) else 1e-4)
 
 
@@ -62,13 +64,16 @@ def test_fixtures_exercise_what_they_claim():
         assert {"dense", "moe"} <= set(glm.mlp_types) and {"linear", "sparse"} <= set(glm.layer_types)
     assert any(config_from_hf(json.loads((FIXTURES / "glm5_next_a/config.json").read_text())).shares_indexer(i)
                for i in range(6))  # fmt: skip
-    qwen = config_from_hf(json.loads((FIXTURES / "qwen3_next/config.json").read_text()))
-    seq = np.load(FIXTURES / "qwen3_next/reference.npz")["input_ids"].shape[1]
-    assert qwen.kda_num_heads % qwen.kda_k_heads == 0 and qwen.kda_num_heads > qwen.kda_k_heads > 1
-    assert qwen.kda_v_dim != qwen.kda_head_dim and qwen.hidden_size % 2 and seq % 64
-    assert 0 < qwen.attn_rope_dim < qwen.attn_head_dim and qwen.attn_num_kv_heads < qwen.num_heads
-    assert {"dense", "moe"} <= set(qwen.mlp_types) and {"linear", "attention"} <= set(qwen.layer_types)
-    assert sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file()) < 6.5e6  # ~1 MB per model family
+    for name in ("qwen3_next", "qwen3_5_moe"):
+        qwen = config_from_hf(json.loads((FIXTURES / name / "config.json").read_text()))
+        seq = np.load(FIXTURES / name / "reference.npz")["input_ids"].shape[1]
+        assert qwen.kda_num_heads % qwen.kda_k_heads == 0 and qwen.kda_num_heads > qwen.kda_k_heads > 1
+        assert qwen.kda_v_dim != qwen.kda_head_dim and qwen.hidden_size % 2 and seq % 64
+        assert 0 < qwen.attn_rope_dim < qwen.attn_head_dim and qwen.attn_num_kv_heads < qwen.num_heads
+        assert {"linear", "attention"} <= set(qwen.layer_types) and "moe" in qwen.mlp_types
+    qwen_next = config_from_hf(json.loads((FIXTURES / "qwen3_next/config.json").read_text()))
+    assert "dense" in qwen_next.mlp_types  # mlp_only_layers; qwen3_5_moe has no dense layer
+    assert sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file()) < 7e6  # ~1 MB per model family
 
 
 def test_released_kimi_config_style_maps_like_the_in_tree_style():

@@ -1,7 +1,9 @@
-"""Qwen3-Next (`qwen3_next`): Gated DeltaNet with grouped q/k heads, gated GQA with partial RoPE and a paged K/V cache,
-softmax MoE with a gated shared expert, zero-centred norms; loading, caches, quantization, sharding, the preset.
+"""Qwen3-Next (`qwen3_next`) and Qwen3.5-MoE (`qwen3_5_moe`, text): Gated DeltaNet with grouped q/k heads, gated GQA
+with partial RoPE and a paged K/V cache, softmax MoE with a gated shared expert, zero-centred norms; loading, caches,
+quantization, sharding, the presets.
 
-Parity of logits and greedy tokens with transformers is in tests/test_checkpoints.py (fixture qwen3_next)."""
+Parity of logits and greedy tokens with transformers is in tests/test_checkpoints.py (fixtures qwen3_next,
+qwen3_5_moe)."""
 
 import json
 import logging
@@ -22,6 +24,7 @@ from hybrid_jax.quant.config import QuantConfig
 from tests.conftest import prefill_then_decode, random_ids, rel_err
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_next"
+FIXTURE_35 = Path(__file__).parent / "fixtures" / "qwen3_5_moe"
 
 
 def qwen_tiny(**changes) -> HybridConfig:
@@ -135,6 +138,17 @@ def test_qwen3_next_preset_has_the_released_parameter_count():
     assert cfg.layer_pattern == "LLLA" * 12
 
 
+def test_qwen3_5_moe_preset_has_transformers_parameter_count():
+    """transformers 5.23's Qwen3_5MoeForConditionalGeneration with the default config holds 34,660,610,688
+    parameters outside its vision tower (`model.visual.*`)."""
+    import math
+
+    cfg = HybridConfig.qwen3_5_moe_35b()
+    model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == 34_660_610_688
+    assert cfg.layer_pattern == "LLLA" * 10
+
+
 # ------------------------------------------------------------------------------------------------ loading
 def test_qwen3_next_config_styles_and_refusals():
     """The released config.json's flat rope_theta / partial_rotary_factor / full_attention_interval map like
@@ -167,6 +181,31 @@ def test_qwen3_next_config_styles_and_refusals():
     ):
         with pytest.raises(CheckpointError, match=match):
             config_from_hf({**raw, **change})
+
+
+def test_qwen3_5_moe_config_nested_or_flat_and_refusals():
+    """The multimodal wrapper (text_config + vision_config) and a flat qwen3_5_moe_text file map alike; RoPE's
+    multimodal sections are accepted (text positions: plain RoPE); Qwen3-Next's dense-layer fields are not
+    qwen3_5_moe fields and are refused, as is any other unknown field."""
+    raw = json.loads((FIXTURE_35 / "config.json").read_text())
+    nested = config_from_hf(raw)
+    assert nested == config_from_hf(raw["text_config"])  # model_type qwen3_5_moe_text
+    assert nested.layer_pattern == "LALLA" and nested.kda_num_heads == 4 and nested.attn_rope_dim == 8
+    assert config_from_hf({"model_type": "qwen3_5_moe"}) == HybridConfig.qwen3_5_moe_35b()
+    text = raw["text_config"]
+    for change, where, match in (
+        ({"decoder_sparse_step": 1}, "text", r"unknown field\(s\) \['decoder_sparse_step'\]"),
+        ({"mlp_only_layers": [0]}, "text", r"unknown field\(s\) \['mlp_only_layers'\]"),
+        ({"rope_parameters": {**text["rope_parameters"], "mrope_section": [2, 1]}}, "text", r"mrope_section=\[2, 1\]"),
+        ({"audio_config": {}}, "top", r"unknown top-level field\(s\) \['audio_config'\]"),
+        ({"tie_word_embeddings": True}, "top", r"tie_word_embeddings=True at the top level but False"),
+    ):
+        bad = {**raw, "text_config": {**text, **change}} if where == "text" else {**raw, **change}
+        with pytest.raises(CheckpointError, match=match):
+            config_from_hf(bad)
+    qwen_next = json.loads((FIXTURE / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"rope_parameters has unknown field\(s\) \['mrope_section'\]"):
+        config_from_hf({**qwen_next, "rope_parameters": {**qwen_next["rope_parameters"], "mrope_section": [1, 1, 2]}})
 
 
 def _split_qwen35_names(tensors: dict, cfg: dict) -> dict:
