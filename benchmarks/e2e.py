@@ -4,8 +4,9 @@ benchmarks/results/e2e.jsonl.
 
 Models: any preset with random weights (`hybrid_small`: 3 KDA : 1 sparse MLA, MoE, AttnRes), and the ones
 transformers builds: `kimi` — a Kimi-Linear-shaped `KimiLinearForCausalLM` (the 48B model's widths,
-`--kimi-layers` layers, `--kimi-experts` experts) — and `glm5` — a GLM-5.3-Flash-shaped `glm5_next` model
-(full widths, `--glm5-layers` / `--glm5-experts`). `benchmarks/e2e_transformers.py` builds each with random
+`--kimi-layers` layers, `--kimi-experts` experts) —, `glm5` — a GLM-5.3-Flash-shaped `glm5_next` model
+(full widths, `--glm5-layers` / `--glm5-experts`) — and `qwen3_next` — a Qwen3-Next-80B-A3B-shaped model
+(`--qwen3_next-layers` / `--qwen3_next-experts`). `benchmarks/e2e_transformers.py` builds each with random
 weights and saves it as a Hugging Face folder once; this engine loads that folder with `from_pretrained` and
 transformers loads the same folder in its own process (the baseline; it uses fla's KDA kernels when the `fla`
 package imports). This engine's bf16 first-token logits on a 64-token prompt are compared with transformers'
@@ -28,8 +29,8 @@ float32 logits from the same bf16-rounded weights (the row "parity").
 - Start-up: `python -m hybrid_jax generate` in a fresh process, to the first generated token, with an empty
   persistent compilation cache and again with the cache it filled.
 
-    python -m benchmarks.e2e [--models hybrid_small kimi glm5] [--quant none hierarchical] [--ttft 4096 32768 131072]
-        [--batches 1 16 64] [--context 2048] [--no-baseline] [--no-startup] [--no-record]
+    python -m benchmarks.e2e [--models hybrid_small kimi glm5 qwen3_next] [--quant none hierarchical]
+        [--ttft 4096 32768 131072] [--batches 1 16 64] [--context 2048] [--no-baseline] [--no-startup] [--no-record]
     python -m benchmarks.e2e --models --no-baseline     # the start-up rows alone
 """
 
@@ -66,10 +67,10 @@ def _torch_side(python: str, cmd: list[str], timeout: float) -> tuple[list[dict]
 
 # The models transformers builds (random weights at a released model's widths, fewer layers and experts):
 # name -> (the transformers side's --arch, default layers, default experts).
-HF_MODELS = {"kimi": ("kimi", 8, 32), "glm5": ("glm5", 8, 32)}
+HF_MODELS = {"kimi": ("kimi", 8, 32), "glm5": ("glm5", 8, 32), "qwen3_next": ("qwen3_next", 8, 64)}
 # How a run's title names each shape (the recorded tables are keyed by it): the Kimi shape is named in every
 # run without another transformers-built model, as it always was.
-SHAPE_LABELS = {"kimi": "Kimi-shaped", "glm5": "glm5-shaped"}
+SHAPE_LABELS = {"kimi": "Kimi-shaped", "glm5": "glm5-shaped", "qwen3_next": "Qwen3-Next-shaped"}
 
 
 def add_hf_args(p: argparse.ArgumentParser) -> None:
@@ -161,7 +162,7 @@ def per_position(pool, page_size: int) -> float:
 def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
     """Bytes one decode step must move: weights (routed experts: the expected number of distinct experts
     that `batch` tokens choose under uniform routing), KDA states read + written, cache rows read."""
-    from hybrid_jax.cache import KDAState, MLAState
+    from hybrid_jax.cache import AttnState, KDAState, MLAState
 
     cfg = model.config
     fixed, routed, _, _ = _param_bytes(model)
@@ -173,6 +174,8 @@ def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
     for kind, state in zip(cfg.layer_types, cache.layers, strict=True):
         if isinstance(state, KDAState):
             total += 2 * (state.recurrent.nbytes + state.conv.nbytes)
+        elif isinstance(state, AttnState):  # gated GQA: every cached key and value
+            total += batch * context * (per_position(state.k, cache.page_size) + per_position(state.v, cache.page_size))
         elif isinstance(state, MLAState):
             row = per_position(state.latent, cache.page_size) + per_position(state.rope, cache.page_size)
             if kind == "sparse":
@@ -204,6 +207,8 @@ def prefill_flops(model, tokens: int) -> float:
             flops += n * tokens / c * chunk
         elif kind == "full":
             flops += 2 * pairs * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+        elif kind == "attention":  # gated GQA: q.k and p.v over H each, every query head
+            flops += 2 * pairs * cfg.num_heads * 2 * cfg.attn_head_dim
         else:
             lat, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
             if not cfg.shares_indexer(i):

@@ -1,20 +1,22 @@
 """The transformers side of `benchmarks/e2e.py`, run in its own process (PyTorch and JAX do not share a GPU's
 memory well, and this file must not import JAX).
 
-    python -m benchmarks.e2e_transformers make OUT [--arch kimi|glm5] [--layers 8 --experts 32 --vocab V]
+    python -m benchmarks.e2e_transformers make OUT [--arch kimi|glm5|qwen3_next] [--layers 8 --experts 32 --vocab V]
         A model with random weights at a released model's widths (fewer layers and experts so it fits one
         GPU), saved with `save_pretrained` in bfloat16, plus `e2e_reference.npz`: a 64-token prompt and the
         logits of its last token computed in float32 from the saved bf16 weights, for the parity check on the
         JAX side. `kimi`: a Kimi-Linear-48B-shaped
         `KimiLinearForCausalLM`; `glm5`: a GLM-5.3-Flash-shaped `Glm5NextForConditionalGeneration` (the text
-        part at full width, a one-block vision tower that no benchmark feeds).
+        part at full width, a one-block vision tower that no benchmark feeds); `qwen3_next`: a
+        Qwen3-Next-80B-A3B-shaped `Qwen3NextForCausalLM`.
     python -m benchmarks.e2e_transformers bench OUT --ttft 4096 32768 --batches 1 16 64 --context 2048
         Time to first token (prefill + the first token's logits, batch 1), the decode step at each batch
         after `context` cached tokens, peak memory. One `RESULT {json}` line per measurement on stdout. The
         model class comes from the folder's `model_type`.
 
-flash-linear-attention: transformers uses fla's `chunk_kda` / `fused_recurrent_kda` when the `fla` package
-imports (carry the fla-core and einops wheels to the GPU machine); the result lines say whether it did.
+flash-linear-attention: transformers uses fla's `chunk_kda` / `fused_recurrent_kda` (Qwen3-Next:
+`chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule`) when the `fla` package imports (carry the
+fla-core and einops wheels to the GPU machine); the result lines say whether it did.
 `glm5_next` needs transformers >= 5.23 (carry its wheel where the image has an older one).
 """
 
@@ -120,9 +122,37 @@ def glm5_config(layers: int, experts: int, vocab: int, tiny: bool = False):
     return Glm5NextConfig(text_config=text, vision_config=vision)
 
 
-ARCHS = {"kimi": (kimi_config, "KimiLinearForCausalLM"), "glm5": (glm5_config, "Glm5NextForConditionalGeneration")}
-VOCAB = {"kimi": 163840, "glm5": 154880}  # the released vocabularies
-MODEL_TYPES = {"kimi_linear": "KimiLinearForCausalLM", "glm5_next": "Glm5NextForConditionalGeneration"}
+def qwen3_next_config(layers: int, experts: int, vocab: int, tiny: bool = False):
+    """Qwen3-Next-80B-A3B widths (hidden 2048; Gated DeltaNet 16 key / 32 value heads x 128; gated GQA 16 query /
+    2 kv heads x 256, RoPE on 64 dims, theta 1e7; 10 of `experts` routed + a gated shared expert, width 512);
+    full attention every fourth layer, every FFN MoE, as released. tiny=True divides every width by 16."""
+    from transformers import Qwen3NextConfig
+
+    d = 16 if tiny else 1
+    h = 4 if tiny else 1  # head counts: 16 / 4 query, 2 kv, 16 / 4 key, 32 / 4 value heads when tiny
+    return Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=2048 // d, intermediate_size=5120 // d, num_hidden_layers=layers,
+        num_attention_heads=16 // h, num_key_value_heads=2, head_dim=256 // d,
+        linear_num_key_heads=16 // h, linear_num_value_heads=32 // h,
+        linear_key_head_dim=128 // d, linear_value_head_dim=128 // d, moe_intermediate_size=512 // d,
+        shared_expert_intermediate_size=512 // d, num_experts=experts, num_experts_per_tok=min(10, experts),
+        max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        pad_token_id=vocab - 1, bos_token_id=vocab - 4, eos_token_id=vocab - 3,
+    )  # fmt: skip
+
+
+ARCHS = {
+    "kimi": (kimi_config, "KimiLinearForCausalLM"),
+    "glm5": (glm5_config, "Glm5NextForConditionalGeneration"),
+    "qwen3_next": (qwen3_next_config, "Qwen3NextForCausalLM"),
+}
+VOCAB = {"kimi": 163840, "glm5": 154880, "qwen3_next": 151936}  # the released vocabularies
+MODEL_TYPES = {
+    "kimi_linear": "KimiLinearForCausalLM",
+    "glm5_next": "Glm5NextForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
 
 
 def _model_class(name: str):
