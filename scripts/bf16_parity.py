@@ -1,7 +1,7 @@
 """How far bf16 is from float32 at a released model's full widths, for transformers and for this engine (CPU).
 
 The e2e benchmark's parity row compares two bf16 engines; this says how much of their gap is each engine's own
-bf16 rounding. A transformers-built model (`benchmarks.e2e_transformers`' configs: `--arch kimi|glm5`, fewer
+bf16 rounding. A transformers-built model (`benchmarks.e2e_transformers`' configs: `--arch kimi|glm5|qwen3_next`, fewer
 layers and experts, a small vocabulary) with random weights is saved in float32 and in bf16; the last-token
 logits of a 64-token prompt are computed by transformers in both dtypes, then by this engine from both folders.
 
@@ -63,7 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("side", choices=["torch", "jax"])
     p.add_argument("out", type=Path)
-    p.add_argument("--arch", choices=["kimi", "glm5"], default="glm5")
+    p.add_argument("--arch", choices=["kimi", "glm5", "qwen3_next"], default="glm5")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
