@@ -55,9 +55,10 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
     counts = collections.Counter()
     first = {}
     for i, layer in enumerate(model.layers):
-        kind = {"linear": "KDA mixer", "full": "dense MLA mixer", "sparse": "sparse MLA + indexer mixer"}[
-            layer.layer_type
-        ]
+        kind = {
+            "linear": "KDA mixer", "full": "dense MLA mixer", "sparse": "sparse MLA + indexer mixer",
+            "attention": "gated GQA mixer",
+        }[layer.layer_type]  # fmt: skip
         ffn_kind = "MoE FFN" if cfg.mlp_types[i] == "moe" else "dense FFN"
         for k in (kind, ffn_kind):
             counts[k] += 1
