@@ -170,10 +170,21 @@ def _kda_prefill_unsupported(tokens: int, **_) -> str | None:
     return "one token: the recurrence" if tokens == 1 else None
 
 
-def _kda_layer_unsupported(head_dim: int, **_) -> str | None:
-    if not (_pow2(head_dim) and 16 <= head_dim <= 256):
-        return f"head dim {head_dim} is not a power of two in [16, 256]"
-    return _needs_local()
+def kda_layer_shape_problem(head_dim: int, v_head_dim: int | None = None, qk_channels: int | None = None) -> str | None:
+    """Why the fused KDA decode-layer kernel cannot take these head shapes (None: it can). qk_channels: N_k·K of
+    Qwen's grouped layout, whose v channels start at 2·N_k·K, read in V-wide blocks."""
+    dv = head_dim if v_head_dim is None else v_head_dim
+    for name, d in (("head dim", head_dim), ("value head dim", dv)):
+        if not (_pow2(d) and 16 <= d <= 256):
+            return f"{name} {d} is not a power of two in [16, 256]"
+    if dv != head_dim and (2 * (qk_channels or head_dim)) % dv:
+        return f"q | k channels {2 * (qk_channels or head_dim)} are not a multiple of the value head dim {dv}"
+    return None
+
+
+def _kda_layer_unsupported(head_dim: int, v_head_dim: int | None = None, qk_channels: int | None = None,
+                           **_) -> str | None:  # fmt: skip
+    return _needs_local(kda_layer_shape_problem(head_dim, v_head_dim, qk_channels))
 
 
 def _indexer_unsupported(head_dim: int, **_) -> str | None:

@@ -5,6 +5,7 @@ quantization, sharding, the presets.
 Parity of logits and greedy tokens with transformers is in tests/test_checkpoints.py (fixtures qwen3_next,
 qwen3_5_moe)."""
 
+import contextlib
 import json
 import logging
 import shutil
@@ -107,6 +108,75 @@ def test_grouped_heads_read_their_key_head():
         page_table=jnp.arange(2)[:, None], kv_lengths=jnp.full((2,), 11), mode="prefill",
     )  # fmt: skip
     assert hd == 8 and rel_err(grouped(x, info, None)[0], single(x, info, None)[0]) < 1e-6
+
+
+def _grouped_layer_inputs(seed, b, n, nk, dk, dv, w, dtype):
+    """Random inputs of `kda_decode_layer` in Qwen's layout (N_k q/k heads of K, N value heads of V, scalar
+    decay); row 1 padded."""
+    ks = iter(jax.random.split(jax.random.key(seed), 20))
+    c, cv = nk * dk, n * dv
+    q, k = (jax.random.normal(next(ks), (b, c), dtype) for _ in range(2))
+    v, z = (jax.random.normal(next(ks), (b, cv), dtype) for _ in range(2))
+    conv_state = jax.random.normal(next(ks), (b, w - 1, 2 * c + cv), dtype)
+    weights = tuple(0.5 * jax.random.normal(next(ks), (w, x)) for x in (c, c, cv))
+    f, b_logits = (jax.random.normal(next(ks), (b, n), dtype) for _ in range(2))
+    a_log = jax.random.uniform(next(ks), (n,), minval=-1.0, maxval=1.0)
+    dt_bias = 0.5 * jax.random.normal(next(ks), (n,))
+    norm = 1.0 + 0.1 * jax.random.normal(next(ks), (dv,))
+    state = jax.random.normal(next(ks), (b, n, dk, dv))
+    valid = jnp.arange(b) != 1
+    return (q, k, v, conv_state, weights, f, a_log, dt_bias, b_logits, z, norm, state, valid, valid.astype(jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_decode_layer_kernel_takes_the_grouped_layout(dtype):
+    """The fused decode-layer kernel (interpret mode) in Qwen's layout — 4 value heads of V = 32 over 2 q/k heads
+    of K = 16, SiLU output gate — equals its reference: outputs, state, conv tails moved exactly; the padded row
+    keeps both states."""
+    from pallas_kernels.linear_attention import kda_decode_layer
+
+    args = _grouped_layer_inputs(1, 3, 4, 2, 16, 32, 4, dtype)
+    kw = dict(num_heads=4, head_dim=16, scalar_decay=True, num_k_heads=2, v_head_dim=32, gate="silu", eps=1e-6)
+    y_ref, conv_ref, s_ref = kda_decode_layer(*args, impl="reference", **kw)
+    y, conv, s = kda_decode_layer(*args, impl="pallas", interpret=True, **kw)
+    assert y.shape == (3, 4, 32) and y.dtype == dtype and conv.shape == args[3].shape and s.dtype == jnp.float32
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert rel_err(y, y_ref) < tol and rel_err(s, s_ref) < 1e-4
+    np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(conv_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(conv[1], np.float32), np.asarray(args[3][1], np.float32))
+    np.testing.assert_allclose(np.asarray(s[1]), np.asarray(args[11][1]), rtol=1e-6)
+    assert not np.array_equal(np.asarray(conv[0], np.float32), np.asarray(args[3][0], np.float32))
+    with pytest.raises(ValueError, match=r"q \| k channels 64 are not a multiple of the value head dim 128"):
+        big = _grouped_layer_inputs(1, 1, 2, 2, 16, 128, 4, dtype)
+        kda_decode_layer(*big, impl="pallas", interpret=True, **{**kw, "num_heads": 2, "v_head_dim": 128})
+
+
+@pytest.mark.slow
+def test_model_decode_and_verify_through_the_grouped_fused_layer_kernel(jitted):
+    """A Qwen-layout model (3 q/k heads of 16 over 6 value heads of 32) decoding and verifying with the fused
+    decode-layer kernel forced gives the unfused path's logits and caches."""
+    from pallas_kernels import use_pallas
+    from tests.conftest import fresh_jits
+
+    cfg = qwen_tiny(kda_head_dim=16, kda_v_head_dim=32)
+    model = _perturbed(cfg, seed=2)
+    ids = random_ids(31, (2, 12), cfg.vocab_size)
+    first, start = jitted["prefill"](model, ids[:, :8], model.init_cache(2, 24), jnp.full((2,), 8))
+    verify = lambda m, i, c: m.verify(i, c)  # noqa: E731
+    runs = {}
+    for fused in (False, True):
+        with use_pallas(ops=["kda_decode_layer"]) if fused else contextlib.nullcontext():
+            decode = fresh_jits()["decode"]
+            if fused:
+                assert "name=kda_decode_layer" in str(decode.trace(model, ids[:, 8], start).jaxpr)
+            cache, steps = start, []
+            for i in range(8, 12):
+                lg, cache = decode(model, ids[:, i], cache)
+                steps.append(lg)
+            vlogits, pending = jax.jit(verify)(model, ids[:, 8:12], start)
+        runs[fused] = (jnp.stack(steps, 1), cache, vlogits, pending.cache)
+    for a, b in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
+        assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -108,8 +108,8 @@ class KimiDeltaAttention(nnx.Module):
             self.g_b_proj = linear(cfg.kda_output_gate_rank, dim, (None, "kda_heads"), dt, rngs)
         self.o_norm = GatedRMSNorm(cfg.kda_v_dim, eps=cfg.rms_norm_eps, dt=dt, gate=cfg.kda_norm_gate)
         self.o_proj = linear(dim, d, ("kda_heads", "embed"), dt, rngs)
-        # the fused decode-layer kernel takes Kimi's layout: one q/k head per value head, K = V, a σ output gate
-        self.fused_layout = cfg.kda_k_heads == n and cfg.kda_v_dim == hd and cfg.kda_norm_gate == "sigmoid"
+        # how the fused decode-layer kernel reads the heads (Kimi's layout by default; Qwen's grouped one)
+        self.layout = (("num_k_heads", cfg.kda_k_heads), ("v_head_dim", cfg.kda_v_dim), ("gate", cfg.kda_norm_gate))
 
     def init_state(self, batch_size: int, dtype) -> KDAState:
         cfg = self.cfg
@@ -132,7 +132,8 @@ class KimiDeltaAttention(nnx.Module):
         return q, k, v.reshape(b, t, n, cfg.kda_v_dim)
 
     def _uses_fused_decode(self) -> bool:
-        return self.fused_layout and decode_layer_uses_kernel(self.cfg.kda_head_dim)
+        cfg = self.cfg
+        return decode_layer_uses_kernel(cfg.kda_head_dim, cfg.kda_v_dim, cfg.kda_dim)
 
     def _short_conv(self, xhat: jax.Array, prev: jax.Array, n_new: jax.Array) -> tuple[jax.Array, jax.Array]:
         """xhat [B,T,3C] raw projections, prev [B,W-1,3C] -> (SiLU(conv) [B,T,3C], new conv state)."""
@@ -255,13 +256,13 @@ class KimiDeltaAttention(nnx.Module):
             y, conv, s = kda_decode_layer(
                 q, k, v, conv, weights, fx, self.A_log[...], self.dt_bias[...], bx, zx, self.o_norm.weight[...], s,
                 valid, valid.astype(jnp.int32), num_heads=n, head_dim=hd, scalar_decay=cfg.kda_scalar_decay,
-                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps,
+                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps, **dict(self.layout),
             )  # fmt: skip
             return (conv, s), (y, conv, s)
 
         xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q_raw, k_raw, v_raw, f, b_logits, z, info.valid))
         _, (y, convs, states) = jax.lax.scan(step, (state.conv, state.recurrent), xs)
-        y = jnp.moveaxis(y, 0, 1).reshape(b, t, n * hd)
+        y = jnp.moveaxis(y, 0, 1).reshape(b, t, n * cfg.kda_v_dim)
         conv = jnp.concatenate([state.conv[:, None], jnp.moveaxis(convs, 0, 1)], axis=1)
         recurrent = jnp.concatenate([state.recurrent[:, None].astype(jnp.float32), jnp.moveaxis(states, 0, 1)], axis=1)
         return self.o_proj(y), _placed(KDAState(conv=conv, recurrent=recurrent))
@@ -281,9 +282,9 @@ class KimiDeltaAttention(nnx.Module):
                 q_raw, k_raw, v_raw, state.conv, [c[...] for c in self._conv_kernels()], f, self.A_log[...],
                 self.dt_bias[...], b_logits, z, self.o_norm.weight[...], state.recurrent, info.valid[:, 0],
                 info.n_new, num_heads=n, head_dim=hd, scalar_decay=cfg.kda_scalar_decay,
-                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps,
+                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps, **dict(self.layout),
             )  # fmt: skip
-            return self.o_proj(y.reshape(b, t, n * hd)), _placed(KDAState(conv=conv, recurrent=s))
+            return self.o_proj(y.reshape(b, t, n * cfg.kda_v_dim)), _placed(KDAState(conv=conv, recurrent=s))
         q_raw, k_raw, v_raw, f, z, b_logits = self._projections(x)
         if info.mode == "verify" and self._uses_fused_decode():
             return self._verify_fused(q_raw, k_raw, v_raw, f, z, b_logits, info, state)

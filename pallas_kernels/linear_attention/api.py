@@ -338,24 +338,29 @@ def kda_decode_steps(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=True,
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
-def decode_layer_uses_kernel(head_dim: int) -> bool:
+def decode_layer_uses_kernel(head_dim: int, v_head_dim: int | None = None, qk_channels: int | None = None) -> bool:
     """Whether `kda_decode_layer(impl="auto")` runs the fused kernel here (`registry.resolve`): callers that
-    would otherwise run the layer's steps one by one ask first."""
-    return registry.resolve("kda_decode_layer", head_dim=head_dim).impl != "reference"
+    would otherwise run the layer's steps one by one ask first. v_head_dim, qk_channels (N_k·K): Qwen's grouped
+    layout (default: Kimi's)."""
+    facts = dict(head_dim=head_dim, v_head_dim=v_head_dim or head_dim, qk_channels=qk_channels or head_dim)
+    return registry.resolve("kda_decode_layer", **facts).impl != "reference"
 
 
 def kda_decode_layer(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
     n_new, *, num_heads: int, head_dim: int, scalar_decay: bool = False, lower_bound: float | None = None,
     eps: float = 1e-6, impl: str = "auto", interpret: bool | None = None, num_warps: int = 4,
+    num_k_heads: int | None = None, v_head_dim: int | None = None, gate: str = "sigmoid",
 ):  # fmt: skip
     """One decode token of a KDA layer from its raw projections to o_proj's input: short conv + SiLU, q / k
     normalisation, decay and β gates (zero on padded rows), the state update and the gated RMSNorm.
 
-    q_raw, k_raw, v_raw, z [B, N*K] in the compute dtype; conv_state [B, W-1, 3*N*K] (q | k | v channels);
-    conv_weights the (q, k, v) conv kernels [W, N*K]; f [B, N*K] decay projection ([B, N] with scalar_decay);
-    a_log [N]; dt_bias [N*K] ([N]); b_logits [B, N]; norm_weight [K]; state [B, N, K, K] float32; valid [B]
-    bool; n_new [B] tokens this step (0 or 1) -> (y [B, N, K] in q_raw.dtype, new conv state, new state).
+    q_raw, k_raw [B, N_k*K], v_raw, z [B, N*V] in the compute dtype; conv_state [B, W-1, 2*N_k*K + N*V]
+    (q | k | v channels); conv_weights the (q, k, v) conv kernels [W, channels]; f [B, N*K] decay projection
+    ([B, N] with scalar_decay); a_log [N]; dt_bias [N*K] ([N]); b_logits [B, N]; norm_weight [V]; state
+    [B, N, K, V] float32; valid [B] bool; n_new [B] tokens this step (0 or 1) -> (y [B, N, V] in q_raw.dtype,
+    new conv state, new state). Kimi's layout by default; Qwen's Gated DeltaNet: num_k_heads N_k q / k heads
+    (value head n reads head n // (N / N_k)), v_head_dim V, gate "silu" for the output norm (σ by default).
     At B = 1 the projected inputs (q_raw, k_raw, v_raw, f, b_logits, z) may be one-row `projection.SplitK`
     partial sums: the kernel adds them per head where they start on a head boundary (any column for the
     one-per-head b_logits / scalar f); the reference, and the kernel elsewhere, take their `value()`.
@@ -371,47 +376,57 @@ def kda_decode_layer(
     q_raw, k_raw, v_raw, f, b_logits, z = (
         dataclasses.replace(x, lead=(1,)) if isinstance(x, SplitK) else x for x in projected
     )
+    if gate not in ("sigmoid", "silu"):
+        raise ValueError(f"kda_decode_layer: gate={gate!r} must be 'sigmoid' or 'silu'")
+    nk, dv = num_k_heads or num_heads, v_head_dim or head_dim
+    if num_heads % nk:
+        raise ValueError(f"kda_decode_layer: num_k_heads={nk} must divide num_heads={num_heads}")
     b, c = q_raw.shape
-    if c != num_heads * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != q_raw.shape or z.shape != q_raw.shape:
+    cv = num_heads * dv
+    if c != nk * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != (b, cv) or z.shape != (b, cv):
         raise ValueError(
-            f"kda_decode_layer: q/k/v/z {[x.shape for x in (q_raw, k_raw, v_raw, z)]} must all be "
-            f"[B, {num_heads} x {head_dim}]"
+            f"kda_decode_layer: q/k/v/z {[x.shape for x in (q_raw, k_raw, v_raw, z)]} must be "
+            f"[B, {nk} x {head_dim}] (q, k) and [B, {num_heads} x {dv}] (v, z)"
         )
-    if conv_state.ndim != 3 or conv_state.shape[0] != b or conv_state.shape[2] != 3 * c:
-        raise ValueError(f"kda_decode_layer: conv_state.shape={conv_state.shape} must be [{b}, W-1, {3 * c}]")
+    channels = 2 * c + cv
+    if conv_state.ndim != 3 or conv_state.shape[0] != b or conv_state.shape[2] != channels:
+        raise ValueError(f"kda_decode_layer: conv_state.shape={conv_state.shape} must be [{b}, W-1, {channels}]")
     width = conv_state.shape[1] + 1
-    if len(conv_weights) != 3 or any(w.shape != (width, c) for w in conv_weights):
-        raise ValueError(f"kda_decode_layer: conv weights {[w.shape for w in conv_weights]} must be 3 x {(width, c)}")
-    gate = num_heads if scalar_decay else c
-    if f.shape != (b, gate) or dt_bias.shape != (gate,) or a_log.shape != (num_heads,):
+    widths = ((width, c), (width, c), (width, cv))
+    if len(conv_weights) != 3 or any(w.shape != want for w, want in zip(conv_weights, widths, strict=True)):
+        raise ValueError(f"kda_decode_layer: conv weights {[w.shape for w in conv_weights]} must be {widths}")
+    gates = num_heads if scalar_decay else num_heads * head_dim
+    if f.shape != (b, gates) or dt_bias.shape != (gates,) or a_log.shape != (num_heads,):
         raise ValueError(
             f"kda_decode_layer: f {f.shape}, dt_bias {dt_bias.shape}, A_log {a_log.shape} must be "
-            f"{(b, gate)}, {(gate,)}, {(num_heads,)}"
+            f"{(b, gates)}, {(gates,)}, {(num_heads,)}"
         )
-    if state.shape != (b, num_heads, head_dim, head_dim) or b_logits.shape != (b, num_heads):
+    if state.shape != (b, num_heads, head_dim, dv) or b_logits.shape != (b, num_heads):
         raise ValueError(f"kda_decode_layer: state {state.shape} / b_logits {b_logits.shape} do not match")
-    impl = registry.resolve("kda_decode_layer", impl, head_dim=head_dim).impl
+    impl = registry.resolve("kda_decode_layer", impl, head_dim=head_dim, v_head_dim=dv, qk_channels=c).impl
     dtype = jnp.dtype(q_raw.dtype)
     if impl == "reference":
         q_raw, k_raw, v_raw, f, b_logits, z = (materialize(x) for x in (q_raw, k_raw, v_raw, f, b_logits, z))
     else:  # partials the kernel reads per head: starts on head boundaries (any column for one-per-head inputs)
-        units = (head_dim, head_dim, head_dim, 1 if scalar_decay else head_dim, 1, head_dim)
+        units = (head_dim, head_dim, dv, 1 if scalar_decay else head_dim, 1, dv)
         q_raw, k_raw, v_raw, f, b_logits, z = (
             x if isinstance(x, SplitK) and x.start % unit == 0 else materialize(x)
             for x, unit in zip((q_raw, k_raw, v_raw, f, b_logits, z), units, strict=True)
         )
     args = (q_raw, k_raw, v_raw, conv_state, tuple(conv_weights), f, a_log, dt_bias, b_logits, z, norm_weight,
             state, valid, n_new)  # fmt: skip
+    layout = dict(num_k_heads=nk, v_head_dim=dv, gate=gate)
     if impl == "reference":
         return kda_decode_layer_reference(
             *args, num_heads=num_heads, head_dim=head_dim, scalar_decay=scalar_decay, lower_bound=lower_bound,
-            eps=eps,
+            eps=eps, **layout,
         )  # fmt: skip
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
-        raise ValueError(f"kda_decode_layer: the kernel needs a power-of-two head_dim in [16, 256], got {head_dim}")
+    why = registry.kda_layer_shape_problem(head_dim, dv, c)
+    if why is not None:
+        raise ValueError(f"kda_decode_layer(impl='pallas'): {why}")
     interpret = registry.interpret_default(interpret)
     return decode_layer_pallas(
         *args, num_heads=num_heads, scalar_decay=scalar_decay,
         lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps), interpret=interpret,
-        num_warps=num_warps, dtype=dtype,
+        num_warps=num_warps, dtype=dtype, **layout,
     )  # fmt: skip

@@ -7,11 +7,15 @@ One program per (sequence b, head n) does, with the head's whole state S [K, V] 
     q, k ← L2-normalised (eps 1e-6 inside the root), q ← q · K^-1/2
     g = −exp(A_log) ⊙ softplus(f + dt_bias)  (or lb·σ(exp(A_log)(f + dt_bias))),  β = σ(b); both 0 if padded
     S ← Diag(exp g) S;   u = β (v − Sᵀk);   S ← S + k uᵀ;   o = Sᵀq  (rounded to the compute dtype)
-    y = γ ⊙ o / sqrt(mean(o²) + ε) ⊙ σ(z)
+    y = γ ⊙ o / sqrt(mean(o²) + ε) ⊙ act(z)      (act σ, or SiLU for Qwen's Gated DeltaNet)
 
-The conv state and S are updated in place (`input_output_aliases`). Every intermediate rounds where the
-model's unfused path rounds (q, k, v and o to the compute dtype), so the two agree to float32 summation order.
-Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). K = V, a power of two.
+Kimi's layout (one q/k head per value head, K = V): the conv state [B, W-1, 3·N·K] and S are updated in place
+(`input_output_aliases`). Qwen's grouped layout (N_k q/k heads, value head n reading q / k head n // (N / N_k),
+V ≠ K allowed): program (b, n) reads its q / k head's conv channels and writes them back (the N / N_k programs
+of a group write the same values), the v channels its own; the conv tails come back as q | k | v arrays that the
+caller joins. Every intermediate rounds where the model's unfused path rounds (q, k, v and o to the compute
+dtype), so the two agree to float32 summation order. Generic Pallas: Triton lowering on GPU, interpret mode on
+CPU (tests). K and V powers of two.
 
 Why one launch: at a batch-1 decode step XLA runs the work around the recurrence (the short-conv window, its
 split into q, k, v, the new conv state, the gates with their padding masks, the gated RMSNorm's reduction
@@ -31,10 +35,28 @@ from pallas_kernels._pallas import sum_rows, triton_params
 from pallas_kernels.projection.api import SplitK
 
 
-def _kernel(
-    qr_ref, kr_ref, vr_ref, cs_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref, z_ref, nw_ref,
-    valid_ref, nnew_ref, s_ref, y_ref, cs_out_ref, s_out_ref, *, width, scalar, lower_bound, eps, dt,
-):  # fmt: skip
+def _kernel(*refs, width, scalar, lower_bound, eps, dt, grouped, gate):
+    """grouped: the conv state comes as three input blocks (q, k [W-1, K], v [W-1, V]) and goes out as three."""
+    if grouped:
+        (qr_ref, kr_ref, vr_ref, csq_ref, csk_ref, csv_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref,
+         z_ref, nw_ref, valid_ref, nnew_ref, s_ref, y_ref, oq_ref, ok_ref, ov_ref, s_out_ref) = refs  # fmt: skip
+        cs_in, cs_out = (csq_ref, csk_ref, csv_ref), (oq_ref, ok_ref, ov_ref)
+
+        def read(part, j):
+            return cs_in[part][j, :]
+
+        def write(part, j, x):
+            cs_out[part][j, :] = x.astype(cs_out[part].dtype)
+    else:
+        (qr_ref, kr_ref, vr_ref, cs_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref, z_ref, nw_ref,
+         valid_ref, nnew_ref, s_ref, y_ref, cs_out_ref, s_out_ref) = refs  # fmt: skip
+
+        def read(part, j):
+            return cs_ref[j, part, :]
+
+        def write(part, j, x):
+            cs_out_ref[j, part, :] = x.astype(cs_out_ref.dtype)
+
     f32 = jnp.float32
     shift = nnew_ref[0] > 0  # this row has a token: the cached inputs move by one
     live = valid_ref[0] > 0
@@ -44,12 +66,12 @@ def _kernel(
 
     def conv(part, raw_ref, w_ref):  # one of q, k, v for this head: [K] after SiLU, in the compute dtype
         # the raw inputs, oldest first, in the projections' dtype (as the model joins them)
-        window = [cs_ref[j, part, :].astype(dt) for j in range(width - 1)] + [val(raw_ref)]
+        window = [read(part, j).astype(dt) for j in range(width - 1)] + [val(raw_ref)]
         u = jnp.zeros(window[-1].shape, f32)
         for j, x in enumerate(window):
             u = u + w_ref[j, :].astype(f32) * x.astype(f32)
         for j in range(width - 1):
-            cs_out_ref[j, part, :] = jnp.where(shift, window[j + 1], window[j]).astype(cs_out_ref.dtype)
+            write(part, j, jnp.where(shift, window[j + 1], window[j]))
         return (u / (1.0 + jnp.exp(-u))).astype(dt).astype(f32)
 
     q = conv(0, qr_ref, wq_ref)
@@ -74,7 +96,9 @@ def _kernel(
     s_out_ref[...] = s
     o = jnp.sum(q[:, None] * s, axis=0).astype(dt).astype(f32)  # [V], rounded as the unfused path's output
     y = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * nw_ref[...].astype(f32)
-    y_ref[...] = (y * (1.0 / (1.0 + jnp.exp(-val(z_ref).astype(f32))))).astype(y_ref.dtype)
+    zv = val(z_ref).astype(f32)
+    act = 1.0 / (1.0 + jnp.exp(-zv))
+    y_ref[...] = (y * (act if gate == "sigmoid" else zv * act)).astype(y_ref.dtype)
 
 
 def _split(x, unit: int):
@@ -86,58 +110,96 @@ def _split(x, unit: int):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps", "dtype")
-)
+    jax.jit,
+    static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps", "dtype",
+                     "num_k_heads", "v_head_dim", "gate"),
+)  # fmt: skip
 def decode_layer_pallas(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
-    n_new, *, num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4, dtype=None,
+    n_new, *, num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4, dtype=None, num_k_heads=None,
+    v_head_dim=None, gate="sigmoid",
 ):  # fmt: skip
-    """Shapes as `reference.kda_decode_layer_reference` (K = V a power of two) -> (y [B, N, K] in the compute
-    dtype, new conv state, new state); conv_state and state are updated in place. q_raw, k_raw, v_raw, f, z,
-    b_logits may be one-row `projection.SplitK`s lined up with the heads (start a multiple of K, of 1 for the
+    """Shapes as `reference.kda_decode_layer_reference` (K and V powers of two; in the grouped layout 2·N_k·K a
+    multiple of V) -> (y [B, N, V] in the compute dtype, new conv state, new state); in Kimi's layout conv_state
+    and state are updated in place, in the grouped one the state. q_raw, k_raw, v_raw, f, z, b_logits may be
+    one-row `projection.SplitK`s lined up with the heads (start a multiple of the head width, of 1 for the
     one-per-head b_logits / scalar f): the kernel adds their partial sums; dtype is then the compute dtype."""
-    b, c = conv_state.shape[0], conv_weights[0].shape[1]
+    b, n = conv_state.shape[0], num_heads
     dt = jnp.dtype(dtype or q_raw.dtype)
-    n = num_heads
-    hd = c // n
+    nk = num_k_heads or n
+    hd = state.shape[2]  # K
+    dv = v_head_dim or hd
+    r = n // nk
+    grouped = nk != n or dv != hd
     w = conv_state.shape[1] + 1
 
-    def split_spec(x, unit):
+    def split_spec(x, unit, per=1):  # per: value heads per block (a q / k head serves r of them)
         parts, off = _split(x, unit)
-        spec = pl.BlockSpec((parts.shape[0], None, unit), lambda i, h, off=off: (0, i, off + h))
+        spec = pl.BlockSpec((parts.shape[0], None, unit), lambda i, h, off=off: (0, i, off + h // per))
         return parts, spec
 
-    (qp, q_spec), (kp, k_spec), (vp, v_spec), (zp, z_spec) = (split_spec(x, hd) for x in (q_raw, k_raw, v_raw, z))
+    (qp, q_spec), (kp, k_spec) = (split_spec(x, hd, r) for x in (q_raw, k_raw))
+    (vp, v_spec), (zp, z_spec) = (split_spec(x, dv) for x in (v_raw, z))
     fp, f_spec = split_spec(f, 1 if scalar_decay else hd)
     bp, b_spec = split_spec(b_logits, 1)
-    vec = pl.BlockSpec((None, None, hd), lambda i, h: (i, h, 0))
-    conv_spec = pl.BlockSpec((None, w - 1, 3, None, hd), lambda i, h: (i, 0, 0, h, 0))
-    weight_spec = pl.BlockSpec((w, None, hd), lambda i, h: (0, h, 0))
-    state_spec = pl.BlockSpec((None, None, hd, hd), lambda i, h: (i, h, 0, 0))
+    vec = pl.BlockSpec((None, None, dv), lambda i, h: (i, h, 0))
+    state_spec = pl.BlockSpec((None, None, hd, dv), lambda i, h: (i, h, 0, 0))
     row = pl.BlockSpec((None, 1), lambda i, h: (i, 0))
-    kernel = functools.partial(_kernel, width=w, scalar=scalar_decay, lower_bound=lower_bound, eps=eps, dt=dt)
-    y, conv, s = pl.pallas_call(
-        kernel,
-        grid=(b, n),
-        in_specs=[
-            q_spec, k_spec, v_spec, conv_spec, weight_spec, weight_spec, weight_spec, f_spec,
-            pl.BlockSpec((None, 1), lambda i, h: (h, 0)),
-            pl.BlockSpec((None, 1) if scalar_decay else (None, hd), lambda i, h: (h, 0)),
-            b_spec, z_spec, pl.BlockSpec((hd,), lambda i, h: (0,)), row, row, state_spec,
-        ],
-        out_specs=[vec, conv_spec, state_spec],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, n, hd), dt),
-            jax.ShapeDtypeStruct((b, w - 1, 3, n, hd), conv_state.dtype),
-            jax.ShapeDtypeStruct(state.shape, jnp.float32),
-        ],
-        input_output_aliases={3: 1, 15: 2},
-        interpret=interpret,
-        name="kda_decode_layer",
-        **triton_params(interpret, num_warps, 1),
-    )(
-        qp, kp, vp, conv_state.reshape(b, w - 1, 3, n, hd), *(x.reshape(w, n, hd) for x in conv_weights), fp,
+    kernel = functools.partial(
+        _kernel, width=w, scalar=scalar_decay, lower_bound=lower_bound, eps=eps, dt=dt, grouped=grouped, gate=gate
+    )
+    gates = [
+        pl.BlockSpec((None, 1), lambda i, h: (h, 0)),
+        pl.BlockSpec((None, 1) if scalar_decay else (None, hd), lambda i, h: (h, 0)),
+        b_spec, z_spec, pl.BlockSpec((dv,), lambda i, h: (0,)), row, row, state_spec,
+    ]  # fmt: skip
+    gate_args = (
         a_log.reshape(n, 1), dt_bias.reshape(n, -1), bp, zp, norm_weight, valid.astype(jnp.int32).reshape(b, 1),
         n_new.astype(jnp.int32).reshape(b, 1), state.astype(jnp.float32),
     )  # fmt: skip
-    return y, conv.reshape(conv_state.shape), s
+    params = dict(interpret=interpret, name="kda_decode_layer", **triton_params(interpret, num_warps, 1))
+    if not grouped:
+        conv_spec = pl.BlockSpec((None, w - 1, 3, None, hd), lambda i, h: (i, 0, 0, h, 0))
+        weight_spec = pl.BlockSpec((w, None, hd), lambda i, h: (0, h, 0))
+        y, conv, s = pl.pallas_call(
+            kernel,
+            grid=(b, n),
+            in_specs=[q_spec, k_spec, v_spec, conv_spec, weight_spec, weight_spec, weight_spec, f_spec, *gates],
+            out_specs=[vec, conv_spec, state_spec],
+            out_shape=[
+                jax.ShapeDtypeStruct((b, n, hd), dt),
+                jax.ShapeDtypeStruct((b, w - 1, 3, n, hd), conv_state.dtype),
+                jax.ShapeDtypeStruct(state.shape, jnp.float32),
+            ],
+            input_output_aliases={3: 1, 15: 2},
+            **params,
+        )(
+            qp, kp, vp, conv_state.reshape(b, w - 1, 3, n, hd), *(x.reshape(w, n, hd) for x in conv_weights), fp,
+            *gate_args,
+        )  # fmt: skip
+        return y, conv.reshape(conv_state.shape), s
+    # grouped: the q, k and v channels of the one conv state array, read by three block specs (v's blocks start
+    # at channel 2·N_k·K, a whole number of V-wide blocks), written to three arrays
+    vstart = 2 * nk * hd // dv
+    qk_conv = [pl.BlockSpec((None, w - 1, hd), lambda i, h, p=p: (i, 0, p * nk + h // r)) for p in (0, 1)]
+    v_conv = pl.BlockSpec((None, w - 1, dv), lambda i, h: (i, 0, vstart + h))
+    qk_out = pl.BlockSpec((None, w - 1, hd), lambda i, h: (i, 0, h // r))
+    v_out = pl.BlockSpec((None, w - 1, dv), lambda i, h: (i, 0, h))
+    qk_weight = pl.BlockSpec((w, hd), lambda i, h: (0, h // r))
+    v_weight = pl.BlockSpec((w, dv), lambda i, h: (0, h))
+    y, cq, ck, cv, s = pl.pallas_call(
+        kernel,
+        grid=(b, n),
+        in_specs=[q_spec, k_spec, v_spec, *qk_conv, v_conv, qk_weight, qk_weight, v_weight, f_spec, *gates],
+        out_specs=[vec, qk_out, qk_out, v_out, state_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, dv), dt),
+            jax.ShapeDtypeStruct((b, w - 1, nk * hd), conv_state.dtype),
+            jax.ShapeDtypeStruct((b, w - 1, nk * hd), conv_state.dtype),
+            jax.ShapeDtypeStruct((b, w - 1, n * dv), conv_state.dtype),
+            jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        ],
+        input_output_aliases={17: 4},
+        **params,
+    )(qp, kp, vp, conv_state, conv_state, conv_state, *conv_weights, fp, *gate_args)  # fmt: skip
+    return y, jnp.concatenate([cq, ck, cv], axis=-1), s

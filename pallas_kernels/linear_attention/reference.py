@@ -210,20 +210,28 @@ def gated_rms_norm(o, z, weight, eps, out_dtype, gate: str = "sigmoid"):
 
 def kda_decode_layer_reference(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
-    n_new, *, num_heads, head_dim, scalar_decay=False, lower_bound=None, eps=1e-6, step=None,
+    n_new, *, num_heads, head_dim, scalar_decay=False, lower_bound=None, eps=1e-6, step=None, num_k_heads=None,
+    v_head_dim=None, gate="sigmoid",
 ):  # fmt: skip
-    """One decode token of a KDA layer between its projections and o_proj: raw q, k, v, z [B, N*K]
-    (compute dtype), conv_state [B, W-1, 3*N*K], conv_weights (q, k, v) [W, N*K] each, decay projection f
-    [B, N*K] (or [B, N]), A_log [N], dt_bias, β logits [B, N], o_norm's γ [K], state [B, N, K, V] float32,
-    valid [B] bool, n_new [B] -> (gated-normed o [B, N, V] in q_raw.dtype, new conv state, new state).
+    """One decode token of a KDA layer between its projections and o_proj: raw q, k [B, N_k*K], v, z [B, N*V]
+    (compute dtype), conv_state [B, W-1, 2*N_k*K + N*V] (q | k | v channels), conv_weights (q, k, v) [W, ...]
+    each, decay projection f [B, N*K] (or [B, N]), A_log [N], dt_bias, β logits [B, N], o_norm's γ [V], state
+    [B, N, K, V] float32, valid [B] bool, n_new [B] -> (gated-normed o [B, N, V] in q_raw.dtype, new conv
+    state, new state). N_k = num_k_heads (default N): value head n reads q / k head n // (N / N_k); V =
+    v_head_dim (default K); gate: the output norm's σ or SiLU (`gated_rms_norm`).
     step(q, k, v, g, beta, state) -> (o, state) for one token [B, N, ...]: the recurrence (default
     `kda_recurrent`; the benchmarks pass the Pallas decode step to time the unfused layer)."""
     b = q_raw.shape[0]
     dt = q_raw.dtype
-    xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)[:, None]  # [B, 1, 3C]
+    nk, dv = num_k_heads or num_heads, v_head_dim or head_dim
+    c = nk * head_dim
+    xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)[:, None]  # [B, 1, 2 N_k K + N V]
     kernel = jnp.concatenate(conv_weights, axis=1).astype(jnp.float32)
     qkv, conv = short_conv(xhat, conv_state, kernel, n_new, dt)
-    q, k, v = (x.reshape(b, num_heads, head_dim) for x in jnp.split(qkv[:, 0], 3, axis=-1))
+    q, k = (x.reshape(b, nk, head_dim) for x in (qkv[:, 0, :c], qkv[:, 0, c : 2 * c]))
+    if nk != num_heads:
+        q, k = (jnp.repeat(x, num_heads // nk, axis=1) for x in (q, k))
+    v = qkv[:, 0, 2 * c :].reshape(b, num_heads, dv)
     g = kda_gate(f, a_log, dt_bias, num_heads=num_heads, head_dim=head_dim, scalar=scalar_decay,
                  lower_bound=lower_bound)  # fmt: skip
     g = jnp.where(valid.reshape((b,) + (1,) * (g.ndim - 1)), g, 0.0)
@@ -233,5 +241,5 @@ def kda_decode_layer_reference(
         o = o[:, 0]
     else:
         o, s = step(q, k, v, g, beta, state)
-    y = gated_rms_norm(o, z.reshape(b, num_heads, head_dim), norm_weight, eps, dt)
+    y = gated_rms_norm(o, z.reshape(b, num_heads, dv), norm_weight, eps, dt, gate)
     return y, conv, s
