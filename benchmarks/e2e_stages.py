@@ -73,6 +73,12 @@ def stage_rows(model, b: int, t: int, context: int, label: str, iters: int) -> l
             ms = loop_ms(ffn, layer.mlp, x, n=n, reps=iters)
         total += ms * counts[name]
         rows.append({"stage": name, "layers": counts[name], "ms each": ms})
+        if name == "KDA mixer" and t == 1:  # the decode step without the fused layer kernel, same input
+            with use_pallas(False, ops=["kda_decode_layer"]):
+                state = jax.tree.map(jnp.copy, cache.layers[i])
+                ms_u = loop_ms(mixer, layer.self_attn, x, info, state, n=n, reps=iters, carry=lambda out: out[1])
+            rows.append({"stage": "KDA mixer, fused layer kernel off (not in the sum)", "layers": counts[name],
+                         "ms each": ms_u})  # fmt: skip
         if name == "MoE FFN":  # both expert paths forced on the same input (not in the sum; "auto" is above)
             for on, what in ((False, "XLA ragged_dot"), (True, "Pallas grouped matmul")):
                 with use_pallas(on, ops=["moe"]):
