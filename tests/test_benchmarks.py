@@ -547,8 +547,10 @@ def test_speculative_benchmark_runs_on_cpu(monkeypatch, capsys):
     emits k + 1 tokens a step in float32, where verify and decode agree), the verify and decode steps."""
     from benchmarks import speculative
 
-    argv = ["speculative", "--preset", "tiny", "--batches", "2", "--context", "40", "--new", "11", "--num-draft",
-            "2", "--wrong-every", "--reps", "1", "--steps", "2", "--dtype", "float32", "--no-record"]  # fmt: skip
+    # --layers 2: tiny cut to 4 layers (the first KDA pair + the first sparse and full MLA layers: every kind)
+    argv = ["speculative", "--preset", "tiny", "--layers", "2", "--batches", "2", "--context", "40", "--new", "11",
+            "--num-draft", "2", "--wrong-every", "--reps", "1", "--steps", "2", "--dtype", "float32",
+            "--no-record"]  # fmt: skip
     monkeypatch.setattr("sys.argv", argv)
     speculative.main()
     out = capsys.readouterr().out
