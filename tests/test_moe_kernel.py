@@ -91,7 +91,7 @@ def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     assert "name=moe_grouped_matmul" in traced(big)
     small = traced(big - 1)
     assert "pallas_call" not in small and "ragged_dot" in small
-    many = traced(5, e=t.DENSE_MAX_EXPERTS + 1)  # decode (10 pairs), but the dense product would read all experts
+    many = traced(6, e=t.DENSE_MAX_EXPERTS + 1)  # decode (12 pairs), but the dense product would read all experts
     assert "name=moe_grouped_matmul" in many
     for e in (4, t.DENSE_MAX_EXPERTS + 1):  # one token's pairs (<= GEMV_MAX_PAIRS): per-pair GEMV kernels
         one = traced(t.GEMV_MAX_PAIRS // 2, e=e)

@@ -9,7 +9,7 @@ GPU; the measurements are in docs/performance.md (section "MoE")."""
 # - above DENSE_MAX_EXPERTS experts, or from GROUPED_MIN_PAIRS pairs, the grouped-matmul kernel
 #   (`lax.ragged_dot` reads every expert's weights at every call);
 # - else `lax.ragged_dot` (batched decode of models with few experts, where it is as fast).
-GEMV_MAX_PAIRS = 8
+GEMV_MAX_PAIRS = 10  # one decoded token of Kimi, DeepSeek, GLM (k = 8) and Qwen3-Next (k = 10)
 DENSE_MAX_EXPERTS = 32
 GROUPED_MIN_PAIRS = 256
 
