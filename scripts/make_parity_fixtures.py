@@ -525,24 +525,26 @@ def clamp_fractions(model, ids: torch.Tensor, limit: float) -> dict[str, tuple[f
     return {k: (g / n, u / n) for k, (g, u, n) in stats.items()}
 
 
-def build_glm5(name: str, out: Path = OUT) -> None:
-    text = GLM5_TEXT[name]
+def draw_tie_free(name: str, make, randomize_, seed_base: int, recorder, generate):
+    """The first seed whose model (make(), randomised by randomize_(model, generator)) has two prompt rows that
+    `draw_row` can draw and whose batched forward and generate clear MIN_REL_GAP at every Top-K and greedy argmax.
+    -> (seed, model, ids, logits, generate output, min gaps by kind, per-row redraw counts)."""
     for seed in range(MAX_SEEDS):
         torch.manual_seed(seed)
-        gen = torch.Generator().manual_seed(1000 + seed)
-        model = glm5_next(text).float().eval()
-        glm5_randomize_(model, gen)
+        gen = torch.Generator().manual_seed(seed_base + seed)
+        model = make().float().eval()
+        randomize_(model, gen)
         try:
-            rows = [draw_row(model, gen) for _ in range(2)]
+            rows = [draw_row(model, gen, recorder, generate) for _ in range(2)]
         except Rejected as e:
             print(f"{name}: seed {seed} rejected ({e})")
             continue
         ids = torch.stack([r for r, _ in rows])
         # the fixture's own forward and generate, checked again as they are (batch of 2, with cache)
-        with torch.no_grad(), TopkGaps(model) as fwd:
+        with torch.no_grad(), recorder(model) as fwd:
             logits = model(ids).logits.float().numpy()
-        with torch.no_grad(), TopkGaps(model) as gen_rec:
-            out_gen = glm5_generate(model, ids)
+        with torch.no_grad(), recorder(model) as gen_rec:
+            out_gen = generate(model, ids)
         gaps = {f"forward_{k}": v for k, v in fwd.min_by_kind().items()}
         gaps |= {f"generate_{k}": v for k, v in gen_rec.min_by_kind().items()}
         gaps["generate_argmax"] = float(argmax_gaps(out_gen.logits).min())
@@ -550,16 +552,21 @@ def build_glm5(name: str, out: Path = OUT) -> None:
         if min(gaps.values()) < MIN_REL_GAP:
             print(f"{name}: seed {seed} rejected in the batched check {gaps}")
             continue
-        break
-    else:
-        raise RuntimeError(f"{name}: no seed in range({MAX_SEEDS}) gives tie-free Top-K decisions")
+        return seed, model, ids, logits, out_gen, gaps, [n for _, n in rows]
+    raise RuntimeError(f"{name}: no seed in range({MAX_SEEDS}) gives tie-free Top-K decisions")
 
+
+def build_glm5(name: str, out: Path = OUT) -> None:
+    text = GLM5_TEXT[name]
+    seed, model, ids, logits, out_gen, gaps, redraws = draw_tie_free(
+        name, lambda: glm5_next(text), glm5_randomize_, 1000, TopkGaps, glm5_generate
+    )
     clamps = clamp_fractions(model, ids, text["swiglu_limit"])
     assert set(clamps) == {"dense", "shared", "routed"} and all(g > 0 and u > 0 for g, u in clamps.values()), clamps
     gen_tokens = out_gen.sequences[:, SEQ:].numpy()
     extra = {"seed": seed, "min_rel_gaps": {k: round(v, 6) for k, v in sorted(gaps.items())}}
     size = write_fixture(out / name, model, ids, logits, gen_tokens, extra)
-    print(f"{name}: seed {seed}, prompt ids redrawn {[n for _, n in rows]} times per row")
+    print(f"{name}: seed {seed}, prompt ids redrawn {redraws} times per row")
     listed = ", ".join(f"{k} {v:.2e}" for k, v in sorted(gaps.items()))
     print(f"{name}: min relative Top-K / argmax gaps (need >= {MIN_REL_GAP}): {listed}")
     print(
@@ -706,35 +713,14 @@ def qwen_model(name: str):
 
 
 def build_qwen3_next(name: str = "qwen3_next", out: Path = OUT) -> None:
-    for seed in range(MAX_SEEDS):
-        torch.manual_seed(seed)
-        gen = torch.Generator().manual_seed(2000 + seed)
-        model = qwen_model(name).float().eval()
-        qwen_randomize_(model, gen)
-        try:
-            rows = [draw_row(model, gen, RouterGaps, qwen_generate) for _ in range(2)]
-        except Rejected as e:
-            print(f"{name}: seed {seed} rejected ({e})")
-            continue
-        ids = torch.stack([r for r, _ in rows])
-        with torch.no_grad(), RouterGaps(model) as fwd:
-            logits = model(ids).logits.float().numpy()
-        with torch.no_grad(), RouterGaps(model) as gen_rec:
-            out_gen = qwen_generate(model, ids)
-        gaps = {f"forward_{k}": v for k, v in fwd.min_by_kind().items()}
-        gaps |= {f"generate_{k}": v for k, v in gen_rec.min_by_kind().items()}
-        gaps["generate_argmax"] = float(argmax_gaps(out_gen.logits).min())
-        if min(gaps.values()) < MIN_REL_GAP:
-            print(f"{name}: seed {seed} rejected in the batched check {gaps}")
-            continue
-        break
-    else:
-        raise RuntimeError(f"{name}: no seed in range({MAX_SEEDS}) gives tie-free Top-K decisions")
+    seed, model, ids, logits, out_gen, gaps, redraws = draw_tie_free(
+        name, lambda: qwen_model(name), qwen_randomize_, 2000, RouterGaps, qwen_generate
+    )
     gen_tokens = out_gen.sequences[:, SEQ:].numpy()
     extra = {"seed": seed, "min_rel_gaps": {k: round(v, 6) for k, v in sorted(gaps.items())}}
     size = write_fixture(out / name, model, ids, logits, gen_tokens, extra)
     listed = ", ".join(f"{k} {v:.2e}" for k, v in sorted(gaps.items()))
-    print(f"{name}: seed {seed}, prompt ids redrawn {[n for _, n in rows]} times per row; min gaps {listed}")
+    print(f"{name}: seed {seed}, prompt ids redrawn {redraws} times per row; min gaps {listed}")
     print(f"{name}: {size / 1e6:.2f} MB, logits {logits.shape}, generated {gen_tokens.tolist()}")
 
 

@@ -32,6 +32,58 @@ def run_on_fake_devices(script: str, n: int = 8, timeout: int = 900, optimize: b
     return proc.stdout
 
 
+_CP_TP_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+jax.config.update("jax_default_matmul_precision", "highest")
+from hybrid_jax import HybridLM
+from sharding import make_mesh, shard_params
+from sharding.context_parallel import prefill_context_parallel
+{setup}
+model = HybridLM(cfg, rngs=nnx.Rngs(0))
+vocab = cfg.vocab_size
+head = jax.random.randint(jax.random.key(1), (2, 5), 0, vocab)
+ids = jax.random.randint(jax.random.key(2), (2, 45), 0, vocab)
+nxt = jax.random.randint(jax.random.key(3), (2,), 0, vocab)
+prefill = jax.jit(lambda m, i, c, n: m.prefill(i, c, n))
+decode = jax.jit(lambda m, i, c: m.decode_step(i, c))
+rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                         / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
+# the head right-padded to the prompt's shape: one prefill compile for the head and the references
+padded_head = jnp.zeros_like(ids).at[:, :5].set(head)
+start = prefill(model, padded_head, model.init_cache(2, 64), jnp.full((2,), 5))[1]
+n = jnp.full((2,), ids.shape[1])
+refs = {{c: prefill(model, ids, start if c else model.init_cache(2, 64), n) for c in (False, True)}}
+ref_next = decode(model, nxt, refs[True][1])[0]
+for cached, cp, tp, layout in ((False, 2, 4, "sequential"), (True, 4, 2, "zigzag")):
+    ref_logits, ref_cache = refs[cached]
+    mesh = make_mesh(cp=cp, tp=tp)
+    m = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
+    c = start if cached else m.init_cache(2, 64)
+    logits, cache = prefill_context_parallel(m, ids, c, mesh=mesh, layout=layout)
+    errs = [rel(logits, ref_logits)]
+    errs += [rel(a, b) for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache), strict=True)]
+    if cached:  # the next decode step on the tp-sharded model (CI time: a compile per mesh), once
+        errs.append(rel(decode(m, nxt, cache)[0], ref_next))
+    assert max(errs) < 1e-5, (cached, cp, tp, layout, errs)
+if {dp_tp}:  # the forward on a dp x tp mesh: an empty cache's prefill gave the forward's logits
+    with jax.set_mesh(make_mesh(dp=2, tp=4)):
+        m = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), make_mesh(dp=2, tp=4))
+        got = np.asarray(jax.jit(lambda m, i: m(i))(m, ids))
+    assert rel(got, refs[False][0]) < 1e-5, rel(got, refs[False][0])
+print("OK")
+"""
+
+
+def assert_cp_tp_equal_one_device(setup: str, dp_tp: bool = False) -> None:
+    """On 8 fake devices (XLA's default optimisation level), the model `setup` builds (Python lines defining
+    `cfg`) prefills context-parallel with parameters sharded over tp — cp 2 x tp 4 sequential from an empty
+    cache, cp 4 x tp 2 zigzag after a 5-token cached head — and gives the single-device logits, every cache
+    leaf and the next decode step (1e-5); dp_tp: also the forward on a dp 2 x tp 4 mesh."""
+    out = run_on_fake_devices(_CP_TP_SCRIPT.format(setup=textwrap.dedent(setup), dp_tp=dp_tp), optimize=True)
+    assert "OK" in out
+
+
 def four_layer_tiny():
     """The tiny model cut to its first four layers (CI time: the subprocess tests compile the whole model once
     per mesh): still one layer of every kind (KDA, sparse MLA with its indexer, full MLA; the dense MLP and MoE)

@@ -230,56 +230,16 @@ def test_bad_glm5_configs_name_the_field(changes, match):
 def test_glm5_context_and_tensor_parallel_equal_one_device():
     """CP prefill (zigzag / sequential, pools straddling the shards and a 5-token cached head) and TP on 8 fake
     devices give the single-device logits, caches (pooled keys and tails included) and next decode step."""
-    from tests.test_context_parallel import run_on_fake_devices
+    from tests.test_context_parallel import assert_cp_tp_equal_one_device
 
-    out = run_on_fake_devices(
-        """
-        import jax, jax.numpy as jnp, numpy as np
-        from flax import nnx
-        jax.config.update("jax_default_matmul_precision", "highest")
-        from hybrid_jax import HybridLM
-        from sharding import make_mesh, shard_params
-        from sharding.context_parallel import prefill_context_parallel
+    # CI time (each mesh compiles the whole model): the toy model cut to one layer of each kind, KDA, a sparse layer
+    # with its own KPool indexer, a shared-indexer layer reading its selection; dense and MoE MLPs
+    setup = """
         from tests.test_glm5 import glm5_tiny
-        # CI time (each mesh compiles the whole model): the toy model cut to one layer of each kind, KDA, a
-        # sparse layer with its own KPool indexer, a shared-indexer layer reading its selection; dense and MoE MLPs
         cfg = glm5_tiny(num_layers=3, layer_types=("linear", "sparse", "sparse"), mlp_types=("dense", "moe", "moe"),
                         indexer_types=("full", "full", "shared"))
-        model = HybridLM(cfg, rngs=nnx.Rngs(0))
-        head = jax.random.randint(jax.random.key(1), (2, 5), 0, 160)
-        ids = jax.random.randint(jax.random.key(2), (2, 45), 0, 160)
-        nxt = jax.random.randint(jax.random.key(3), (2,), 0, 160)
-        prefill = jax.jit(lambda m, i, c, n: m.prefill(i, c, n))
-        decode = jax.jit(lambda m, i, c: m.decode_step(i, c))
-        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
-                                 / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
-        # the head right-padded to the prompt's shape: one prefill compile for the head and the references
-        padded_head = jnp.zeros_like(ids).at[:, :5].set(head)
-        start = prefill(model, padded_head, model.init_cache(2, 64), jnp.full((2,), 5))[1]
-        n = jnp.full((2,), ids.shape[1])
-        refs = {c: prefill(model, ids, start if c else model.init_cache(2, 64), n) for c in (False, True)}
-        ref_next = decode(model, nxt, refs[True][1])[0]
-        for cached, cp, tp, layout in ((False, 2, 4, "sequential"), (True, 4, 2, "zigzag")):
-            ref_logits, ref_cache = refs[cached]
-            mesh = make_mesh(cp=cp, tp=tp)
-            m = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
-            c = start if cached else m.init_cache(2, 64)
-            logits, cache = prefill_context_parallel(m, ids, c, mesh=mesh, layout=layout)
-            errs = [rel(logits, ref_logits)]
-            errs += [rel(a, b) for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache), strict=True)]
-            if cached:  # the next decode step on the tp-sharded model (CI time: a compile per mesh), once
-                errs.append(rel(decode(m, nxt, cache)[0], ref_next))
-            assert max(errs) < 1e-5, (cached, cp, tp, layout, errs)
-        gen_ref = refs[False][0]  # an empty cache's prefill: the forward's logits
-        with jax.set_mesh(make_mesh(dp=2, tp=4)):
-            m = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), make_mesh(dp=2, tp=4))
-            got = np.asarray(jax.jit(lambda m, i: m(i))(m, ids))
-        assert rel(got, gen_ref) < 1e-5, rel(got, gen_ref)
-        print("OK")
-    """,
-        optimize=True,
-    )
-    assert "OK" in out
+    """
+    assert_cp_tp_equal_one_device(setup, dp_tp=True)
 
 
 # ------------------------------------------------------------------------------------------------ loading

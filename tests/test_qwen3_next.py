@@ -323,16 +323,17 @@ def test_qwen3_next_loads_split_projections_skips_mtp_and_rejects_strays(tmp_pat
 
 
 @pytest.mark.slow
-def test_qwen3_next_fp8_kv_cache_orbax_save_and_cli(tmp_path, capsys, jitted):
-    """An FP8 K/V cache (one scale per 8 values of a token) decodes consistently and stays near float32; orbax
-    `convert` and our `save_pretrained` reload the same weights; the CLI generates the fixture's greedy tokens."""
+def test_qwen_fp8_kv_cache_orbax_save_and_cli(tmp_path, capsys, jitted):
+    """An FP8 K/V cache (one scale per 8 values of a token) decodes consistently and stays near float32 (on the
+    qwen3_5_moe fixture); orbax `convert` and our `save_pretrained` reload the same weights and the CLI generates
+    the greedy tokens (qwen3_next)."""
     from hybrid_jax.cli import main
     from hybrid_jax.memory import cache_bytes
 
-    ref = np.load(FIXTURE / "reference.npz")
+    ref = np.load(FIXTURE_35 / "reference.npz")
     ids = jnp.asarray(ref["input_ids"])
     quant = QuantConfig.from_dict({"kv_cache": {"dtype": "fp8", "tile_size": 8}})
-    model = from_pretrained(FIXTURE, dtype=jnp.float32, quant=quant, progress=False)
+    model = from_pretrained(FIXTURE_35, dtype=jnp.float32, quant=quant, progress=False)
     assert model.init_cache(2, 96).layers[1].k.values.dtype == jnp.float8_e4m3fn
     full = jitted["forward"](model, ids)
     stepped, _ = prefill_then_decode(model, ids, jitted, 70, 96)
@@ -341,6 +342,7 @@ def test_qwen3_next_fp8_kv_cache_orbax_save_and_cli(tmp_path, capsys, jitted):
     kv = 2 * 16  # 2 kv heads x 16
     assert cache_bytes(model.config, quant, jnp.bfloat16)["attention K/V / token"] == 2 * (kv + kv / 8 * 4)
 
+    ref = np.load(FIXTURE / "reference.npz")
     base = from_pretrained(FIXTURE, dtype=jnp.float32, progress=False)
     convert(FIXTURE, tmp_path / "orbax", dtype=jnp.float32, progress=False)
     save_pretrained(base, tmp_path / "hybrid")
@@ -353,7 +355,7 @@ def test_qwen3_next_fp8_kv_cache_orbax_save_and_cli(tmp_path, capsys, jitted):
             assert a.dtype == b.dtype, folder
             np.testing.assert_array_equal(a, b, err_msg=folder)
 
-    prompt = ",".join(str(i) for i in np.asarray(ids[1]).tolist())
+    prompt = ",".join(str(i) for i in ref["input_ids"][1].tolist())
     argv = ["generate", "--model", str(FIXTURE), "--prompt-ids", prompt, "--max-new-tokens", "16", "--quiet"]
     assert main([*argv, "--dtype", "float32", "--compile-cache", ""]) == 0
     tokens = capsys.readouterr().out.strip().splitlines()[-1]
@@ -364,44 +366,10 @@ def test_qwen3_next_fp8_kv_cache_orbax_save_and_cli(tmp_path, capsys, jitted):
 def test_qwen3_next_context_and_tensor_parallel_equal_one_device():
     """CP prefill (zigzag with a 5-token cached head: state-parallel GDN, K/V gathered for the attention layers;
     sequential without) and TP on 8 fake devices give the single-device logits, caches and next decode step."""
-    from tests.test_context_parallel import run_on_fake_devices
+    from tests.test_context_parallel import assert_cp_tp_equal_one_device
 
-    out = run_on_fake_devices(
-        """
-        import jax, jax.numpy as jnp, numpy as np
-        from flax import nnx
-        jax.config.update("jax_default_matmul_precision", "highest")
-        from hybrid_jax import HybridLM
-        from sharding import make_mesh, shard_params
-        from sharding.context_parallel import prefill_context_parallel
+    setup = """
         from tests.test_qwen3_next import qwen_tiny
         cfg = qwen_tiny(hidden_size=48)  # the sequence-parallel residual splits D over tp
-        model = HybridLM(cfg, rngs=nnx.Rngs(0))
-        head = jax.random.randint(jax.random.key(1), (2, 5), 0, 150)
-        ids = jax.random.randint(jax.random.key(2), (2, 45), 0, 150)
-        nxt = jax.random.randint(jax.random.key(3), (2,), 0, 150)
-        prefill = jax.jit(lambda m, i, c, n: m.prefill(i, c, n))
-        decode = jax.jit(lambda m, i, c: m.decode_step(i, c))
-        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
-                                 / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
-        padded_head = jnp.zeros_like(ids).at[:, :5].set(head)
-        start = prefill(model, padded_head, model.init_cache(2, 64), jnp.full((2,), 5))[1]
-        n = jnp.full((2,), ids.shape[1])
-        refs = {c: prefill(model, ids, start if c else model.init_cache(2, 64), n) for c in (False, True)}
-        ref_next = decode(model, nxt, refs[True][1])[0]
-        for cached, cp, tp, layout in ((False, 2, 4, "sequential"), (True, 4, 2, "zigzag")):
-            ref_logits, ref_cache = refs[cached]
-            mesh = make_mesh(cp=cp, tp=tp)
-            m = shard_params(HybridLM(cfg, rngs=nnx.Rngs(0)), mesh)
-            c = start if cached else m.init_cache(2, 64)
-            logits, cache = prefill_context_parallel(m, ids, c, mesh=mesh, layout=layout)
-            errs = [rel(logits, ref_logits)]
-            errs += [rel(a, b) for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache), strict=True)]
-            if cached:
-                errs.append(rel(decode(m, nxt, cache)[0], ref_next))
-            assert max(errs) < 1e-5, (cached, cp, tp, layout, errs)
-        print("OK")
-    """,
-        optimize=True,
-    )
-    assert "OK" in out
+    """
+    assert_cp_tp_equal_one_device(setup)
