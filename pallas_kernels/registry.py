@@ -220,6 +220,12 @@ def _sparse_unsupported(latent: int, rope: int, **_) -> str | None:
     return f"latent {latent} / rope {rope}: the kernel needs powers of two with rope 0 or >= 16"
 
 
+def _mla_decode_unsupported(latent: int, rope: int, **_) -> str | None:
+    if _pow2(latent) and latent >= 16 and (rope == 0 or (_pow2(rope) and rope >= 16)):
+        return _needs_local()
+    return f"latent {latent} / rope {rope}: the kernel needs powers of two >= 16 (rope may be 0)"
+
+
 def mosaic_sparse_unsupported(
     latent: int, rope: int, q_dtype, pool_dtype, fp8: bool, precision: str, **_
 ) -> str | None:
@@ -324,6 +330,9 @@ TABLE: dict[str, Op] = {
         Op("kpool", "indexer.kpool_compress", (), False, "pooled indexer keys: a softmax-weighted sum XLA fuses"),
         Op("sparse_mla", "sparse_attention.sparse_mla", ("pallas", "mosaic"), True,
            "rows gathered from the paged pools inside the kernel", _sparse_unsupported, _sparse_pick),
+        Op("mla_decode", "mla_decode.mla_decode", ("pallas",), True,
+           "dense MLA decode: the paged pools read in place, the context split over the GPU at run time",
+           _mla_decode_unsupported),
         Op("moe", "moe.moe_experts", ("pallas",), True, "grouped-matmul or per-pair GEMV expert kernels",
            pick=_moe_pick, reference_form=lambda **_: "ragged_dot"),
         Op("moe_router", "moe.moe_route", ("pallas",), True, "router GEMV + one selection program per token",

@@ -577,3 +577,22 @@ def test_prefix_cache_benchmark_runs_on_cpu(monkeypatch, capsys):
         assert case in out, out[-2000:]
     assert "| warm cache | 8 |" in out and "| 32 of 33 hit; " in out, out[-2000:]
     assert "KiB/token (" in out
+
+
+def test_mla_decode_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
+    """The dense MLA decode benchmark at toy size in interpret mode: the default kernel, one variant, the bf16
+    XLA baseline and the reference on a cache spanning more than the context, then the FP8 pool's rows."""
+    from benchmarks import mla_decode
+
+    monkeypatch.setattr(mla_decode, "ceilings", benchmarks.common.ceilings)
+    argv = ["mla_decode", "--cases", "1:200", "--span", "320", "--fp8", "--variants", "32:64:4:2:3", "--calls", "1",
+            "--no-record"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    mla_decode.main()
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| dense MLA decode | B=1, S=200 in a 320 span")]
+    assert len(rows) == 7, out[-3000:]  # BF16: 2 kernels, XLA, reference; FP8: 2 kernels, reference
+    assert sum("rel err" in ln for ln in rows) == 5 and sum("FP8 latent" in ln for ln in rows) == 3
+    for ln in rows:  # every kernel and baseline row agrees with the float32 reference
+        if "rel err" in ln:
+            assert float(ln.split("rel err ")[1].split()[0]) < 2e-2, ln

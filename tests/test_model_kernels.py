@@ -38,6 +38,7 @@ def test_model_through_pallas_kernels_matches_the_references(tiny_cfg, quantized
         "kda_chunk",
         "moe_grouped_matmul",
         "flash_attention",
+        "mla_decode",
     ):  # the kernels really run
         assert f"name={name}" in kernels, name
     assert rel_err(got, ref) < 1e-4

@@ -24,6 +24,7 @@ from pallas_kernels.indexer import (
     pool_query_positions,
     prolog_uses_kernel,
 )
+from pallas_kernels.mla_decode import mla_decode
 from pallas_kernels.paged import gather_pages
 from pallas_kernels.sparse_attention import sparse_mla
 
@@ -393,19 +394,18 @@ class MultiHeadLatentAttention(nnx.Module):
             if inspect.recording():  # what dense attention would weigh, to compare with the indexer's choice
                 inspect.attach(attention=self._dense_probs(q_lat, q_pe, pages(), info))
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
-        elif info.mode in ("decode", "verify"):  # a few queries against the cache: the absorbed form
-            ctx = rows()  # [B,S,L+R]
-            # its own kernel: at one row XLA otherwise runs this product inside the concatenate below as one
-            # serial reduction per output (docs/performance.md#projections)
+        elif info.mode in ("decode", "verify"):  # a few queries against the cache: the absorbed form, read
+            # from the pools in place (`mla_decode`: the context split over the GPU, no gathered copy)
+            # its own kernel: at one row XLA otherwise fuses this product into its consumer as one serial
+            # reduction per output (docs/performance.md#projections)
             (q_lat,) = own_kernels(jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST))
-            o_lat, _ = attention(
-                jnp.concatenate([q_lat, q_pe], axis=-1),
-                ctx[:, :, None, :],
-                ctx[:, :, None, :lat],
-                q_positions=info.positions,
-                kv_lengths=info.kv_lengths,
-                scale=scale,
-            )
+            fp8 = self.latent_fmt == "fp8"
+            o_lat, _ = mla_decode(
+                q_lat, q_pe, latent.values if fp8 else latent.read(self.dt.compute), info.page_table,
+                q_positions=info.positions, kv_lengths=info.kv_lengths, scale=scale,
+                rope_pages=None if rope is None else rope.read(self.dt.compute),
+                latent_scales=latent.scales if fp8 else None,
+            )  # fmt: skip
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         elif info.page_table.shape[1] * latent.values.shape[1] > PREFILL_KEY_BLOCK:
             o = self._blocked_prefill(q_nope, q_pe, pools, info)

@@ -1,0 +1,3 @@
+from pallas_kernels.mla_decode.api import mla_decode
+
+__all__ = ["mla_decode"]
