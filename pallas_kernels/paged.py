@@ -47,3 +47,22 @@ def write_rows(
     flat = pages.reshape(p * g, *pages.shape[2:])
     flat = flat.at[rows.reshape(-1)].set(values.reshape(-1, *values.shape[2:]).astype(pages.dtype), mode="drop")
     return flat.reshape(pages.shape)
+
+
+def dequantized(values: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """An FP8 pool's rows: [..., L] E4M3 values x [..., L / tile] float32 scales -> [..., L] in dtype."""
+    tile = values.shape[-1] // scales.shape[-1]
+    dense = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, tile) * scales[..., None].astype(jnp.float32)
+    return dense.reshape(values.shape).astype(dtype)
+
+
+def merge_splits(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Partial attention results over disjoint key sets merged exactly (flash-decoding): out [R,S,N,L] (each of
+    the S parts softmax-normalised over its keys), lse [R,S,N] -> ([R,N,L] float32, [R,N]); a row no part saw
+    anything of gets 0 and -inf."""
+    m = jnp.max(lse, axis=1, keepdims=True)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    w = jnp.exp(lse - m)  # [R,S,N]
+    total = jnp.sum(w, axis=1)
+    o = jnp.einsum("rsn,rsnl->rnl", w, out.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)[..., None]
+    return o, jnp.log(total) + m[:, 0]

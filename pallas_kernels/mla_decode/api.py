@@ -8,6 +8,7 @@ from pallas_kernels import registry
 from pallas_kernels.mla_decode.kernel import mla_decode_pallas
 from pallas_kernels.mla_decode.reference import mla_decode_reference
 from pallas_kernels.mla_decode.tuning import BF16_TILES, F32_TILES, MAX_SPLITS, TARGET_PROGRAMS
+from pallas_kernels.paged import merge_splits
 
 
 def default_tiles(rows: int, precision: str) -> tuple[int, int, int, int]:
@@ -20,16 +21,6 @@ def default_splits(programs: int, span_blocks: int) -> int:
     """Splits of each sequence's context so that `programs` (head blocks x sequences) x splits is near
     TARGET_PROGRAMS, at most MAX_SPLITS and at most the blocks the cache can hold."""
     return max(1, min(TARGET_PROGRAMS // max(programs, 1), MAX_SPLITS, span_blocks))
-
-
-def merge_splits(out, lse):
-    """out [B,S,M,L] (each split softmax-normalised over its keys), lse [B,S,M] -> ([B,M,L] float32, [B,M])."""
-    m = jnp.max(lse, axis=1, keepdims=True)
-    m = jnp.where(jnp.isneginf(m), 0.0, m)  # a row that sees nothing: weights 0, lse -inf
-    w = jnp.exp(lse - m)  # [B,S,M]
-    total = jnp.sum(w, axis=1)
-    o = jnp.einsum("bsm,bsml->bml", w, out.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)[..., None]
-    return o, jnp.log(total) + m[:, 0]
 
 
 def mla_decode(

@@ -15,16 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._blocking import masked_softmax, over_query_blocks, query_block_size
-from pallas_kernels.paged import gather_pages
+from pallas_kernels.paged import dequantized, gather_pages
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def dequantized(values, scales, dtype):
-    """[..., L] E4M3 values x [..., L / tile] float32 scales -> [..., L] in dtype."""
-    tile = values.shape[-1] // scales.shape[-1]
-    dense = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, tile) * scales[..., None].astype(jnp.float32)
-    return dense.reshape(values.shape).astype(dtype)
 
 
 def mla_decode_reference(

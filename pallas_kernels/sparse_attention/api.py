@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import registry
-from pallas_kernels.paged import slot_index
+from pallas_kernels.paged import dequantized, merge_splits, slot_index
 from pallas_kernels.sparse_attention import mosaic_gpu
 from pallas_kernels.sparse_attention.kernel import sparse_mla_fp8_pallas, sparse_mla_pallas
 from pallas_kernels.sparse_attention.reference import sparse_mla_reference
@@ -29,14 +29,6 @@ def dequantizes_pool(query_rows: int, selected: int, pool_rows: int) -> bool:
     """Whether `sparse_mla(impl="pallas")` reads an FP8 latent pool through one dequantized copy (prefill)
     rather than converting the gathered rows in the FP8-row kernel (`tuning.POOL_DEQUANT_MIN_RATIO`)."""
     return query_rows * selected >= POOL_DEQUANT_MIN_RATIO * pool_rows
-
-
-def _dequantized(values, scales, dtype):
-    """[P,G,L] E4M3 values x [P,G,L/tile] scales -> [P,G,L] in dtype."""
-    p, g, lat = values.shape
-    tile = lat // scales.shape[-1]
-    dense = values.astype(jnp.float32).reshape(p, g, -1, tile) * scales[..., None].astype(jnp.float32)
-    return dense.reshape(p, g, lat).astype(dtype)
 
 
 def default_tiles(
@@ -68,16 +60,6 @@ def num_splits(programs: int, rows: int, block_k: int, target: int = TARGET_PROG
     while programs * s * 2 <= target and rows % (s * 2 * block_k) == 0 and rows // (s * 2) >= MIN_ROWS_PER_SPLIT:
         s *= 2
     return s
-
-
-def merge_splits(out, lse):
-    """out [R,S,N,L] (each part softmax-normalised over its rows), lse [R,S,N] -> ([R,N,L] float32, [R,N])."""
-    m = jnp.max(lse, axis=1, keepdims=True)
-    m = jnp.where(jnp.isneginf(m), 0.0, m)  # a row with nothing selected: weights 0, lse -inf
-    w = jnp.exp(lse - m)  # [R,S,N]
-    total = jnp.sum(w, axis=1)
-    o = jnp.einsum("rsn,rsnl->rnl", w, out.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)[..., None]
-    return o, jnp.log(total) + m[:, 0]
 
 
 def _pool_slots(page_table, indices, page_size: int, kp: int):
@@ -210,7 +192,7 @@ def sparse_mla(
         return _sparse_mla_mosaic(q_latent, q_rope, kv_pages, page_table, indices, scale, rope_pages, splits)
     if impl != "pallas":
         if latent_scales is not None:
-            kv_pages = _dequantized(kv_pages, latent_scales, jnp.float32)
+            kv_pages = dequantized(kv_pages, latent_scales, jnp.float32)
         if rope_pages is not None:
             dt = jnp.promote_types(kv_pages.dtype, rope_pages.dtype)
             kv_pages = jnp.concatenate([kv_pages.astype(dt), rope_pages.astype(dt)], axis=-1)
@@ -222,7 +204,7 @@ def sparse_mla(
     if latent_scales is not None and dequantizes_pool(b * t, k, kv_pages.shape[0] * kv_pages.shape[1]):
         # bfloat16 unless "ieee": E4M3 times a power-of-two scale (`quantize_kv_fp8`'s) is exact in it, and
         # float32 rows would double the bytes of every gathered tile
-        kv_pages = _dequantized(kv_pages, latent_scales, jnp.float32 if precision == "ieee" else jnp.bfloat16)
+        kv_pages = dequantized(kv_pages, latent_scales, jnp.float32 if precision == "ieee" else jnp.bfloat16)
         latent_scales = None
     tiles = default_tiles(n, b * t, latent_scales is not None, block_h, precision)
     block_h, block_k, num_warps, num_stages = (
