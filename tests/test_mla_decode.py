@@ -111,9 +111,13 @@ def test_mla_decode_kernel_bf16():
 
 
 def test_default_splits_fill_the_gpu_and_stop_at_the_span():
-    assert default_splits(1, 10_000) == 256  # one sequence, one head block: capped by MAX_SPLITS
-    assert default_splits(16, 10_000) == 16
-    assert default_splits(1000, 10_000) == 1
+    from pallas_kernels.mla_decode.tuning import MAX_SPLITS, TARGET_PROGRAMS
+
+    assert default_splits(1, 10**6) == min(TARGET_PROGRAMS, MAX_SPLITS)  # one sequence, one head block
+    for programs in (3, 16, 50):  # the grid stays within TARGET_PROGRAMS, and one split more would pass it
+        sp = default_splits(programs, 10**6)
+        assert programs * sp <= TARGET_PROGRAMS < programs * (sp + 1)
+    assert default_splits(10 * TARGET_PROGRAMS, 10**6) == 1  # a grid full without splitting
     assert default_splits(1, 5) == 5  # never more splits than blocks the cache can hold
 
 

@@ -399,12 +399,11 @@ class MultiHeadLatentAttention(nnx.Module):
             # its own kernel: at one row XLA otherwise fuses this product into its consumer as one serial
             # reduction per output (docs/performance.md#projections)
             (q_lat,) = own_kernels(jnp.einsum("btnh,lnh->btnl", q_nope, w_uk, precision=HIGHEST))
-            fp8 = self.latent_fmt == "fp8"
+            # the pools as stored (the op converts the rows it reads; no per-step copy of a whole pool)
             o_lat, _ = mla_decode(
-                q_lat, q_pe, latent.values if fp8 else latent.read(self.dt.compute), info.page_table,
-                q_positions=info.positions, kv_lengths=info.kv_lengths, scale=scale,
-                rope_pages=None if rope is None else rope.read(self.dt.compute),
-                latent_scales=latent.scales if fp8 else None,
+                q_lat, q_pe, latent.values, info.page_table, q_positions=info.positions,
+                kv_lengths=info.kv_lengths, scale=scale, rope_pages=None if rope is None else rope.values,
+                latent_scales=latent.scales if self.latent_fmt == "fp8" else None,
             )  # fmt: skip
             o = jnp.einsum("btnl,lnv->btnv", o_lat, w_uv, precision=HIGHEST)
         elif info.page_table.shape[1] * latent.values.shape[1] > PREFILL_KEY_BLOCK:
