@@ -15,6 +15,12 @@ did, acb2fd9). Here each preset's widths run once through the kernels (the GPU d
 
     python -m benchmarks.gpu_parity                                   # every case below
     python -m benchmarks.gpu_parity --cases deepseek_v32:float32:none --prompt 2500 --steps 2
+    python -m benchmarks.gpu_parity --cases --recall 500              # only the trained model below
+
+The embedded recall model (hybrid_jax/assets/recall, trained weights) is the check random weights cannot
+make: `--recall N` fresh associative-recall queries (1-24 pairs) answered through `generate` — float32 through
+the references, bf16 through the kernels, bf16 through the kernels with the hierarchical quantization — and
+the share answered right (the CPU golden tests require >= 97% of the same kind of queries).
 """
 
 from __future__ import annotations
@@ -141,14 +147,48 @@ def run_case(case: str, args) -> dict:
     )
 
 
+def recall_rows(n: int, force_kernels: bool) -> list[dict]:
+    """Accuracy of the shipped recall model on n fresh queries, per path (see the module docstring)."""
+    from checkpoints import from_pretrained
+    from hybrid_jax import ByteTokenizer, generate, recall
+    from hybrid_jax.quant.config import QuantConfig
+    from pallas_kernels import use_pallas
+
+    rng = np.random.default_rng(7)
+    queries = [recall.sample(rng, int(rng.integers(1, 25))) for _ in range(n)]
+    ids, lengths = recall.encode_batch(queries, with_answers=False)
+    rows = []
+    for name, dtype, quant, kernels in (
+        ("references", "float32", None, False),
+        ("kernels (auto)", "bfloat16", None, True),
+        ("kernels (auto)", "bfloat16", QuantConfig.hierarchical(), True),
+    ):
+        t0 = time.perf_counter()
+        model = from_pretrained(recall.MODEL_DIR, dtype=dtype, quant=quant, progress=False)
+        with (use_pallas(True) if force_kernels else contextlib.nullcontext()) if kernels else use_pallas(False):
+            run = jax.jit(lambda m, i, k: generate(m, i, prompt_lengths=k, max_new_tokens=2, eos_id=257))
+            out = np.asarray(run(model, jnp.asarray(ids), jnp.asarray(lengths)).tokens)
+        right = np.array([ByteTokenizer().decode(o) == q.answer for o, q in zip(out, queries, strict=True)])
+        pairs = np.array([q.prompt.count(":") - 1 for q in queries])
+        worst = min(float(right[pairs == k].mean()) for k in np.unique(pairs))
+        rows.append(dict(path=name, dtype=dtype, quant="hierarchical" if quant else "none", queries=n,
+                         right=f"{right.mean():.3f}", worst_pair_count=f"{worst:.2f}",
+                         note=f"{time.perf_counter() - t0:.0f} s"))  # fmt: skip
+        print(" | ".join(str(v) for v in rows[-1].values()), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="+", default=list(CASES), help="PRESET:DTYPE:QUANT (quant none|hierarchical)")
+    p.add_argument(
+        "--cases", nargs="*", default=list(CASES), help="PRESET:DTYPE:QUANT (quant none|hierarchical); none: skip"
+    )
     p.add_argument("--prompt", type=int, default=3000, help="prompt tokens (past the indexer's top-k of 2048)")
     p.add_argument("--steps", type=int, default=4, help="decode steps after the prompt")
     p.add_argument("--layers", type=int, default=2, help="first layers kept (plus one of each attention type)")
     p.add_argument("--experts", type=int, default=16, help="routed experts kept")
     p.add_argument("--force-kernels", action="store_true", help="`use_pallas()`: kernels also where auto would not")
+    p.add_argument("--recall", type=int, default=500, help="queries for the trained recall model (0: skip it)")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     if jax.default_backend() == "cpu" and not args.force_kernels:
@@ -163,7 +203,11 @@ def main() -> None:
         f"Whole model, kernels (`impl='auto'`) against the jnp references: prompt {args.prompt} + {args.steps} "
         f"decode steps, first {args.layers} layers (+ one of each attention type), <= {args.experts} experts"
     )
-    report("gpu_parity.py", title, rows, record=not args.no_record)
+    if rows:
+        report("gpu_parity.py", title, rows, record=not args.no_record)
+    if args.recall:
+        title = "The trained recall model (hybrid_jax/assets/recall): share of fresh recall queries answered right"
+        report("gpu_parity.py", title, recall_rows(args.recall, args.force_kernels), record=not args.no_record)
 
 
 if __name__ == "__main__":

@@ -150,8 +150,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         initialize(spec_from(args))  # multi-host: join the job before JAX touches a device
     except ValueError as e:
         raise UserError(str(e)) from None
+    from hybrid_jax import recall
+
+    embedded = args.model is None and args.config is None  # no model named: the shipped recall model
+    if embedded:
+        if not (recall.MODEL_DIR / "model.safetensors").is_file():
+            raise UserError(f"the embedded model is missing from {recall.MODEL_DIR}: run scripts/train_recall.py")
+        args.model = str(recall.MODEL_DIR)
     if args.model is not None and not Path(args.model).is_dir():
         raise UserError(f"--model {args.model!r}: no such folder")
+    if args.prompt is None:
+        args.prompt = recall.DEFAULT_PROMPT if embedded else DEFAULT_PROMPT
     quant = _load_quant(args.quant)
     cfg = None if args.model else _load_config(args.config)
 
@@ -180,7 +189,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         cfg = model.config
         tok = _HFTokenizer(load_tokenizer(args.model), cfg)
         dtype = jnp.dtype(model.dtypes.compute).name
-        say.info(f"model: {args.model} ({cfg.layer_pattern}), {dtype}, device {jax.devices()[0].platform}")
+        name = f"the embedded recall model ({args.model})" if embedded else args.model
+        say.info(f"model: {name} ({cfg.layer_pattern}), {dtype}, device {jax.devices()[0].platform}")
     else:
         tok = ByteTokenizer()
         if cfg.vocab_size < tok.vocab_size:
@@ -260,6 +270,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if text is not None and stream is None:
         say.info(f"generated: {text!r}")
     say.info(f"tokens: {out.tokens[0, :n].tolist()}")
+    expected = recall.expected_answer(args.prompt) if embedded and args.prompt_ids is None else None
+    if expected is not None:
+        got = text.strip()
+        verdict = "right" if got == expected else f"wrong: expected {expected!r}"
+        say.info(f"recall: asked for {args.prompt[-3:-1]!r}, answered {got!r} ({verdict})")
     say.info(f"{n} tokens in {run_s:.3f} s: {n / run_s:.1f} tokens/s (compilation {compile_s:.2f} s, before that)")
     if args.draft:
         say.info(f"speculative ({args.draft}): {int(out.accepted[0])} of {int(out.drafted[0])} drafted tokens accepted")
@@ -299,6 +314,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybrid_jax.recall import DEFAULT_PROMPT as recall_prompt
     from sharding.launch import add_arguments as add_distributed_arguments
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -306,18 +322,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     g = sub.add_parser(
         "generate",
-        help="generate text with a model (default: the embedded tiny model)",
+        help="generate text with a model (default: the embedded recall model)",
         description="Generate text after a prompt: greedy (--temperature 0) or sampled.",
         formatter_class=fmt,
     )
-    g.add_argument("--config", default="tiny", help="preset name or HybridConfig JSON file (random weights)")
+    g.add_argument(
+        "--config", default=None,
+        help="preset name or HybridConfig JSON file, with random weights (default: the embedded recall model)",
+    )  # fmt: skip
     g.add_argument("--model", default=None, help="a Hugging Face or converted (orbax) folder, instead of --config")
     g.add_argument(
         "--dtype",
         default="auto",
         help="compute and weight dtype; auto: the checkpoint's own dtype (float32 for --config)",
     )
-    g.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (tokenized with the model's tokenizer)")
+    g.add_argument(
+        "--prompt", default=None,
+        help=f"prompt text (default: {recall_prompt!r} for the embedded model, {DEFAULT_PROMPT!r} otherwise)",
+    )  # fmt: skip
     g.add_argument(
         "--prompt-ids", type=_prompt_ids, default=None, help="the prompt as comma-separated token ids, e.g. 1,2,3"
     )

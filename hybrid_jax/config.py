@@ -452,6 +452,49 @@ class HybridConfig:
         )
 
     @classmethod
+    def recall(cls) -> HybridConfig:
+        """The embedded model trained on associative recall (hybrid_jax/recall.py, docs/recall.md): ~1M
+        parameters; KDA, indexer-sparse MLA, KDA, indexer-sparse MLA (Top-16, well below a prompt's length: the
+        softmax-attention layers are all sparse, so retrieval has to go through an indexer); dense SwiGLU and MoE
+        (4 experts, 2 routed + 1 shared) alternating; Block AttnRes over blocks of 2 layers. Byte vocabulary.
+        Widths are multiples of the hierarchical quantization's tiles (kv_lora_rank 128, indexer head 32)."""
+        return cls(
+            vocab_size=260,
+            hidden_size=128,
+            num_layers=4,
+            layer_types=("linear", "sparse", "linear", "sparse"),
+            mlp_types=("dense", "moe", "dense", "moe"),
+            kda_num_heads=4,
+            kda_head_dim=32,
+            kda_conv_size=4,
+            kda_decay_rank=32,
+            kda_output_gate_rank=32,
+            kda_chunk_size=16,
+            num_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=128,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            index_num_heads=4,
+            index_head_dim=32,
+            index_rope_dim=16,
+            index_topk=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            routed_scaling_factor=1.0,
+            moe_intermediate_size=64,
+            intermediate_size=256,
+            attn_res_block_size=2,
+            max_position_embeddings=512,
+            page_size=16,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=258,
+        )
+
+    @classmethod
     def hybrid_small(cls) -> HybridConfig:
         """About 1.6B parameters (~0.6B active): 3 KDA : 1 sparse MLA, MoE, Block AttnRes; for GPU benchmarks."""
         n = 16
@@ -693,6 +736,7 @@ class HybridConfig:
 
 PRESETS = {
     "tiny": HybridConfig.tiny,
+    "recall": HybridConfig.recall,
     "hybrid_small": HybridConfig.hybrid_small,
     "kimi_linear_48b": HybridConfig.kimi_linear_48b,
     "deepseek_v32": HybridConfig.deepseek_v32,

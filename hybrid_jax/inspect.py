@@ -17,8 +17,10 @@ the token positions read (the chosen pools' tokens, then the query's incomplete 
 another's selection records only `indices` (token positions), `positions` and `shared=True`, plus `attention`.
 
 Recording is a context-local switch read while tracing: code outside the `with` block (and every jitted
-function) is unchanged. Under `jax.jit` the values would be
-tracers, so recording refuses them.
+function) is unchanged. Under `jax.jit` the values would be tracers, so recording refuses them — unless the
+block is `record_indexer(traced=True)` entered *inside* the traced function: then the records hold the traced
+arrays themselves, for that function to compute with (the indexer's distillation loss in
+`scripts/train_recall.py`); they must not leave the trace.
 """
 
 from __future__ import annotations
@@ -31,17 +33,20 @@ import jax.numpy as jnp
 import numpy as np
 
 _RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar("hybrid_jax_indexer_records", default=None)
+_TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar("hybrid_jax_indexer_traced", default=False)
 
 
 @contextlib.contextmanager
-def record_indexer():
-    """Collect one record per sparse-layer call made inside the block (in call order)."""
+def record_indexer(*, traced: bool = False):
+    """Collect one record per sparse-layer call made inside the block (in call order). `traced=True`: keep the
+    values as JAX arrays (tracers under jit) instead of copying them to NumPy."""
     records: list[dict] = []
-    token = _RECORDS.set(records)
+    token, mode = _RECORDS.set(records), _TRACED.set(traced)
     try:
         yield records
     finally:
         _RECORDS.reset(token)
+        _TRACED.reset(mode)
 
 
 def recording() -> bool:
@@ -51,6 +56,9 @@ def recording() -> bool:
 def add_record(**values) -> None:
     records = _RECORDS.get()
     if records is None:
+        return
+    if _TRACED.get():
+        records.append(dict(values))
         return
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(values)):
         raise RuntimeError("record_indexer() records eager calls only: call the model outside jax.jit")

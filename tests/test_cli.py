@@ -13,6 +13,7 @@ from hybrid_jax.cli import build_parser, main
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "kimi_linear"
 FAST = ["--max-new-tokens", "5", "--compile-cache", ""]
+TINY = ["--config", "tiny", *FAST]  # random weights of a preset, by name
 
 
 def _run(*args, cwd=None):
@@ -22,15 +23,31 @@ def _run(*args, cwd=None):
 
 
 @pytest.mark.slow
-def test_cli_default_prints_text_and_tokens_per_second(capsys):
+def test_cli_default_answers_its_recall_prompt(capsys):
+    """No model named: the shipped recall model answers the default prompt (cd -> 42), then stops at EOS."""
     assert main(FAST) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert "model: tiny" in out
-    assert re.search(r"generated: '.*'", out)
+    assert "model: the embedded recall model" in out
+    assert "prompt: 'kv:31 ab:17 cd:42 ef:03 gh:58 ij:76 ?cd:'" in out
+    assert "generated: '42'" in out and "recall: asked for 'cd', answered '42' (right)" in out
     m = re.search(r"(\d+) tokens in [\d.]+ s: ([\d.]+) tokens/s \(compilation [\d.]+ s, before that\)", out)
-    assert m and 1 <= int(m.group(1)) <= 5 and float(m.group(2)) > 0
+    assert m and int(m.group(1)) == 3 and float(m.group(2)) > 0  # two digits and EOS
     assert "compiling generate" in captured.err  # the notice while the one generate call compiles
+    assert main([*FAST, "--prompt", "zq:07 ab:61 ?zq:"]) == 0  # any prompt in the format
+    assert "recall: asked for 'zq', answered '07' (right)" in capsys.readouterr().out
+    assert main([*FAST, "--prompt", "hello"]) == 0  # not the format: text, but no verdict
+    out = capsys.readouterr().out
+    assert "generated: " in out and "recall:" not in out
+
+
+@pytest.mark.slow
+def test_cli_presets_still_run_with_random_weights(capsys):
+    assert main(TINY) == 0
+    out = capsys.readouterr().out
+    assert "model: tiny" in out and "random weights from --weights-seed 0" in out and "recall:" not in out
+    m = re.search(r"(\d+) tokens in [\d.]+ s", out)
+    assert m and 1 <= int(m.group(1)) <= 5
 
 
 @pytest.mark.slow
@@ -60,7 +77,7 @@ def test_quiet_and_stream_print_the_same_text(capsys):
 @pytest.mark.slow
 def test_seed_seeds_sampling_not_the_weights(capsys):
     def tokens(*extra):
-        assert main([*FAST, "--quiet", "--prompt-ids", "1,2,3", *extra]) == 0
+        assert main([*TINY, "--quiet", "--prompt-ids", "1,2,3", *extra]) == 0
         return capsys.readouterr().out
 
     base = tokens("--seed", "0")
@@ -95,8 +112,9 @@ def test_help_documents_every_flag_with_its_default():
         (["--quant", "missing.yaml"], "--quant 'missing.yaml': no such file"),
         (["--config", "nope"], "--config 'nope': neither a preset"),
         (["--tp", "3"], "--dp 1 x --tp 3 = 3 devices; this job has 1"),
-        (["--prompt-ids", "1,2,999999"], "token id 999999 is outside the vocabulary [0, 288)"),
-        (["--top-k", "100000"], "--top-k 100000 exceeds the vocabulary size 288"),
+        (["--prompt-ids", "1,2,999999"], "token id 999999 is outside the vocabulary [0, 260)"),
+        (["--top-k", "100000"], "--top-k 100000 exceeds the vocabulary size 260"),
+        (["--config", "tiny", "--top-k", "300"], "--top-k 300 exceeds the vocabulary size 288"),
     ],
 )
 def test_user_errors_are_one_line_with_status_2(args, message):
@@ -120,7 +138,7 @@ def test_convert_refuses_an_existing_folder(tmp_path):
 
 @pytest.mark.slow
 def test_draft_ngram_generates_the_same_tokens(capsys):
-    """--draft ngram prints the default run's tokens (test_cli_default's 5) and the drafts it accepted."""
+    """--draft ngram prints the default run's tokens and the drafts it accepted."""
     assert main(FAST) == 0
     plain = re.search(r"^tokens: \[.*\]$", capsys.readouterr().out, re.M).group(0)
     assert main([*FAST, "--draft", "ngram", "--num-draft", "3"]) == 0
@@ -133,5 +151,5 @@ def test_draft_ngram_generates_the_same_tokens(capsys):
 def test_prefill_chunk_changes_nothing_but_memory(capsys):
     assert main([*FAST, "--quiet"]) == 0
     one_shot = capsys.readouterr().out
-    assert main([*FAST, "--quiet", "--prefill-chunk", "4"]) == 0  # the default prompt is 23 tokens: 6 chunks
+    assert main([*FAST, "--quiet", "--prefill-chunk", "4"]) == 0  # the default prompt is 41 tokens: 11 chunks
     assert capsys.readouterr().out == one_shot

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax import inspect
-from hybrid_jax.cache import MLAState, Pool, StepInfo, store_rows
+from hybrid_jax.cache import MLAState, Pool, StepInfo, is_concrete, store_rows
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, LayerNorm, RMSNorm, dense_kernel, linear, own_kernels, project_many
 from hybrid_jax.layers.rope import apply_rope, attention_factor, inv_frequencies, rope_tables
@@ -33,6 +33,12 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # through kv_b_proj one block at a time and the blocks' attention merged by LSE, so a prefill chunk's
 # temporaries are one block's whatever the cache holds (expanding all of it took 15 GiB at a 1M-token cache).
 PREFILL_KEY_BLOCK = 16384
+
+
+def _visible(rows: jax.Array, lengths: jax.Array) -> jax.Array:
+    """rows [B, S, ...] cut to the longest sequence's `lengths` when that is known (eager recording); under a
+    trace (`record_indexer(traced=True)`) all S rows, the ones past a sequence's length masked as causal."""
+    return rows[:, : int(lengths.max())] if is_concrete(lengths) else rows
 
 
 class LightningIndexer(nnx.Module):
@@ -195,7 +201,7 @@ class LightningIndexer(nnx.Module):
             sort=False,  # sparse MLA reads the chosen rows as a set
         )
         if inspect.recording():  # hybrid_jax.inspect.record_indexer(): a switch read at trace time
-            k_seq = gather_pages(pool.read(self.dt.compute), info.page_table)[:, : int(info.kv_lengths.max())]
+            k_seq = _visible(gather_pages(pool.read(self.dt.compute), info.page_table), info.kv_lengths)
             inspect.add_record(
                 q=q, k=k_seq, weights=w, scale=cfg.index_head_dim**-0.5, positions=info.positions, indices=idx
             )
@@ -224,7 +230,7 @@ class LightningIndexer(nnx.Module):
         )
         idx = expand_pools(pool_idx, info.positions, p, tail=cfg.index_kpool_always_select_tail)
         if inspect.recording():
-            k_seq = gather_pages(pool.read(self.dt.compute), info.page_table)[:, : int(info.kv_lengths.max()) // p]
+            k_seq = _visible(gather_pages(pool.read(self.dt.compute), info.page_table), info.kv_lengths // p)
             inspect.add_record(
                 q=q, k=k_seq, weights=w, scale=cfg.index_head_dim**-0.5, positions=q_pool, indices=pool_idx,
                 pool_size=p, token_indices=idx,
@@ -290,7 +296,7 @@ class MultiHeadLatentAttention(nnx.Module):
     def _dense_probs(self, q_lat, q_pe, pages, info: StepInfo) -> jax.Array:
         """Causal softmax of the absorbed-form logits over every cached position: [B, N, T, S] float32."""
         lat = self.cfg.kv_lora_rank
-        ctx = gather_pages(pages, info.page_table)[:, : int(info.kv_lengths.max())].astype(jnp.float32)
+        ctx = _visible(gather_pages(pages, info.page_table), info.kv_lengths).astype(jnp.float32)
         logits = jnp.einsum("btnl,bsl->bnts", q_lat, ctx[..., :lat], precision=HIGHEST)
         logits = (
             logits + jnp.einsum("btnr,bsr->bnts", q_pe, ctx[..., lat:], precision=HIGHEST)
