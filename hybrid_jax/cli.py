@@ -270,11 +270,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if text is not None and stream is None:
         say.info(f"generated: {text!r}")
     say.info(f"tokens: {out.tokens[0, :n].tolist()}")
-    expected = recall.expected_answer(args.prompt) if embedded and args.prompt_ids is None else None
-    if expected is not None:
-        got = text.strip()
-        verdict = "right" if got == expected else f"wrong: expected {expected!r}"
-        say.info(f"recall: asked for {args.prompt[-3:-1]!r}, answered {got!r} ({verdict})")
+    # the recall model, named or not: check its answer when the prompt is in the task's format
+    if Path(args.model or "").resolve() == recall.MODEL_DIR.resolve() and args.prompt_ids is None:
+        expected = recall.expected_answer(args.prompt)
+        if expected is None:
+            say.info("recall: the prompt is not in the key:value format (ab:17 cd:42 ?cd:); nothing to check")
+        else:
+            verdict = "right" if text == expected else f"wrong: expected {expected!r}"
+            say.info(f"recall: asked for {args.prompt[-3:-1]!r}, answered {text!r} ({verdict})")
     say.info(f"{n} tokens in {run_s:.3f} s: {n / run_s:.1f} tokens/s (compilation {compile_s:.2f} s, before that)")
     if args.draft:
         say.info(f"speculative ({args.draft}): {int(out.accepted[0])} of {int(out.drafted[0])} drafted tokens accepted")

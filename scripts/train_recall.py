@@ -5,9 +5,10 @@
 
 Task: hybrid_jax/recall.py (`ab:17 cd:42 ?cd:` -> `42` EOS), 1-32 pairs, fresh pairs every step (a curriculum
 raises the most pairs as the accuracy allows); the loss is the cross-entropy of the answer tokens. The lightning
-indexer's Top-K passes no gradient, so the indexer learns by distillation (as DeepSeek-V3.2 trains it):
+indexer's Top-K passes no gradient, so the indexer learns by distillation, DeepSeek-V3.2's objective:
 KL(p || softmax(I)) per query, p = the sparse layer's dense attention probabilities averaged over heads (held
-constant), I = the indexer's scores. Two phases: `--dense-steps` with the Top-K wide enough to keep every
+constant), I = the indexer's scores. Unlike DeepSeek the indexer's inputs are not detached: the KL term (weight
+0.1) also reaches the layers below it. Two phases: `--dense-steps` with the Top-K wide enough to keep every
 position (the attention learns to retrieve and the indexer to imitate it), then the preset's Top-K (what
 inference runs). Deterministic from --seed; needs optax (`pip install -e ".[train]"`). docs/recall.md has the
 recipe; the run's curve and accuracy go to training.json beside the weights.
@@ -35,8 +36,8 @@ from hybrid_jax.model import HybridLM
 from hybrid_jax.tokenizer import ByteTokenizer
 
 # Queries per training sequence: after the first query's answer and EOS come up to QUERIES - 1 more
-# (" ?ab:17<eos>"), each supervised the same way: 4x the answer tokens a step for ~15% more tokens. The first
-# query is the inference format exactly.
+# (" ?ab:17<eos>"), each supervised the same way: ~3.8x the answer tokens a step for ~21% more tokens (pair
+# counts uniform over 1-32). The first query is the inference format exactly.
 QUERIES = 4
 # (fewest pairs, most pairs, padded width): a batch draws its pair counts from one bucket, so that short prompts
 # are not padded to the longest; buckets are drawn in proportion to their share of 1 .. 32 (uniform overall)
@@ -154,20 +155,29 @@ def make_batch_fixed(rng, batch: int, num_pairs: int):
 
 
 def write_checkpoint(model: HybridLM, out: Path, meta: dict) -> None:
-    """config.json + model.safetensors (our `hybrid` format) + training.json, written to a temporary folder
-    beside `out` and moved into place, so a failed run leaves the previous checkpoint whole."""
+    """config.json + model.safetensors (our `hybrid` format) + tokenizer.json + training.json, written to a
+    temporary folder beside `out` and renamed into place; a previous checkpoint is renamed aside first and removed
+    only once the new one is in place (put back if that rename fails), so a failed run leaves it whole."""
     from checkpoints import save_pretrained
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     os.chmod(tmp, 0o755)  # a package folder, not a private temporary one
+    old = out.parent / f".{out.name}-previous"
     try:
         save_pretrained(model, tmp)
         ByteTokenizer().to_tokenizers().save(str(tmp / "tokenizer.json"))
         (tmp / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old.exists() and not out.exists():
+                os.replace(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

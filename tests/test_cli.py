@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_jax.cli import build_parser, main
+from hybrid_jax.recall import MODEL_DIR
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "kimi_linear"
 FAST = ["--max-new-tokens", "5", "--compile-cache", ""]
@@ -38,7 +39,9 @@ def test_cli_default_answers_its_recall_prompt(capsys):
     assert "recall: asked for 'zq', answered '07' (right)" in capsys.readouterr().out
     assert main([*FAST, "--prompt", "hello"]) == 0  # not the format: text, but no verdict
     out = capsys.readouterr().out
-    assert "generated: " in out and "recall:" not in out
+    assert "generated: " in out and "recall: the prompt is not in the key:value format" in out
+    assert main([*FAST, "--model", str(MODEL_DIR), "--prompt", "ab:17 ?ab:"]) == 0  # named: the same checks
+    assert "recall: asked for 'ab', answered '17' (right)" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -37,11 +37,13 @@ def check_accuracy(answers: list[str], queries: list[recall.Query], what: str) -
 
 
 def generated_answers(model, queries, *, jit=jax.jit) -> list[str]:
-    """Greedy answers through `generate` (prefill of the prompts, two decode steps), all queries in one batch."""
+    """Greedy answers through `generate` (prefill of the prompts, then decode steps), all queries in one batch:
+    the text before EOS, which must come third (the answer is two digits, then EOS, as the CLI checks it)."""
     ids, lengths = recall.encode_batch(queries, with_answers=False)
-    run = jit(lambda m, i, n: generate(m, i, prompt_lengths=n, max_new_tokens=2, eos_id=ByteTokenizer.eos_id))
-    out = run(model, jnp.asarray(ids), jnp.asarray(lengths))
-    return [ByteTokenizer().decode(row) for row in np.asarray(out.tokens)]
+    eos = ByteTokenizer.eos_id
+    run = jit(lambda m, i, n: generate(m, i, prompt_lengths=n, max_new_tokens=3, eos_id=eos))
+    out = np.asarray(run(model, jnp.asarray(ids), jnp.asarray(lengths)).tokens)
+    return [ByteTokenizer().decode(row) if row[2] == eos else f"no EOS: {row.tolist()}" for row in out]
 
 
 def load(**kw):
@@ -73,7 +75,7 @@ def teacher_forced_answers(logits, lengths) -> list[str]:
 # Interpret mode emulates each kernel program by program: 50 queries take ~3 minutes on the 2 CI cores, 500
 # would take ~30. The kernels get the first KERNEL_QUERIES golden queries, teacher-forced (prefill kernels: KDA
 # chunk, indexer scores, sparse MLA, MoE); at 32 queries the bar means every one right. All 500 run through the
-# compiled kernels on the GPU (benchmarks/gpu_parity.py --recall).
+# GPU defaults (impl="auto") in benchmarks/gpu_parity.py --recall.
 KERNEL_QUERIES = 32
 
 
