@@ -246,6 +246,8 @@ def test_training_script_first_steps_lower_the_loss(tmp_path):
     meta = json.loads((out / "training.json").read_text())
     ce = [c["ce"] for c in meta["curve"]]
     assert len(ce) == 8 and max(ce[-2:]) < min(ce[:2]), ce
+    # the distillation term is computed in both phases (dense steps 1-6, Top-K steps 7-8): finite, positive
+    assert all(np.isfinite(c["kl"]) and c["kl"] > 0 for c in meta["curve"]), meta["curve"]
     from checkpoints import from_pretrained
 
     model = from_pretrained(out, progress=False)
