@@ -194,27 +194,48 @@ def profile_indexer(b: int, args, out_dir: Path) -> None:
 
 def profile_prefill(model, tokens: int, args, out_dir: Path) -> None:
     """The whole model's batch-1 prefill (cache allocation + prefill, last position's logits), as the e2e
-    TTFT row times it; `args.calls` calls traced."""
+    TTFT row times it; `args.calls` calls traced. With --prefill-chunk, the same prompt through
+    `prefill_chunked` as well, and the two compared per source line of the model (what the chunks cost extra)."""
+    from hybrid_jax.generate import prefill_chunked
+
     cfg = model.config
     leaves, rebuild = flat_module(model)
-
-    def run(leaves, ids):
-        m = rebuild(leaves)
-        cache = m.init_cache(1, -(-(tokens + 1) // cfg.page_size) * cfg.page_size)
-        return jnp.argmax(m.prefill(ids, cache, last_only=True)[0], axis=-1)
-
-    fn = jax.jit(run)
     ids = jax.random.randint(jax.random.key(tokens), (1, tokens), 0, cfg.vocab_size - 8, jnp.int32)
-    compiled = fn.lower(leaves, ids).compile()
-    hlo = compiled.as_text()
-    (out_dir / f"prefill_{tokens}.hlo.txt").write_text(hlo)
-    jax.block_until_ready(fn(leaves, ids))
-    trace = out_dir / f"trace_prefill_{tokens}"
-    with jax.profiler.trace(str(trace), create_perfetto_trace=True):
-        for _ in range(args.calls):
-            out = fn(leaves, ids)
-        jax.block_until_ready(out)
-    print_table(f"prefill T={tokens}, B=1", kernel_times(trace), args.calls, args.top, hlo_sources(hlo))
+    per_source = {}
+    for chunk in (None, *([args.prefill_chunk] if args.prefill_chunk else [])):
+
+        def run(leaves, ids, chunk=chunk):
+            m = rebuild(leaves)
+            cache = m.init_cache(1, -(-(tokens + 1) // cfg.page_size) * cfg.page_size)
+            if chunk is None:
+                return jnp.argmax(m.prefill(ids, cache, last_only=True)[0], axis=-1)
+            return jnp.argmax(prefill_chunked(m, ids, cache, jnp.array([tokens]), chunk=chunk)[0], axis=-1)
+
+        fn = jax.jit(run)
+        hlo = fn.lower(leaves, ids).compile().as_text()
+        name = f"prefill_{tokens}" + (f"_chunk{chunk}" if chunk else "")
+        (out_dir / f"{name}.hlo.txt").write_text(hlo)
+        jax.block_until_ready(fn(leaves, ids))
+        trace = out_dir / f"trace_{name}"
+        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+            for _ in range(args.calls):
+                out = fn(leaves, ids)
+            jax.block_until_ready(out)
+        times, sources = kernel_times(trace), hlo_sources(hlo)
+        title = f"prefill T={tokens}, B=1" + (f", chunks of {chunk}" if chunk else ", one call")
+        print_table(title, times, args.calls, args.top, sources)
+        grouped = collections.defaultdict(float)
+        for k, ds in times.items():
+            grouped[sources.get(k) or k.split("_")[0]] += sum(ds) / args.calls
+        per_source[chunk] = grouped
+    if len(per_source) == 2:
+        one, chunked = per_source[None], per_source[args.prefill_chunk]
+        diff = sorted(set(one) | set(chunked), key=lambda s: -abs(chunked.get(s, 0) - one.get(s, 0)))
+        print(f"\nchunks of {args.prefill_chunk} minus one call, per source (us per prefill):")
+        print("| source | one call | chunked | difference |\n|---|---|---|---|")
+        for src in diff[: args.top]:
+            a, b = one.get(src, 0.0), chunked.get(src, 0.0)
+            print(f"| {src[:90]} | {a:.0f} | {b:.0f} | {b - a:+.0f} |")
 
 
 def main() -> None:
@@ -224,6 +245,9 @@ def main() -> None:
         "--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill", "prefill", "indexer"]
     )
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill only: also chunked, and the difference")
+    p.add_argument("--layers", type=int, default=None, help="a preset cut to this many layers (gpu_parity.cut_config)")
+    p.add_argument("--experts", type=int, default=32, help="with --layers: at most this many routed experts")
     p.add_argument("--quant", default="none", choices=["none", "hierarchical"], help="the model's quant config")
     add_hf_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -246,7 +270,18 @@ def main() -> None:
             profile_indexer(b, args, out_dir)
         return
     # bf16 weights; --quant hierarchical: MXFP8 indexer keys and an FP8 latent cache as well
-    model = hf_model(args, args.model, args.quant) if args.model in HF_MODELS else build_model(args.model, args.quant)
+    if args.layers is not None and args.model not in HF_MODELS:
+        from flax import nnx
+
+        from benchmarks.gpu_parity import cut_config
+        from hybrid_jax import PRESETS, HybridLM
+
+        cfg = cut_config(PRESETS[args.model](), args.layers, args.experts)
+        model = HybridLM(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    elif args.model in HF_MODELS:
+        model = hf_model(args, args.model, args.quant)
+    else:
+        model = build_model(args.model, args.quant)
     if args.stage == "prefill":
         profile_prefill(model, args.tokens, args, out_dir)
         print(f"\ntraces and HLO in {out_dir}")

@@ -10,11 +10,17 @@ rounding differs from a decode step's and random weights' logits nearly tie, so 
 tokens (the "same tokens" note says whether they did; `--dtype float32 --precision highest` keeps them
 together). The tokens per verify step are always measured, never assumed.
 
+With --mtp the model carries one multi-token-prediction module (random weights, the preset's sparse or dense
+MLA layer + MoE), and the table adds `draft="mtp"` and the cost of one MTP drafting call (k drafts) beside a
+decode step: with random weights its drafts are rarely accepted, so that row measures the drafting overhead a
+trained module's acceptance has to repay, not a speedup.
+
 The prompt is repetitive (a 64-token pattern repeated: code-like). Decode time = a generate call's time minus
 that of a generate call making one token (the same prefill), medians of --reps calls after a compile.
 
     python -m benchmarks.speculative [--preset kimi_linear_48b] [--layers 8] [--experts 32] [--batches 1 16]
-        [--context 2048] [--new 256] [--num-draft 4] [--dtype bfloat16] [--precision highest] [--no-record]
+        [--context 2048] [--new 256] [--num-draft 4] [--dtype bfloat16] [--precision highest] [--mtp]
+        [--no-record]
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from flax import nnx
 from benchmarks.common import jit_module, median_ms, report
 from benchmarks.gpu_parity import cut_config
 from hybrid_jax import PRESETS, HybridLM, generate
-from hybrid_jax.speculative import replay_drafter
+from hybrid_jax.speculative import mtp_draft, replay_drafter
 
 
 def repetitive_prompt(batch: int, length: int, vocab: int, seed: int = 0) -> jax.Array:
@@ -76,12 +82,15 @@ def measure(model, batch: int, args, emit) -> None:
     drafters.update(
         {f"replay of plain greedy, every {n}-th wrong": replay_drafter(reference, n) for n in args.wrong_every}
     )
+    if cfg.mtp_layers:
+        drafters["mtp (random weights)"] = "mtp"
     for label, draft in drafters.items():
         ms, out = timed(max_new_tokens=new, draft=draft, num_draft=k)
         same = bool(np.array_equal(np.asarray(out.tokens), np.asarray(plain.tokens)))
         steps = np.asarray(out.drafted).sum() / k
         per_step = (np.asarray(out.lengths).sum() - batch) / steps  # tokens emitted per verify step and row
-        ms -= prefill_ms
+        # the MTP drafter's prefill also runs the module over the prompt: subtract that prefill
+        ms -= timed(max_new_tokens=1, draft=draft, num_draft=k)[0] if draft == "mtp" else prefill_ms
         emit(
             dict(
                 base, case=f"speculative k={k}", drafter=label, ms=ms, tok_s=tokens / ms * 1e3,
@@ -103,6 +112,22 @@ def measure(model, batch: int, args, emit) -> None:
     emit(dict(base, case="decode step", drafter="", ms=d_ms, note="one dispatch a call"))
     emit(dict(base, case=f"verify step, {k + 1} tokens + commit", drafter="", ms=v_ms,
               note=f"{v_ms / d_ms:.2f}x a decode step"))  # fmt: skip
+    if cfg.mtp_layers:  # one drafting call: a pending row, then k - 1 one-row steps and the rollback
+        mcache = model.init_mtp_cache(batch, cache.max_len)
+        hidden = jnp.zeros((batch, ctx, cfg.hidden_size), model.dtypes.compute)
+        fill = jit_module(lambda m, c, i, h: m.mtp_extend(i, h, c, jnp.full((batch,), ctx), last_only=True)[2], model)
+        mcache = fill(mcache, ids, hidden)
+        pend_ids, pend_h = ids[:, : k + 1], jnp.ones((batch, k + 1, cfg.hidden_size), model.dtypes.compute)
+        one = jnp.ones((batch,), jnp.int32)
+
+        def draft_call(m, c, i, h):  # the rollback puts the cache back at ctx + 1 rows: trim to ctx for the next
+            c = mtp_draft(m, c, i, h, one, k)[2]
+            return c.replace(lengths=c.lengths - 1)
+
+        draft_fn = jit_module(draft_call, model, donate_argnums=0)
+        m_ms = step_ms(draft_fn, mcache, (pend_ids, pend_h), args.steps)
+        emit(dict(base, case=f"mtp drafting call, {k} drafts", drafter="", ms=m_ms,
+                  note=f"{m_ms / d_ms:.2f}x a decode step"))  # fmt: skip
 
 
 def main() -> None:
@@ -122,6 +147,7 @@ def main() -> None:
         "--precision", default=None, choices=["default", "high", "highest"],
         help="jax_default_matmul_precision (float32 runs: 'highest' keeps verify and decode logits within ~1e-6)",
     )  # fmt: skip
+    p.add_argument("--mtp", action="store_true", help="give the model one random MTP module and time draft='mtp'")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     for name, v in (("--new", args.new), ("--num-draft", args.num_draft), ("--context", args.context)):
@@ -130,6 +156,14 @@ def main() -> None:
     if args.precision is not None:
         jax.config.update("jax_default_matmul_precision", args.precision)
     cfg = cut_config(PRESETS[args.preset](), args.layers, args.experts)
+    if args.mtp:
+        mixer = "sparse" if "sparse" in cfg.layer_types else "full"
+        if cfg.hc_mult is not None:
+            raise SystemExit(f"speculative: --mtp takes plain residuals; {args.preset} has hyper-connections")
+        cfg = cfg.replace(  # an MTP module takes plain residuals: AttnRes (if any) is dropped, as the title says
+            mtp_layers=1, mtp_layer_type=mixer, mtp_mlp_type="moe" if cfg.num_experts else "dense",
+            attn_res_block_size=None,
+        )  # fmt: skip
     dtype = jnp.dtype(args.dtype)
     model = HybridLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     rows = []
@@ -146,6 +180,8 @@ def main() -> None:
     shape = f"{args.preset} widths, {cfg.num_layers} layers, {cfg.num_experts} experts, random {args.dtype} weights"
     if args.precision is not None:
         shape += f", {args.precision} matmul precision"
+    if args.mtp:
+        shape += f", one random {cfg.mtp_layer_type} MLA + {cfg.mtp_mlp_type} MTP module, no AttnRes"
     title = f"Speculative decoding ({shape}); repetitive prompt, {args.new} new tokens"
     columns = ("batch", "context", "case", "drafter", "per_step", "ms", "tok_s", "speedup", "note")
     names = {"per_step": "tokens per verify step", "tok_s": "tokens/s", "speedup": "vs plain"}

@@ -103,6 +103,16 @@ def _source(path: tuple, cfg: HybridConfig, reader: CheckpointFolder, prefix: st
     key = ".".join(map(str, path))
     if key == "embed_tokens.embedding":
         return Source([prefix + "embed_tokens.weight"], lambda t: t[0])
+    mtp = re.fullmatch(r"mtp\.(\d+)\.(.+)", key)
+    if mtp:  # MTP module j is checkpoint layer num_layers + j; its embedding / head copies fall back on the model's
+        layer = f"layers.{cfg.num_layers + int(mtp.group(1))}."
+        if mtp.group(2) == "embed_tokens.embedding":
+            own = prefix + layer + "embed_tokens.weight"
+            return Source([own if own in reader else prefix + "embed_tokens.weight"], lambda t: t[0])
+        if mtp.group(2) == "shared_head.head.kernel" and prefix + layer + "shared_head.head.weight" not in reader:
+            if "lm_head.weight" in reader:
+                return Source(["lm_head.weight"], lambda t: _t(t[0]))
+        return _source((*(layer + mtp.group(2)).split("."),), cfg, reader, prefix)
     hf = key if key.startswith("lm_head.") else prefix + key
     if hf.endswith(".kernel_scale_inv"):  # FP8-resident projection: torch [out/128, in/128] -> ours [in/128, out/128]
         return Source([hf[: -len(".kernel_scale_inv")] + ".weight_scale_inv"], lambda t: t[0].T)
@@ -293,11 +303,24 @@ def load_safetensors_model(
     strict: bool = True,
     rules=LOGICAL_AXIS_RULES,
     progress: bool = True,
+    mtp: bool | None = None,
 ) -> HybridLM:
-    """Build a HybridLM from a Hugging Face folder (see module docstring)."""
+    """Build a HybridLM from a Hugging Face folder (see module docstring). mtp: load the checkpoint's
+    multi-token-prediction layers (`generate(draft="mtp")`) or skip them; None: skip them in a Hugging Face
+    checkpoint (as transformers does), keep them in ours."""
     path = Path(path)
     root = resolve_folder(path)
     raw, config = _read_config(root)
+    mtp_range = mtp_layers(raw, config)
+    n_mtp = len(mtp_range)
+    if mtp is None:
+        mtp = raw.get("model_type") == "hybrid" and n_mtp > 0
+    if mtp and not n_mtp:
+        raise CheckpointError(f"{root}: mtp=True, but {root / 'config.json'} declares no multi-token-prediction layer")
+    try:
+        config = config.replace(mtp_layers=n_mtp if mtp else 0)
+    except ValueError as e:
+        raise CheckpointError(f"{root / 'config.json'}: mtp=True: {' '.join(str(e).split())}") from None
     reader = CheckpointFolder(root)
     prefix = prefix_of(reader)
     _check_layers(root, config, reader, prefix)
@@ -358,7 +381,7 @@ def load_safetensors_model(
             reader.release(n)
             if n + "_scale_inv" in reader:
                 reader.release(n + "_scale_inv")
-    mtp = mtp_layers(raw, config)
+    mtp = mtp_range if not config.mtp_layers else range(0)
     qwen = raw.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
     qwen_mtp = [n for n in reader if n.startswith(_QWEN_MTP)] if qwen else []
     if qwen_mtp:
@@ -413,6 +436,13 @@ def save_pretrained(model: HybridLM, path: str | Path) -> None:
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = np.asarray(jax.device_get(var.get_value()))
         key = ".".join(map(str, p))
+        j = re.fullmatch(r"mtp\.(\d+)\.(.+)", key)
+        if j and j.group(2) == "embed_tokens.embedding":
+            tensors[f"model.layers.{cfg.num_layers + int(j.group(1))}.embed_tokens.weight"] = value
+            continue
+        if j:
+            key = f"layers.{cfg.num_layers + int(j.group(1))}.{j.group(2)}"
+            p = tuple(key.split("."))
         m = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)", key)
         if m:
             for e in range(cfg.num_experts):

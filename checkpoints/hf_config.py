@@ -310,7 +310,7 @@ def _deepseek(f: _Fields) -> HybridConfig:
         raise CheckpointError(f"deepseek_v32 layer_types={types!r}: only 'indexed_attention' is supported")
     f.expect("scoring_func", ("sigmoid",), default="sigmoid")
     f.expect("topk_method", ("noaux_tc",), default="noaux_tc")
-    nextn = f.get("num_nextn_predict_layers", default=0)  # the MTP layers are skipped
+    nextn = f.get("num_nextn_predict_layers", default=0)  # the MTP layers: loaded only with mtp=True
     if type(nextn) is not int or nextn < 0:
         raise CheckpointError(f"num_nextn_predict_layers={nextn!r} is not a non-negative integer")
     f.get("head_dim", "qk_head_dim", "quantization_config")  # derived; FP8 is dequantised at load
@@ -618,8 +618,11 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> HybridConf
 
 
 def mtp_layers(d: dict[str, Any], cfg: HybridConfig) -> range:
-    """The layer indices of a multi-token-prediction module, which inference skips (none otherwise): DeepSeek's
-    `num_nextn_predict_layers`; glm5_next's at least one (transformers drops `layers.{num_hidden_layers}.*`)."""
+    """The layer indices of a multi-token-prediction module, which inference skips unless loaded with mtp=True
+    (none otherwise): DeepSeek's `num_nextn_predict_layers`; glm5_next's at least one (transformers drops
+    `layers.{num_hidden_layers}.*`); ours `mtp_layers`."""
+    if d.get("model_type") == "hybrid":
+        return range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)
     if d.get("model_type") == "deepseek_v32":
         return range(cfg.num_layers, cfg.num_layers + d.get("num_nextn_predict_layers", 0))
     if d.get("model_type") in ("glm5_next", "glm5_next_text"):

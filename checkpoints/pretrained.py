@@ -23,6 +23,7 @@ def from_pretrained(
     strict: bool = True,
     rules=LOGICAL_AXIS_RULES,
     progress: bool = True,
+    mtp: bool | None = None,
 ) -> HybridLM:
     """Load a ready HybridLM from `path`.
 
@@ -35,6 +36,9 @@ def from_pretrained(
     QuantConfig or the path of its YAML file. With a `mesh`, each parameter is placed on its NamedSharding from
     the logical-axis `rules`. strict=False ignores unexpected extra tensors. The tokenizer is separate:
     `load_tokenizer(path)`; `save_pretrained` copies the tokenizer files of the folder a model came from.
+    `mtp=True` also loads a checkpoint's multi-token-prediction layers (DeepSeek's `num_nextn_predict_layers`),
+    the drafter of `generate(draft="mtp")`; by default a Hugging Face checkpoint's are skipped (as transformers
+    skips them) and those of a folder we wrote are kept.
 
     The folder is not trusted: every safetensors header is validated completely before any data is read,
     every file it names must resolve inside the folder, and config.json and an orbax state must match each
@@ -45,9 +49,15 @@ def from_pretrained(
     if isinstance(quant, (str, Path)):
         quant = QuantConfig.from_yaml(quant)
     if is_orbax_folder(path):
-        return restore_orbax(path, dtype=dtype, mesh=mesh, quant=quant, rules=rules)
+        model = restore_orbax(path, dtype=dtype, mesh=mesh, quant=quant, rules=rules)
+        if mtp is not None and bool(model.config.mtp_layers) != mtp:
+            raise ValueError(
+                f"mtp={mtp!r}: the orbax folder {path} stores a model with mtp_layers={model.config.mtp_layers}, "
+                "restored as stored"
+            )
+        return model
     model = load_safetensors_model(
-        path, dtype=dtype, mesh=mesh, quant=quant, strict=strict, rules=rules, progress=progress
+        path, dtype=dtype, mesh=mesh, quant=quant, strict=strict, rules=rules, progress=progress, mtp=mtp
     )
     if not (path / "tokenizer.json").exists():
         load_tokenizer(path)  # warns that ids or a tokenizer object must be passed

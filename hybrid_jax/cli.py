@@ -185,7 +185,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.model:
         from checkpoints import from_pretrained, load_tokenizer
 
-        model = from_pretrained(args.model, dtype=args.dtype, quant=quant)
+        model = from_pretrained(args.model, dtype=args.dtype, quant=quant, mtp=True if args.draft == "mtp" else None)
         cfg = model.config
         tok = _HFTokenizer(load_tokenizer(args.model), cfg)
         dtype = jnp.dtype(model.dtypes.compute).name
@@ -359,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill longer prompts this many tokens at a time (default: from the model's sizes and free memory)",
     )
     g.add_argument(
-        "--draft", choices=["ngram"], default=None,
-        help="speculative decoding: draft tokens by prompt lookup and verify them in one forward (same greedy output)",
+        "--draft", choices=["ngram", "mtp"], default=None,
+        help="speculative decoding: draft tokens by prompt lookup (ngram) or the checkpoint's multi-token-prediction "
+        "layer (mtp), verify them in one forward (same greedy output)",
     )  # fmt: skip
     g.add_argument("--num-draft", type=_positive, default=4, help="tokens drafted per verify step (with --draft)")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")

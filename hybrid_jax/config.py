@@ -149,6 +149,12 @@ class HybridConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # Multi-token prediction (DeepSeek-V3's MTP, the drafter of `generate(draft="mtp")`): `mtp_layers` extra
+    # modules after the decoder, each one decoder layer of `mtp_layer_type` / `mtp_mlp_type` fed
+    # eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)]) (docs/speculative.md). 0 = none. Plain residuals only.
+    mtp_layers: int = 0
+    mtp_layer_type: str = "sparse"
+    mtp_mlp_type: str = "moe"
 
     def __post_init__(self):
         for name in ("layer_types", "mlp_types", "indexer_types"):
@@ -309,10 +315,32 @@ class HybridConfig:
                 _fail("hc_sinkhorn_iters", self.hc_sinkhorn_iters, "must be >= 1")
             if not self.hc_eps >= 0:
                 _fail("hc_eps", self.hc_eps, "must be >= 0")
+        if self.mtp_layers:
+            self._validate_mtp()
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             tok = getattr(self, name)
             if tok is not None and not 0 <= tok < self.vocab_size:
                 _fail(name, tok, f"outside the vocabulary [0, {self.vocab_size})")
+
+    def _validate_mtp(self) -> None:
+        if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers < 0:
+            _fail("mtp_layers", self.mtp_layers, "must be a non-negative int")
+        if self.mtp_layer_type not in ("full", "sparse", "attention"):
+            _fail("mtp_layer_type", self.mtp_layer_type, "must be full, sparse or attention (rolled back by length)")
+        if self.mtp_mlp_type not in MLP_TYPES:
+            _fail("mtp_mlp_type", self.mtp_mlp_type, f"must be one of {MLP_TYPES}")
+        if self.hc_mult is not None or self.attn_res_block_size is not None:
+            _fail("mtp_layers", self.mtp_layers, "multi-token prediction takes plain residuals (no hc_mult / AttnRes)")
+        if self.mtp_layer_type == "sparse" and self.index_kpool > 1:
+            _fail("mtp_layers", self.mtp_layers, f"a sparse MTP layer with index_kpool={self.index_kpool} > 1")
+        self.mtp_config()  # the MTP block's own checks (its layer's sizes)
+
+    def mtp_config(self) -> HybridConfig:
+        """The one-layer config an MTP module's decoder layer is built from (no indexer sharing, no MTP)."""
+        return self.replace(
+            num_layers=1, layer_types=(self.mtp_layer_type,), mlp_types=(self.mtp_mlp_type,), indexer_types=None,
+            mtp_layers=0,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ derived sizes
     @property

@@ -145,7 +145,10 @@ def generate(
     token, and the caches roll back the rest (KDA states from per-token snapshots, nothing recomputed). Greedy
     output is plain greedy decoding's wherever the block's logits rank tokens as a decode step's (float32: they
     agree to ~1e-7; in bf16 near-ties can go either way); sampled output has plain sampling's distribution.
-    on_token then sees a step once every row has settled it. `drafted` / `accepted` count the drafts. A function
+    on_token then sees a step once every row has settled it. "mtp" drafts with the model's multi-token-prediction
+    module (`HybridConfig.mtp_layers`, e.g. DeepSeek-V3.2 loaded with `from_pretrained(..., mtp=True)`), which
+    reads the target's hidden states (docs/speculative.md); not with `prefix_cache`. `drafted` / `accepted`
+    count the drafts. A function
     `draft(history [B, H] int32, length [B], k) -> [B, k] int32` drafts instead (deterministic in the history:
     the rejection rule takes its proposal as certain; tokens of `history` at or past `length` are not
     history). Static under jit, as is `num_draft`.
@@ -182,7 +185,19 @@ def generate(
             "generate: pass prefill_chunk= with several processes (free memory differs between hosts and the chunk "
             "shapes the compiled program; the CLI takes the smallest default_prefill_chunk over the hosts)"
         )
-    if prefix_cache is None:
+    mtp = None
+    if draft == "mtp":
+        if prefix_cache is not None:
+            raise ValueError(
+                "draft='mtp' with prefix_cache: the MTP module reads the target's hidden state at every prompt "
+                "position, which a prefix cache does not keep; use draft='ngram' with it"
+            )
+        cache = model.init_cache(b, t + max_new_tokens + extra)
+        chunk = default_prefill_chunk(model) if prefill_chunk is None else prefill_chunk
+        mcache = model.init_mtp_cache(b, t + max_new_tokens + extra)
+        logits, cache, mcache, h_last = prefill_with_mtp(model, input_ids, lens, cache, mcache, chunk=chunk)
+        mtp = (mcache, h_last)
+    elif prefix_cache is None:
         cache = model.init_cache(b, t + max_new_tokens + extra)
         chunk = default_prefill_chunk(model) if prefill_chunk is None else prefill_chunk
         if t > chunk:
@@ -205,9 +220,9 @@ def generate(
     if draft is not None:
         from hybrid_jax.speculative import ngram_draft, speculative_decode  # it builds on this module's sampling
 
-        drafter = ngram_draft if draft == "ngram" else draft
+        drafter = {"ngram": ngram_draft, "mtp": None}.get(draft, draft) if isinstance(draft, str) else draft
         tokens, lengths, drafted, accepted, cache = speculative_decode(
-            model, cache, first, input_ids, lens, lengths, done, drafter=drafter, num_draft=num_draft,
+            model, cache, first, input_ids, lens, lengths, done, drafter=drafter, num_draft=num_draft, mtp=mtp,
             max_new_tokens=max_new_tokens,
             rng=rng, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id,
             emit=None if on_token is None else emit,
@@ -246,10 +261,10 @@ def _validate_draft(model: HybridLM, draft, num_draft, total: int) -> int:
         return 0
     if not callable(draft) and draft not in DRAFTERS:
         raise ValueError(f"draft={draft!r} must be None, one of {DRAFTERS} or a drafter function")
-    if draft == "mtp":
+    if draft == "mtp" and not model.config.mtp_layers:
         raise ValueError(
-            "draft='mtp': this model carries no multi-token-prediction layer (the loader does not keep one yet); "
-            "use draft='ngram'"
+            "draft='mtp': this model carries no multi-token-prediction layer (mtp_layers=0; load a checkpoint "
+            "that has one with from_pretrained(..., mtp=True)); use draft='ngram'"
         )
     if not isinstance(num_draft, (int, np.integer)) or isinstance(num_draft, bool) or num_draft < 1:
         raise ValueError(f"num_draft={num_draft!r} must be a positive int (static under jit)")
@@ -367,6 +382,37 @@ def prefill_calls(model: HybridLM, ids, lengths, cache, logits, start, size: int
 
     _, logits, cache, extra = jax.lax.while_loop(lambda s: s[0] < n_calls, body, (jnp.int32(0), logits, cache, carry))
     return (logits, cache) if after is None else (logits, cache, extra)
+
+
+def prefill_with_mtp(model: HybridLM, ids, lengths, cache, mtp_cache, *, chunk: int):
+    """The prompt through the target and its first MTP module, in calls of `chunk` tokens (one call when the
+    prompt fits): each call's hidden states h_p feed the module's rows p with the prompt's next tokens t_{p+1}
+    (p + 1 < the row's length; the last row waits for the first generated token). -> (logits [B, V] at each
+    row's last token, the cache, the MTP cache, the last token's hidden state [B, D])."""
+    b, t = ids.shape
+    size = min(int(chunk), t)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    rows = jnp.arange(b)
+    n_calls = jnp.max(-(-lengths // size))
+
+    def body(state):
+        c, logits, h_last, cache, mcache = state
+        first = c * size
+        idx = jnp.clip(first + jnp.arange(size, dtype=jnp.int32), 0, t - 1)
+        n_new = jnp.clip(lengths - first, 0, size)
+        out, cache, hidden = model.prefill(ids[:, idx], cache, n_new, last_only=True, return_hidden=True)
+        here = (n_new > 0) & (lengths - 1 < first + size)
+        logits = jnp.where(here[:, None], out, logits)
+        h_last = jnp.where(here[:, None], hidden[rows, jnp.maximum(n_new - 1, 0)].astype(h_last.dtype), h_last)
+        nxt = ids[:, jnp.minimum(idx + 1, t - 1)]
+        _, _, mcache = model.mtp_extend(nxt, hidden, mcache, jnp.clip(lengths - 1 - first, 0, size), last_only=True)
+        return c + 1, logits, h_last, cache, mcache
+
+    logits = jnp.zeros((b, model.config.vocab_size), jnp.float32)
+    h_last = jnp.zeros((b, model.config.hidden_size), model.dtypes.compute)
+    state = (jnp.int32(0), logits, h_last, cache, mtp_cache)
+    _, logits, h_last, cache, mtp_cache = jax.lax.while_loop(lambda s: s[0] < n_calls, body, state)
+    return logits, cache, mtp_cache, h_last
 
 
 def _row_errors(ids, lens, vocab: int, temperature, top_p) -> jax.Array:

@@ -118,6 +118,50 @@ class DecoderLayer(nnx.Module):
         return residual + self.mlp(self.post_attention_layernorm(h)), blocks, state, selection
 
 
+class SharedHead(nnx.Module):
+    """An MTP module's output: logits = head(norm(g)) (DeepSeek's `shared_head`)."""
+
+    def __init__(self, cfg: HybridConfig, dt: DTypes, rngs: nnx.Rngs):
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dt=dt, zero_centered=cfg.norm_zero_centered)
+        self.head = linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dt, rngs)
+
+
+class MTPLayer(DecoderLayer):
+    """One multi-token-prediction module (DeepSeek-V3 §2.2; `model.layers.{num_layers + j}.*` in a checkpoint).
+
+    Row p reads the target's final hidden state h_p (after the final norm, as vLLM and SGLang feed it) and the
+    token t_{p+1}, at position p, and scores t_{p+2}:
+
+        x_p = eh_proj([enorm(e_p); hnorm(h_p)]),   e_p = embed(t_{p+1}), zero at p = 0 (as vLLM masks it)
+        g_p = DecoderLayer(x_p)                    (its own cache, causal over rows 0..p)
+        logits_p = shared_head.head(shared_head.norm(g_p))
+
+    Drafting k tokens reuses the module on its own output: row p + 1 reads (g_p, its draft)."""
+
+    def __init__(self, cfg: HybridConfig, dt: DTypes, quant: QuantConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg.mtp_config(), 0, dt, quant, rngs=rngs)
+        d = cfg.hidden_size
+        norm = dict(eps=cfg.rms_norm_eps, dt=dt, zero_centered=cfg.norm_zero_centered)
+        self.embed_tokens = Embed(cfg.vocab_size, d, dt, rngs)
+        self.enorm = RMSNorm(d, **norm)
+        self.hnorm = RMSNorm(d, **norm)
+        self.eh_proj = linear(2 * d, d, (None, "embed"), dt, rngs)
+        self.shared_head = SharedHead(cfg, dt, rngs)
+
+    def step(self, ids: jax.Array, hidden: jax.Array, info: StepInfo, state, last_index=None):
+        """ids [B, T] (t_{p+1}), hidden [B, T, D] (h_p) -> (float32 logits [B, T, V] or [B, V] at `last_index`,
+        g [B, T, D] or [B, D], the new cache state)."""
+        e = self.embed_tokens(ids)
+        e = jnp.where((info.positions == 0)[..., None], jnp.zeros_like(e), e)
+        x = jnp.concatenate([self.enorm(e), self.hnorm(hidden.astype(e.dtype))], axis=-1)
+        x = constrain(self.eh_proj(x), RESIDUAL)
+        g, _, state, _ = DecoderLayer.__call__(self, x, [], info, state, None)
+        g = constrain(g, RESIDUAL)
+        if last_index is not None:
+            g = jnp.take_along_axis(g, last_index[:, None, None], axis=1)[:, 0]
+        return self.shared_head.head(self.shared_head.norm(g)).astype(jnp.float32), g, state
+
+
 class HybridLM(nnx.Module):
     """Causal LM over a hybrid stack of KDA / Gated DeltaNet, dense MLA, indexer-sparse MLA and gated GQA layers.
 
@@ -163,6 +207,8 @@ class HybridLM(nnx.Module):
             self.final_attn_residual = AttnResMix(d, eps=config.rms_norm_eps, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = linear(d, config.vocab_size, ("embed", "vocab"), dt, rngs)
+        if config.mtp_layers:
+            self.mtp = nnx.List([MTPLayer(config, dt, quant, rngs=rngs) for _ in range(config.mtp_layers)])
 
     # ------------------------------------------------------------------ core
     def _logits(self, h: jax.Array) -> jax.Array:
@@ -171,11 +217,15 @@ class HybridLM(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def forward(self, input_ids: jax.Array, info: StepInfo, states=None, last_index: jax.Array | None = None):
+    def forward(
+        self, input_ids: jax.Array, info: StepInfo, states=None, last_index: jax.Array | None = None, *,
+        return_hidden: bool = False,
+    ):  # fmt: skip
         """The decoder over one step's `StepInfo` (positions, validity, cache addresses, CP layout): ids [B, T],
         per-layer cache states (None: no cache) -> (float32 logits [B, T, vocab], or [B, vocab] at
-        `last_index` [B]; the new states). What `__call__`, `prefill`, `decode_step` and the context-parallel
-        prefill (`sharding.context_parallel`) share; most callers want those instead."""
+        `last_index` [B]; the new states[; with return_hidden the final normed hidden states [B, T, D], what the
+        MTP drafter reads]). What `__call__`, `prefill`, `decode_step` and the context-parallel prefill
+        (`sharding.context_parallel`) share; most callers want those instead."""
         cfg = self.config
         h = constrain(self.embed_tokens(input_ids), RESIDUAL)
         if cfg.hc_mult is not None:
@@ -191,6 +241,12 @@ class HybridLM(nnx.Module):
             h = self.final_attn_residual(blocks, h)
         if cfg.hc_mult is not None:
             h = collapse_streams(h)
+        if return_hidden:
+            hidden = self.norm(h)
+            last = hidden
+            if last_index is not None:
+                last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]
+            return self._logits(last), tuple(new_states), hidden
         if last_index is not None:  # only the logits that sampling needs: [B, D] instead of [B, T, D]
             h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
         return self._logits(self.norm(h)), tuple(new_states)
@@ -262,8 +318,9 @@ class HybridLM(nnx.Module):
             if bad.size:
                 raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
 
-    def _extend(self, input_ids, cache: HybridCache, n_new, mode: str, last_only: bool):
-        b, t = input_ids.shape
+    def _step_info(self, cache: HybridCache, b: int, t: int, n_new, mode: str):
+        """The StepInfo of appending up to t tokens per row to `cache` (checks eager where concrete) ->
+        (info, overflow [B]): a row that would overflow under jit takes none of its tokens."""
         if b != cache.batch_size:
             raise ValueError(f"input batch {b} != cache batch {cache.batch_size}")
         n_new = jnp.asarray(n_new, jnp.int32)
@@ -287,30 +344,66 @@ class HybridLM(nnx.Module):
         overflow = cache.lengths + n_new > cache.max_len
         n_new = jnp.where(overflow, 0, n_new)
         valid = steps[None, :] < n_new[:, None]
-        kv_lengths = cache.lengths + n_new
         info = StepInfo(
-            positions=positions, valid=valid, n_new=n_new, page_table=cache.page_table, kv_lengths=kv_lengths, mode=mode
-        )
-        last = jnp.maximum(n_new - 1, 0) if last_only else None
-        logits, states = self.forward(input_ids, info, cache.layers, last)
-        logits = jnp.where(overflow.reshape((b,) + (1,) * (logits.ndim - 1)), jnp.nan, logits)
-        new_cache = HybridCache(
-            layers=states,
-            page_table=cache.page_table,
-            lengths=kv_lengths,
-            max_len=cache.max_len,
-            page_size=cache.page_size,
-        )
-        return logits, new_cache
+            positions=positions, valid=valid, n_new=n_new, page_table=cache.page_table,
+            kv_lengths=cache.lengths + n_new, mode=mode,
+        )  # fmt: skip
+        return info, overflow
 
-    def prefill(self, input_ids: jax.Array, cache: HybridCache, lengths=None, *, last_only: bool = False):
+    @staticmethod
+    def _advance(cache: HybridCache, info: StepInfo, states, logits, overflow):
+        logits = jnp.where(overflow.reshape((-1,) + (1,) * (logits.ndim - 1)), jnp.nan, logits)
+        return logits, cache.replace(layers=states, lengths=info.kv_lengths)
+
+    def _extend(self, input_ids, cache: HybridCache, n_new, mode: str, last_only: bool, return_hidden=False):
+        b, t = input_ids.shape
+        info, overflow = self._step_info(cache, b, t, n_new, mode)
+        last = jnp.maximum(info.n_new - 1, 0) if last_only else None
+        out = self.forward(input_ids, info, cache.layers, last, return_hidden=return_hidden)
+        logits, new_cache = self._advance(cache, info, out[1], out[0], overflow)
+        return (logits, new_cache, out[2]) if return_hidden else (logits, new_cache)
+
+    # ------------------------------------------------------------------ multi-token prediction
+    def init_mtp_cache(self, batch_size: int, max_len: int, *, dtype=None) -> HybridCache:
+        """Empty caches of the MTP modules (one layer each), positions as the target's."""
+        if not self.config.mtp_layers:
+            raise ValueError("init_mtp_cache: this model has no multi-token-prediction layer (mtp_layers=0)")
+        g = self.config.page_size
+        table = make_page_table(batch_size, max_len, g)
+        pool = table.shape[0] * table.shape[1]
+        dtype = dtype or self.dtypes.compute
+        states = tuple(m.self_attn.init_state(pool, g, dtype, batch_size) for m in self.mtp)
+        return HybridCache(
+            layers=states, page_table=table, lengths=jnp.zeros((batch_size,), jnp.int32), max_len=max_len, page_size=g
+        )
+
+    def mtp_extend(self, ids, hidden, cache: HybridCache, n_new, *, mode: str = "prefill", last_only: bool = False,
+                   module: int = 0):  # fmt: skip
+        """Append rows to MTP module `module`'s cache: ids [B, T] the tokens t_{p+1}, hidden [B, T, D] the hidden
+        states h_p (the target's, `forward(return_hidden=True)`, or the module's own g when drafting), n_new [B]
+        real rows -> (logits [B, T, V] or [B, V] at each row's last one, g likewise, the cache). Row positions
+        continue the cache's length. `mode` as for the target ("verify" reads the cache in the decode form)."""
+        b, t = ids.shape
+        info, overflow = self._step_info(cache, b, t, n_new, mode)
+        last = jnp.maximum(info.n_new - 1, 0) if last_only else None
+        layer = cache.layers[module]
+        logits, g, state = self.mtp[module].step(ids, hidden, info, layer, last)
+        layers = cache.layers[:module] + (state,) + cache.layers[module + 1 :]
+        logits, new_cache = self._advance(cache, info, layers, logits, overflow)
+        return logits, g, new_cache
+
+    def prefill(
+        self, input_ids: jax.Array, cache: HybridCache, lengths=None, *, last_only: bool = False,
+        return_hidden: bool = False,
+    ):  # fmt: skip
         """Append tokens to every sequence: ids [B, T] (right-padded), lengths [B] real tokens per row
         (default T). Returns (logits [B, T, vocab] float32 — or [B, vocab] at each row's last real token
-        when last_only — and the updated cache). Padded positions change no state."""
+        when last_only — and the updated cache[, with return_hidden the final normed hidden states [B, T, D]]).
+        Padded positions change no state."""
         self._check_ids(input_ids, lengths)
         b, t = input_ids.shape
         n_new = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
-        return self._extend(input_ids, cache, n_new, "prefill", last_only)
+        return self._extend(input_ids, cache, n_new, "prefill", last_only, return_hidden)
 
     def decode_step(self, token_ids: jax.Array, cache: HybridCache, active=None):
         """One token per sequence: ids [B] -> (logits [B, vocab] float32, cache). Rows with active=False
@@ -324,17 +417,19 @@ class HybridLM(nnx.Module):
         logits, cache = self._extend(token_ids[:, None], cache, n_new, "decode", False)
         return logits[:, 0], cache
 
-    def verify(self, input_ids: jax.Array, cache: HybridCache, lengths=None) -> tuple[jax.Array, PendingCache]:
+    def verify(self, input_ids: jax.Array, cache: HybridCache, lengths=None, *, return_hidden: bool = False):
         """Score a block of tokens per sequence and keep what a rollback needs (speculative decoding): ids [B, T]
         (right-padded), lengths [B] real tokens per row (default T) -> (logits [B, T, vocab] float32, a
         `PendingCache`). Attention layers read the cache in the absorbed (decode) form and write all T tokens;
         KDA layers run the decode step token by token and keep the state after each. Pass the result to
-        `commit` with the number of tokens each row keeps."""
+        `commit` with the number of tokens each row keeps. return_hidden: also the final normed hidden states
+        [B, T, D] (third), what the MTP drafter reads."""
         self._check_ids(input_ids, lengths)
         b, t = input_ids.shape
         n_new = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-        logits, new_cache = self._extend(input_ids, cache, n_new, "verify", False)
-        return logits, PendingCache(cache=new_cache, n_new=new_cache.lengths - cache.lengths, block=t)
+        out = self._extend(input_ids, cache, n_new, "verify", False, return_hidden)
+        pending = PendingCache(cache=out[1], n_new=out[1].lengths - cache.lengths, block=t)
+        return (out[0], pending, out[2]) if return_hidden else (out[0], pending)
 
     def commit(self, pending: PendingCache, keep) -> HybridCache:
         """The cache as if each row had been fed only the first keep[b] tokens of the verified block (keep [B] in

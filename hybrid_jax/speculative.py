@@ -3,7 +3,7 @@ target agrees with and roll the rest back (docs/speculative.md).
 
 One iteration of `speculative_decode`'s `lax.while_loop`, per row (rows accept their own counts):
 
-    d_1 .. d_k            = draft(history)                                  (`ngram_draft`)
+    d_1 .. d_k            = draft(history)                    (`ngram_draft`, a function, or `mtp_draft`)
     logits_0 .. logits_k  = model.verify([last, d_1 .. d_k])                (one forward through the caches)
     a                     = accepted drafts                                  (`accept_drafts`)
     emit d_1 .. d_a, then y  (y: the target's token after d_a; a + 1 tokens, fewer at EOS or the budget)
@@ -24,6 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from hybrid_jax.cache import PendingCache
 from hybrid_jax.generate import filtered_logits
 
 # n-gram lengths the prompt-lookup drafter tries, longest first
@@ -74,6 +75,63 @@ def replay_drafter(reference, wrong_every: int | None = None) -> Callable:
     return draft
 
 
+def mtp_draft(model, mtp_cache, pend_ids, pend_hidden, n_pend, k: int):
+    """Draft k tokens with the model's first MTP module (greedy: its q is one-hot, as the rejection rule takes).
+
+    The module's cache holds rows 0..C-1 (C = mtp_cache.lengths); rows C..C+n_pend-1 are pending: their target
+    hidden states pend_hidden [B, P, D] and tokens pend_ids [B, P] (t_{p+1}) are known since the last verify.
+    Row C+n_pend-1 is the newest position L-1 (the token t_L the target has not seen yet), so its output drafts
+    d_1; each further draft runs the module on (its own g, the previous draft) one position on. The pending rows
+    are committed (the target's hidden states are exact there); the rows of drafts 2..k are rolled back.
+    n_pend [B] (0: an inactive row, left as it is) -> (drafts [B, k] int32, logits [B, k, V] float32, cache)."""
+    logits, g, cache = model.mtp_extend(pend_ids, pend_hidden, mtp_cache, n_pend, mode="verify", last_only=True)
+    active = (n_pend > 0).astype(jnp.int32)
+    drafts, all_logits = [jnp.argmax(logits, axis=-1).astype(jnp.int32)], [logits]
+    after = cache
+    for _ in range(1, k):
+        logits, g, after = model.mtp_extend(
+            drafts[-1][:, None], g[:, None], after, active, mode="decode", last_only=True
+        )
+        drafts.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        all_logits.append(logits)
+    if k > 1:  # the draft rows are the module's guesses, not the target's hidden states: drop them
+        pending = PendingCache(cache=after, n_new=after.lengths - cache.lengths, block=k - 1)
+        cache = model.commit(pending, jnp.zeros_like(active))
+    return jnp.stack(drafts, axis=1), jnp.stack(all_logits, axis=1), cache
+
+
+def _full_info(b: int, t: int):
+    from hybrid_jax.cache import StepInfo
+
+    return StepInfo(
+        positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), valid=jnp.ones((b, t), bool),
+        n_new=jnp.full((b,), t, jnp.int32), page_table=jnp.arange(b, dtype=jnp.int32)[:, None],
+        kv_lengths=jnp.full((b,), t, jnp.int32), mode="prefill",
+    )  # fmt: skip
+
+
+def mtp_reference_drafts(model, tokens, lengths, k: int):
+    """The MTP drafter's specification, without caches: tokens [B, N] right-padded, row r holding t_0 .. t_L
+    (lengths[r] = L + 1; t_L not yet seen by the target) -> (drafts [B, k], their logits [B, k, V]). The target's
+    full forward gives h_0 .. h_{L-1}; draft j runs MTP module 0 from scratch over the rows, row p reading
+    (h_p, t_{p+1}) for p < L and (g_{p-1}, d_{p-L+1}) after, g being the module's own output and d the drafts
+    so far (`MTPLayer`); draft j is scored at row L - 1 + j. Everything is causal, so the rows past those
+    (padding) change nothing."""
+    b, n = tokens.shape
+    tokens = jnp.concatenate([tokens, jnp.zeros((b, k), tokens.dtype)], axis=1)
+    _, _, hidden = model.forward(tokens[:, :-1], _full_info(b, n + k - 1), return_hidden=True)
+    ids, rows, last = tokens[:, 1:], jnp.arange(b), jnp.asarray(lengths) - 2  # row L - 1
+    drafts, all_logits = [], []
+    for j in range(k):
+        logits, g, _ = model.mtp[0].step(ids, hidden, _full_info(b, n + k - 1), None)
+        at = last + j
+        drafts.append(jnp.argmax(logits[rows, at], axis=-1).astype(jnp.int32))
+        all_logits.append(logits[rows, at])
+        hidden = hidden.at[rows, at + 1].set(g[rows, at].astype(hidden.dtype))
+        ids = ids.at[rows, at + 1].set(drafts[-1])
+    return jnp.stack(drafts, axis=1), jnp.stack(all_logits, axis=1)
+
+
 def accept_drafts(logits: jax.Array, drafts: jax.Array, key: jax.Array, *, temperature, top_k, top_p):
     """The verify step's decision per row: logits [B, k+1, V] float32 (position j scores the token after input
     j, input 0 being the last emitted token), drafts [B, k] -> (a [B] accepted drafts, y [B] the token after
@@ -111,8 +169,9 @@ def speculative_decode(
     lengths: jax.Array,
     done: jax.Array,
     *,
-    drafter: Callable,
+    drafter: Callable | None,
     num_draft: int,
+    mtp: tuple | None = None,
     max_new_tokens: int,
     rng: jax.Array,
     temperature,
@@ -142,10 +201,18 @@ def speculative_decode(
         return ~jnp.all(carry[3])
 
     def body(carry):
-        it, last, cache, done, tokens, lengths, hist, drafted, accepted, streamed = carry
-        drafts = drafter(hist, prompt_lengths + lengths, k)
-        n_new = jnp.where(done, 0, k + 1)
-        logits, pending = model.verify(jnp.concatenate([last[:, None], drafts], axis=1), cache, n_new)
+        it, last, cache, done, tokens, lengths, hist, drafted, accepted, streamed, mtp_carry = carry
+        block_n = jnp.where(done, 0, k + 1)
+        if mtp is None:
+            drafts = drafter(hist, prompt_lengths + lengths, k)
+            logits, pending = model.verify(jnp.concatenate([last[:, None], drafts], axis=1), cache, block_n)
+        else:
+            mcache, pend_hidden, n_pend = mtp_carry
+            src = mcache.lengths[:, None] + 1 + jnp.arange(k + 1)[None, :]  # t_{p+1} of the pending rows
+            pend_ids = jnp.take_along_axis(hist, jnp.minimum(src, hist.shape[1] - 1), axis=1)
+            drafts, _, mcache = mtp_draft(model, mcache, pend_ids, pend_hidden, jnp.where(done, 0, n_pend), k)
+            block = jnp.concatenate([last[:, None], drafts], axis=1)
+            logits, pending, hidden = model.verify(block, cache, block_n, return_hidden=True)
         a, y = accept_drafts(
             logits, drafts, jax.random.fold_in(rng, it + 1), temperature=temperature, top_k=top_k, top_p=top_p
         )
@@ -170,15 +237,22 @@ def speculative_decode(
         stop = lengths >= max_new_tokens
         if eos_id is not None:
             stop |= jnp.any((emitted == eos_id) & write, axis=1)
+        if mtp is not None:  # the kept block rows are the next pending MTP rows (h exact, t_{p+1} emitted)
+            mtp_carry = (mcache, hidden.astype(pend_hidden.dtype), m)
         done = done | stop
         if emit is not None:
             streamed = _stream(emit, tokens, lengths, done, streamed, max_new_tokens)
-        return it + 1, last, cache, done, tokens, lengths, hist, drafted, accepted, streamed
+        return it + 1, last, cache, done, tokens, lengths, hist, drafted, accepted, streamed, mtp_carry
 
     done = done | (lengths >= max_new_tokens)  # max_new_tokens = 1: the prefill's token is all
-    carry = (jnp.int32(0), first, cache, done, tokens, lengths, hist, zeros, zeros, jnp.int32(1))
+    mtp_carry = ()
+    if mtp is not None:
+        mcache, h_last = mtp
+        pend_hidden = jnp.zeros((b, k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+        mtp_carry = (mcache, pend_hidden, jnp.ones((b,), jnp.int32))
+    carry = (jnp.int32(0), first, cache, done, tokens, lengths, hist, zeros, zeros, jnp.int32(1), mtp_carry)
     out = jax.lax.while_loop(cond, body, carry)
-    _, _, cache, _, tokens, lengths, _, drafted, accepted, _ = out
+    _, _, cache, _, tokens, lengths, _, drafted, accepted, _, _ = out
     return tokens, lengths, drafted, accepted, cache
 
 

@@ -220,6 +220,21 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     assert "kda stage (layer 0), B=1" in capsys.readouterr().out
 
 
+def test_profile_stage_compares_a_chunked_prefill_with_one_call(tmp_path, monkeypatch, capsys):
+    """--stage prefill --prefill-chunk: a cut preset, both prefills compiled, run and traced, the comparison
+    printed (the CPU has no device kernels to fill it)."""
+    from benchmarks import profile_stage
+
+    argv = ["profile_stage", "--model", "tiny", "--layers", "2", "--experts", "4", "--stage", "prefill", "--tokens",
+            "48", "--prefill-chunk", "16", "--calls", "1", "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_stage.main()
+    assert "while" in (tmp_path / "prefill_48_chunk16.hlo.txt").read_text()  # the chunk loop
+    assert (tmp_path / "prefill_48.hlo.txt").exists()
+    out = capsys.readouterr().out
+    assert "prefill T=48, B=1, one call" in out and "chunks of 16 minus one call, per source" in out
+
+
 def test_profile_stage_indexer_runs_each_selection(tmp_path, monkeypatch, capsys):
     """`--stage indexer` profiles the decode Top-K once per selection (on the CPU the kernels run in interpret
     mode and the trace has no device kernels to list, but the selection compiles, runs, is titled and traced)."""
@@ -544,19 +559,21 @@ def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
 @pytest.mark.slow
 def test_speculative_benchmark_runs_on_cpu(monkeypatch, capsys):
     """The speculative benchmark at toy size: plain and speculative rows (the replay of plain greedy's tokens
-    emits k + 1 tokens a step in float32, where verify and decode agree), the verify and decode steps."""
+    emits k + 1 tokens a step in float32, where verify and decode agree), the verify and decode steps; with
+    --mtp the MTP drafter's row and its drafting call."""
     from benchmarks import speculative
 
     # --layers 2: tiny cut to 4 layers (the first KDA pair + the first sparse and full MLA layers: every kind)
     argv = ["speculative", "--preset", "tiny", "--layers", "2", "--batches", "2", "--context", "40", "--new", "11",
-            "--num-draft", "2", "--wrong-every", "--reps", "1", "--steps", "2", "--dtype", "float32",
+            "--num-draft", "2", "--wrong-every", "--reps", "1", "--steps", "2", "--dtype", "float32", "--mtp",
             "--no-record"]  # fmt: skip
     monkeypatch.setattr("sys.argv", argv)
     speculative.main()
     out = capsys.readouterr().out
     assert "| 2 | 40 | plain greedy |  |  |" in out
     assert "| 2 | 40 | speculative k=2 | replay of plain greedy | 2.50 |" in out  # 10 tokens after the first: 3+3+3+1
-    assert out.count("| same tokens as plain greedy |") == 2, out[-2000:]
+    assert out.count("| same tokens as plain greedy |") == 3, out[-2000:]  # ngram, replay, mtp
+    assert "| speculative k=2 | mtp (random weights) |" in out and "| mtp drafting call, 2 drafts |" in out
     assert "verify step, 3 tokens + commit" in out and "x a decode step" in out
 
 

@@ -118,6 +118,7 @@ def test_help_documents_every_flag_with_its_default():
         (["--prompt-ids", "1,2,999999"], "token id 999999 is outside the vocabulary [0, 260)"),
         (["--top-k", "100000"], "--top-k 100000 exceeds the vocabulary size 260"),
         (["--config", "tiny", "--top-k", "300"], "--top-k 300 exceeds the vocabulary size 288"),
+        (["--config", "tiny", "--draft", "mtp"], "draft='mtp': this model carries no multi-token-prediction layer"),
     ],
 )
 def test_user_errors_are_one_line_with_status_2(args, message):
