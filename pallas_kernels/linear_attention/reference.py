@@ -175,12 +175,16 @@ def short_conv(xhat, prev, kernel, n_new, out_dtype):
     prev: the W-1 raw inputs before each row's first padded token)."""
     w = kernel.shape[0]
     t = xhat.shape[1]
-    xp = jnp.concatenate([prev.astype(xhat.dtype), xhat], axis=1)  # [B, W-1+T, C]
-    xp32 = xp.astype(jnp.float32)
+    state_dtype, prev = prev.dtype, prev.astype(xhat.dtype)
+    xp32 = jnp.concatenate([prev, xhat], axis=1).astype(jnp.float32)  # [B, W-1+T, C]: read only by the conv
     u = sum(kernel[j] * xp32[:, j : j + t] for j in range(w))
+    # row i of the new tail is row n_new + i of [prev; xhat], gathered from each part apart: a second reader of
+    # the concatenation would make XLA write it out whole (a full copy of the chunk per call)
     idx = n_new[:, None] + jnp.arange(w - 1)[None, :]  # [B, W-1]
-    new_prev = jnp.take_along_axis(xp, idx[:, :, None], axis=1)
-    return jax.nn.silu(u).astype(out_dtype), new_prev.astype(prev.dtype)
+    from_prev = jnp.take_along_axis(prev, jnp.minimum(idx, w - 2)[:, :, None], axis=1)
+    from_new = jnp.take_along_axis(xhat, jnp.clip(idx - (w - 1), 0, t - 1)[:, :, None], axis=1)
+    new_prev = jnp.where((idx < w - 1)[:, :, None], from_prev, from_new)
+    return jax.nn.silu(u).astype(out_dtype), new_prev.astype(state_dtype)
 
 
 def kda_gate(f, a_log, dt_bias, *, num_heads, head_dim, scalar, lower_bound=None):
