@@ -176,10 +176,14 @@ def short_conv(xhat, prev, kernel, n_new, out_dtype):
     w = kernel.shape[0]
     t = xhat.shape[1]
     state_dtype, prev = prev.dtype, prev.astype(xhat.dtype)
-    xp32 = jnp.concatenate([prev, xhat], axis=1).astype(jnp.float32)  # [B, W-1+T, C]: read only by the conv
-    u = sum(kernel[j] * xp32[:, j : j + t] for j in range(w))
-    # row i of the new tail is row n_new + i of [prev; xhat], gathered from each part apart: a second reader of
-    # the concatenation would make XLA write it out whole (a full copy of the chunk per call)
+    # Row i of [prev; xhat] (W-1+T rows) is prev[i] for i < W-1, else xhat[i - (W-1)]. Each tap j selects between
+    # two padded views instead of slicing one concatenation, which XLA wrote out whole per call; the terms and
+    # their order are the same (j = 0 .. W-1).
+    row = jnp.arange(t)[None, :, None]
+    prev_ext = jnp.pad(prev, [(0, 0), (0, t), (0, 0)]).astype(jnp.float32)
+    x_ext = jnp.pad(xhat, [(0, 0), (w - 1, 0), (0, 0)]).astype(jnp.float32)
+    u = sum(kernel[j] * jnp.where(row + j < w - 1, prev_ext[:, j : j + t], x_ext[:, j : j + t]) for j in range(w))
+    # row i of the new tail is row n_new + i of [prev; xhat], gathered from each part apart
     idx = n_new[:, None] + jnp.arange(w - 1)[None, :]  # [B, W-1]
     from_prev = jnp.take_along_axis(prev, jnp.minimum(idx, w - 2)[:, :, None], axis=1)
     from_new = jnp.take_along_axis(xhat, jnp.clip(idx - (w - 1), 0, t - 1)[:, :, None], axis=1)
