@@ -110,8 +110,8 @@ def _source(path: tuple, cfg: HybridConfig, reader: CheckpointFolder, prefix: st
             own = prefix + layer + "embed_tokens.weight"
             return Source([own if own in reader else prefix + "embed_tokens.weight"], lambda t: t[0])
         if mtp.group(2) == "shared_head.head.kernel" and prefix + layer + "shared_head.head.weight" not in reader:
-            if "lm_head.weight" in reader:
-                return Source(["lm_head.weight"], lambda t: _t(t[0]))
+            head = "lm_head.weight" if "lm_head.weight" in reader else prefix + "embed_tokens.weight"  # tied
+            return Source([head], lambda t: _t(t[0]))
         return _source((*(layer + mtp.group(2)).split("."),), cfg, reader, prefix)
     hf = key if key.startswith("lm_head.") else prefix + key
     if hf.endswith(".kernel_scale_inv"):  # FP8-resident projection: torch [out/128, in/128] -> ours [in/128, out/128]

@@ -85,15 +85,16 @@ def convert(
     quant: QuantConfig | None = None,
     force: bool = False,
     progress: bool = True,
+    mtp: bool | None = None,
 ) -> Path:
     """Hugging Face folder -> orbax folder (see `save_orbax`), in `dtype` ("auto": the checkpoint's own, so a
     float32 checkpoint stays float32). With `quant.projection.dtype == "fp8"` the projections are stored
-    FP8-resident."""
+    FP8-resident. mtp: keep the checkpoint's multi-token-prediction layers (as `from_pretrained(mtp=)`)."""
     hf_dir = Path(hf_dir)
     out = Path(out_dir)
     if out.exists() and not force:  # fail before the (long) load
         raise FileExistsError(f"{out} exists; pass force=True (--force) to overwrite it")
-    model = load_safetensors_model(hf_dir, dtype=dtype, quant=quant, progress=progress)
+    model = load_safetensors_model(hf_dir, dtype=dtype, quant=quant, progress=progress, mtp=mtp)
     root = resolve_folder(hf_dir)
     extra = tuple(
         regular_file(resolve_inside(root, f), str(hf_dir / f))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from jax.sharding import Mesh
 
-from checkpoints.hf import load_safetensors_model, load_tokenizer
+from checkpoints.hf import load_safetensors_model, load_tokenizer, read_config
 from checkpoints.orbax_io import is_orbax_folder, restore_orbax
 from checkpoints.safetensors_io import resolve_folder
 from hybrid_jax.model import HybridLM
@@ -49,13 +49,13 @@ def from_pretrained(
     if isinstance(quant, (str, Path)):
         quant = QuantConfig.from_yaml(quant)
     if is_orbax_folder(path):
-        model = restore_orbax(path, dtype=dtype, mesh=mesh, quant=quant, rules=rules)
-        if mtp is not None and bool(model.config.mtp_layers) != mtp:
+        stored = read_config(path).mtp_layers  # checked before a byte of the weights is read
+        if mtp is not None and bool(stored) != mtp:
             raise ValueError(
-                f"mtp={mtp!r}: the orbax folder {path} stores a model with mtp_layers={model.config.mtp_layers}, "
-                "restored as stored"
+                f"mtp={mtp!r}: the orbax folder {path} stores a model with mtp_layers={stored} and restores it as "
+                "stored (convert with or without --mtp)"
             )
-        return model
+        return restore_orbax(path, dtype=dtype, mesh=mesh, quant=quant, rules=rules)
     model = load_safetensors_model(
         path, dtype=dtype, mesh=mesh, quant=quant, strict=strict, rules=rules, progress=progress, mtp=mtp
     )

@@ -311,7 +311,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     quant = _load_quant(args.quant)
     from checkpoints import convert
 
-    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, quant=quant, force=args.force)
+    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, quant=quant, force=args.force, mtp=args.mtp or None)
     print(f"wrote {out}")
     return 0
 
@@ -387,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="auto", help="weight dtype to store; auto: the checkpoint's own dtype")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--quant", default=None, help="QuantConfig YAML; projection: fp8 stores FP8-resident weights")
+    c.add_argument(
+        "--mtp", action="store_true", help="keep the checkpoint's multi-token-prediction layer (for --draft mtp)"
+    )
     c.set_defaults(func=cmd_convert)
     return p
 

@@ -159,6 +159,15 @@ def generate(
     """
     _validate(model, input_ids, prompt_lengths, max_new_tokens, top_k, top_p, temperature, eos_id)
     extra = _validate_draft(model, draft, num_draft, np.shape(input_ids)[1] + max_new_tokens)
+    if draft == "mtp" and prefix_cache is not None:
+        raise ValueError(
+            "draft='mtp' with prefix_cache: the MTP module reads the target's hidden state at every prompt "
+            "position, which a prefix cache does not keep; use draft='ngram' with it"
+        )
+    if prefill_chunk is not None and (
+        not isinstance(prefill_chunk, (int, np.integer)) or isinstance(prefill_chunk, bool) or prefill_chunk < 1
+    ):
+        raise ValueError(f"prefill_chunk={prefill_chunk!r} must be a positive int (static under jit)")
     greedy = isinstance(temperature, (int, float)) and temperature == 0
     if rng is None:
         if not greedy:
@@ -187,11 +196,6 @@ def generate(
         )
     mtp = None
     if draft == "mtp":
-        if prefix_cache is not None:
-            raise ValueError(
-                "draft='mtp' with prefix_cache: the MTP module reads the target's hidden state at every prompt "
-                "position, which a prefix cache does not keep; use draft='ngram' with it"
-            )
         cache = model.init_cache(b, t + max_new_tokens + extra)
         chunk = default_prefill_chunk(model) if prefill_chunk is None else prefill_chunk
         mcache = model.init_mtp_cache(b, t + max_new_tokens + extra)
@@ -388,7 +392,8 @@ def prefill_with_mtp(model: HybridLM, ids, lengths, cache, mtp_cache, *, chunk: 
     """The prompt through the target and its first MTP module, in calls of `chunk` tokens (one call when the
     prompt fits): each call's hidden states h_p feed the module's rows p with the prompt's next tokens t_{p+1}
     (p + 1 < the row's length; the last row waits for the first generated token). -> (logits [B, V] at each
-    row's last token, the cache, the MTP cache, the last token's hidden state [B, D])."""
+    row's last token, the cache, the MTP cache, the last token's hidden state [B, D]). Unlike
+    `prefill_chunked`, the last partial chunk is not split into smaller calls (one compiled call size)."""
     b, t = ids.shape
     size = min(int(chunk), t)
     lengths = jnp.asarray(lengths, jnp.int32)

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from checkpoints import from_pretrained, save_pretrained
+from checkpoints import convert, from_pretrained, save_pretrained
 from checkpoints.safetensors_io import CheckpointError, CheckpointFolder, write_safetensors
 from hybrid_jax import HybridConfig, HybridLM, PrefixCache, generate
 from hybrid_jax import speculative as spec_mod
 from hybrid_jax.cli import main
 from hybrid_jax.generate import prefill_with_mtp
 from hybrid_jax.speculative import mtp_draft, mtp_reference_drafts
-from tests.conftest import random_ids, variant_config
+from tests.conftest import random_ids
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GEN = jax.jit(generate, static_argnames=("max_new_tokens", "top_k", "eos_id", "draft", "num_draft", "on_token"))
@@ -97,26 +97,65 @@ def test_mtp_drafting_steps_match_the_uncached_reference(mtp_model):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
-def _copying_mtp(model: HybridLM) -> HybridLM:
-    """Set MTP module 0 to propose the token it is fed: eh_proj passes enorm(embed(t)) through, the mixer and FFN
-    outputs are zero and the head is the module's embedding, so its draft is t itself. On a target that repeats
-    its last token (the variant model), every draft is then right."""
+def _scaled_mtp(model: HybridLM, eps: float) -> HybridLM:
+    """Set MTP module 0 to (nearly) propose the token it is fed: eh_proj passes enorm(embed(t)) through, the
+    mixer's and FFN's output projections are scaled by `eps` and the head is the module's embedding. eps = 0:
+    the decoder layer is the identity and the draft is t itself; a small eps keeps that draft while every row
+    the module attends to moves its logits (so a wrong pending row shows)."""
     m = model.mtp[0]
     d = model.config.hidden_size
     m.eh_proj.kernel[...] = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0)
-    m.self_attn.o_proj.kernel[...] = jnp.zeros_like(m.self_attn.o_proj.kernel[...])
-    m.mlp.down_proj.kernel[...] = jnp.zeros_like(m.mlp.down_proj.kernel[...])
+    m.self_attn.o_proj.kernel[...] = eps * m.self_attn.o_proj.kernel[...]
+    mlp = m.mlp
+    down = mlp.down_proj.kernel if hasattr(mlp, "down_proj") else mlp.experts.down_proj
+    down[...] = eps * down[...]
+    if hasattr(mlp, "shared_experts"):
+        mlp.shared_experts.down_proj.kernel[...] = eps * mlp.shared_experts.down_proj.kernel[...]
     m.shared_head.head.kernel[...] = m.embed_tokens.embedding[...].T
     return model
 
 
-def test_mtp_speculative_greedy_equals_plain_greedy_and_drafts_follow_the_spec(mtp_model, monkeypatch):
-    """generate(draft="mtp") (prompts of mixed lengths, chunked prefill) gives plain greedy's tokens; every
-    verify step's drafts inside the compiled loop equal `mtp_reference_drafts` on that row's history (recorded
-    with a debug callback around `mtp_draft`); an EOS inside an accepted block; the accepted counts follow."""
-    model, k, new = mtp_model, 3, 12
+def test_mtp_equations_against_a_numpy_transcription():
+    """The module's rows, written out in numpy from its weights (the vLLM form): x = eh_proj([enorm(E[t]);
+    hnorm(h)]) with E[t] zeroed at position 0, and, with the decoder layer made the identity (eps = 0), logits =
+    head(norm(x)). Distinct random norm weights, so swapped norms or halves show."""
+    cfg = mtp_tiny()
+    model = _scaled_mtp(HybridLM(cfg, rngs=nnx.Rngs(4)), 0.0)
+    m = model.mtp[0]
+    rng = np.random.default_rng(1)
+    d = cfg.hidden_size
+    m.enorm.weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(d), jnp.float32)
+    m.hnorm.weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(d), jnp.float32)
+    m.shared_head.norm.weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(d), jnp.float32)
+    m.eh_proj.kernel[...] = jnp.asarray(rng.standard_normal((2 * d, d)) / np.sqrt(2 * d), jnp.float32)
+    b, t = 2, 7
+    ids = np.asarray(random_ids(3, (b, t), cfg.vocab_size))
+    hidden = rng.standard_normal((b, t, d)).astype(np.float32)
+    logits, g, _ = m.step(jnp.asarray(ids), jnp.asarray(hidden), spec_mod._full_info(b, t), None)
+
+    def rms(x, w):
+        return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+
+    e = np.asarray(m.embed_tokens.embedding[...])[ids]
+    e[:, 0] = 0.0  # position 0
+    x = np.concatenate([rms(e, np.asarray(m.enorm.weight[...])), rms(hidden, np.asarray(m.hnorm.weight[...]))], -1)
+    x = x @ np.asarray(m.eh_proj.kernel[...])
+    want = rms(x, np.asarray(m.shared_head.norm.weight[...])) @ np.asarray(m.shared_head.head.kernel[...])
+    np.testing.assert_allclose(np.asarray(g), x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-4)
+
+
+def test_mtp_in_the_compiled_loop_follows_the_spec_with_accepted_drafts_and_an_eos(monkeypatch):
+    """generate(draft="mtp") on a KDA / sparse-MLA / MoE hybrid whose MTP module (sparse MLA + MoE) nearly copies
+    its input token, on a target that mostly repeats its last token (tied embeddings): drafts are accepted, so
+    verify steps leave several pending rows. Every drafting call inside the compiled loop (recorded around
+    `mtp_draft`; prompts of mixed lengths, chunked prefill) gives the drafts' logits of `mtp_reference_drafts` on
+    that row's history; the output is plain greedy's, also with an EOS that a row emits as an accepted draft."""
+    cfg = mtp_tiny().replace(tie_word_embeddings=True)
+    model = _scaled_mtp(HybridLM(cfg, rngs=nnx.Rngs(0)), 0.05)
+    k, new = 3, 12
     lens = jnp.array([11, 6, 9])
-    ids = random_ids(9, (3, 11), model.config.vocab_size)
+    ids = random_ids(9, (3, 11), cfg.vocab_size)
     plain = GEN(model, ids, prompt_lengths=lens, max_new_tokens=new)
     steps = []
     original = spec_mod.mtp_draft
@@ -127,43 +166,32 @@ def test_mtp_speculative_greedy_equals_plain_greedy_and_drafts_follow_the_spec(m
         return out
 
     monkeypatch.setattr(spec_mod, "mtp_draft", recording)
-    fresh_jit = jax.jit(generate, static_argnames=("max_new_tokens", "draft", "num_draft", "prefill_chunk"))
+    static = ("max_new_tokens", "draft", "num_draft", "prefill_chunk", "eos_id")
+    fresh_jit = jax.jit(generate, static_argnames=static)
     spec = fresh_jit(model, ids, prompt_lengths=lens, max_new_tokens=new, draft="mtp", num_draft=k, prefill_chunk=4)
     np.testing.assert_array_equal(spec.tokens, plain.tokens)
     np.testing.assert_array_equal(spec.lengths, plain.lengths)
-    assert len(steps) >= 3
+    assert (np.asarray(spec.accepted) > 0).all()
     full = [np.concatenate([np.asarray(ids[r, : int(lens[r])]), np.asarray(plain.tokens[r])]) for r in range(3)]
     got, histories = [], []
     for c, n_pend, logits in steps:
         for r in np.nonzero(n_pend)[0]:
             got.append(logits[r])
             histories.append(full[r][: c[r] + n_pend[r] + 1])
-    assert len(histories) >= 3 * 3
+    assert max(int(n.max()) for _, n, _ in steps) > 1  # steps after accepted drafts: several pending rows
     _, want = _reference(model, histories, k)
     np.testing.assert_allclose(np.stack(got), want, rtol=1e-4, atol=1e-4)
-    assert (np.asarray(spec.drafted) % k == 0).all()
-
-
-def test_mtp_greedy_with_accepted_drafts_and_an_eos_inside_a_block():
-    """A KDA / MLA hybrid with a dense-MLA MTP module set to copy its input token, on a target that repeats its
-    last token: drafts are accepted, the output is plain greedy's, under jit, with an EOS emitted as an accepted
-    draft (row 0 stops inside a block)."""
-    cfg = variant_config().replace(mtp_layers=1, mtp_layer_type="full", mtp_mlp_type="dense")
-    model = _copying_mtp(HybridLM(cfg, rngs=nnx.Rngs(0)))
-    lens = jnp.array([13, 7, 10])
-    ids = jnp.tile(random_ids(42, (3, 4), cfg.vocab_size), (1, 4))[:, :13]
-    plain = GEN(model, ids, prompt_lengths=lens, max_new_tokens=14)
-    spec = GEN(model, ids, prompt_lengths=lens, max_new_tokens=14, draft="mtp", num_draft=4)
-    np.testing.assert_array_equal(spec.tokens, plain.tokens)
-    assert (np.asarray(spec.accepted) > 0).all()
-    eos = int(plain.tokens[0, 5])
-    row0 = np.asarray(plain.tokens[0])
-    stop = int(np.argmax(row0 == eos)) + 1
-    with_eos = GEN(model, ids, prompt_lengths=lens, max_new_tokens=14, eos_id=eos, draft="mtp", num_draft=4)
-    ref = GEN(model, ids, prompt_lengths=lens, max_new_tokens=14, eos_id=eos)
+    # an EOS emitted as an accepted draft: a token that first appears in its row at column >= 2
+    tokens = np.asarray(plain.tokens)
+    row, col = next((r, c) for r in range(3) for c in range(2, new) if tokens[r, c] not in tokens[r, :c])
+    eos = int(tokens[row, col])
+    with_eos = fresh_jit(
+        model, ids, prompt_lengths=lens, max_new_tokens=new, eos_id=eos, draft="mtp", num_draft=k, prefill_chunk=4
+    )
+    ref = GEN(model, ids, prompt_lengths=lens, max_new_tokens=new, eos_id=eos)
     np.testing.assert_array_equal(with_eos.tokens, ref.tokens)
     np.testing.assert_array_equal(with_eos.lengths, ref.lengths)
-    assert int(with_eos.lengths[0]) == stop
+    assert int(with_eos.lengths[row]) == col + 1
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -235,6 +263,25 @@ def test_deepseek_mtp_layer_loads_skips_by_default_and_round_trips(tmp_path, cap
     assert lines[0] == lines[1] and re.search(r"speculative \(mtp\): \d+ of \d+ drafted tokens accepted", out), out
     with pytest.raises(CheckpointError, match="mtp=True, but .* declares no multi-token-prediction layer"):
         from_pretrained(FIXTURES / "deepseek_v32", progress=False, mtp=True)
+    # orbax: convert keeps the layer with mtp=True; a restore that asks otherwise fails before reading weights
+    convert(path, tmp_path / "orbax", mtp=True, progress=False)
+    assert from_pretrained(tmp_path / "orbax").config.mtp_layers == 1
+    with pytest.raises(ValueError, match="mtp=False: the orbax folder .* stores a model with mtp_layers=1"):
+        from_pretrained(tmp_path / "orbax", mtp=False)
+
+
+def test_mtp_layer_without_its_own_embedding_and_head_reads_the_models(tmp_path):
+    """A checkpoint whose MTP layer leaves out `embed_tokens` and `shared_head.head` (shared by design) loads them
+    from the model's embedding and LM head."""
+    path, _ = _with_mtp_layer(tmp_path)
+    reader = CheckpointFolder(path)
+    own = ("model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight")
+    tensors = {n: np.asarray(reader[n]) for n in reader if n not in own}
+    del reader
+    write_safetensors(path / "model.safetensors", tensors)
+    model = from_pretrained(path, dtype=jnp.float32, progress=False, mtp=True)
+    np.testing.assert_array_equal(model.mtp[0].embed_tokens.embedding[...], tensors["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(model.mtp[0].shared_head.head.kernel[...], tensors["lm_head.weight"].T)
 
 
 def test_bad_mtp_arguments_raise_naming_the_value(mtp_model, tiny_model):
@@ -250,5 +297,7 @@ def test_bad_mtp_arguments_raise_naming_the_value(mtp_model, tiny_model):
         HybridConfig.tiny().replace(mtp_layers=1)
     with pytest.raises(ValueError, match="mtp_layers=-1"):
         mtp_tiny().replace(mtp_layers=-1)
+    with pytest.raises(ValueError, match="prefill_chunk=0 must be a positive int"):
+        generate(mtp_model, ids, max_new_tokens=2, draft="mtp", prefill_chunk=0)
     with pytest.raises(ValueError, match="init_mtp_cache.*mtp_layers=0"):
         tiny_model.init_mtp_cache(1, 8)
