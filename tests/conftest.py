@@ -16,6 +16,15 @@ from hybrid_jax import HybridConfig, HybridLM
 # subprocesses take the same flags through `xla_flags(n)`.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+# Many tests build the same programs (a tiny model's prefill, decode loop, ...): JAX's persistent compilation
+# cache lets the second one load the first one's executable. One folder per checkout (a clean clone starts
+# empty), shared by the xdist workers and, through the environment, by subprocesses. The cache is keyed by the
+# program, its flags and the device, so a hit runs exactly what a compile would have built.
+# HYBRID_JAX_TEST_COMPILE_CACHE=0 switches it off.
+if os.environ.get("HYBRID_JAX_TEST_COMPILE_CACHE", "1") != "0":
+    _cache = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 QUICK = False  # the quick tier (`-m "not slow"`): set by pytest_configure before the test modules are collected
