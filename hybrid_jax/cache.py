@@ -194,6 +194,15 @@ class StepInfo:
     mode: str = struct.field(pytree_node=False)  # "prefill" or "decode"
     cp: ContextParallel | None = struct.field(pytree_node=False, default=None)  # sequence split over devices
 
+    @classmethod
+    def uncached(cls, b: int, t: int) -> StepInfo:
+        """A full causal forward of [B, T] tokens from position 0, without a cache."""
+        return cls(
+            positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), valid=jnp.ones((b, t), bool),
+            n_new=jnp.full((b,), t, jnp.int32), page_table=jnp.arange(b, dtype=jnp.int32)[:, None],
+            kv_lengths=jnp.full((b,), t, jnp.int32), mode="prefill",
+        )  # fmt: skip
+
 
 def store_rows(pool: Pool | None, rows: jax.Array, info: StepInfo, fmt: str, tile: int) -> Pool:
     """Write this call's rows into the pool; without a cache the new rows *are* the (contiguous) pool.

@@ -255,15 +255,7 @@ class HybridLM(nnx.Module):
         """Full causal forward without a cache: ids [B, T] -> float32 logits [B, T, vocab]."""
         self._check_ids(input_ids)
         b, t = input_ids.shape
-        info = StepInfo(
-            positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-            valid=jnp.ones((b, t), bool),
-            n_new=jnp.full((b,), t, jnp.int32),
-            page_table=jnp.arange(b, dtype=jnp.int32)[:, None],
-            kv_lengths=jnp.full((b,), t, jnp.int32),
-            mode="prefill",
-        )
-        logits, _ = self.forward(input_ids, info)
+        logits, _ = self.forward(input_ids, StepInfo.uncached(b, t))
         return logits
 
     # ------------------------------------------------------------------ cache

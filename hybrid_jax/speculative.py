@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from hybrid_jax.cache import PendingCache
+from hybrid_jax.cache import PendingCache, StepInfo
 from hybrid_jax.generate import filtered_logits
 
 # n-gram lengths the prompt-lookup drafter tries, longest first
@@ -100,16 +100,6 @@ def mtp_draft(model, mtp_cache, pend_ids, pend_hidden, n_pend, k: int):
     return jnp.stack(drafts, axis=1), jnp.stack(all_logits, axis=1), cache
 
 
-def _full_info(b: int, t: int):
-    from hybrid_jax.cache import StepInfo
-
-    return StepInfo(
-        positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), valid=jnp.ones((b, t), bool),
-        n_new=jnp.full((b,), t, jnp.int32), page_table=jnp.arange(b, dtype=jnp.int32)[:, None],
-        kv_lengths=jnp.full((b,), t, jnp.int32), mode="prefill",
-    )  # fmt: skip
-
-
 def mtp_reference_drafts(model, tokens, lengths, k: int):
     """The MTP drafter's specification, without caches: tokens [B, N] right-padded, row r holding t_0 .. t_L
     (lengths[r] = L + 1; t_L not yet seen by the target) -> (drafts [B, k], their logits [B, k, V]). The target's
@@ -119,11 +109,11 @@ def mtp_reference_drafts(model, tokens, lengths, k: int):
     (padding) change nothing."""
     b, n = tokens.shape
     tokens = jnp.concatenate([tokens, jnp.zeros((b, k), tokens.dtype)], axis=1)
-    _, _, hidden = model.forward(tokens[:, :-1], _full_info(b, n + k - 1), return_hidden=True)
+    _, _, hidden = model.forward(tokens[:, :-1], StepInfo.uncached(b, n + k - 1), return_hidden=True)
     ids, rows, last = tokens[:, 1:], jnp.arange(b), jnp.asarray(lengths) - 2  # row L - 1
     drafts, all_logits = [], []
     for j in range(k):
-        logits, g, _ = model.mtp[0].step(ids, hidden, _full_info(b, n + k - 1), None)
+        logits, g, _ = model.mtp[0].step(ids, hidden, StepInfo.uncached(b, n + k - 1), None)
         at = last + j
         drafts.append(jnp.argmax(logits[rows, at], axis=-1).astype(jnp.int32))
         all_logits.append(logits[rows, at])

@@ -18,6 +18,7 @@ from checkpoints import convert, from_pretrained, save_pretrained
 from checkpoints.safetensors_io import CheckpointError, CheckpointFolder, write_safetensors
 from hybrid_jax import HybridConfig, HybridLM, PrefixCache, generate
 from hybrid_jax import speculative as spec_mod
+from hybrid_jax.cache import StepInfo
 from hybrid_jax.cli import main
 from hybrid_jax.generate import prefill_with_mtp
 from hybrid_jax.speculative import mtp_draft, mtp_reference_drafts
@@ -131,7 +132,7 @@ def test_mtp_equations_against_a_numpy_transcription():
     b, t = 2, 7
     ids = np.asarray(random_ids(3, (b, t), cfg.vocab_size))
     hidden = rng.standard_normal((b, t, d)).astype(np.float32)
-    logits, g, _ = m.step(jnp.asarray(ids), jnp.asarray(hidden), spec_mod._full_info(b, t), None)
+    logits, g, _ = m.step(jnp.asarray(ids), jnp.asarray(hidden), StepInfo.uncached(b, t), None)
 
     def rms(x, w):
         return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)

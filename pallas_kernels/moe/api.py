@@ -199,7 +199,7 @@ def moe_experts(
     # whatever order the atomics land: not deterministic run to run).
     sorted_at = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
     # The row of each pair, computed once: fused into the gather below, XLA recomputed its cumsums and gathers
-    # for every output element (1 ms a layer for a 2048-token chunk on an H200; docs/performance.md)
+    # for every output element (docs/performance.md, "Prefix caching")
     src = jax.lax.optimization_barrier(dest[sorted_at])
     y = y[src, :d].reshape(n, k, d)  # [N, k, D], pair (t, j) at [t, j]
     return jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y, precision=jax.lax.Precision.HIGHEST)
