@@ -85,6 +85,28 @@ def chained_ms(fn, *args, n: int = CHAIN, warmup: int = 1, iters: int = 10) -> f
     return median_ms(lambda: chained(*args), warmup=warmup, iters=iters) / n
 
 
+def fresh_ms(fn, calls: list[tuple], warmup: int = 1, iters: int = 10) -> float:
+    """Median ms per call of fn over `calls` (argument tuples, each with its own arrays), run one after another
+    in one executable: no host dispatch per call (what an op costs inside a compiled step), and nothing for XLA
+    to hoist out of the calls or share between them — each call reads its own inputs and every output is
+    returned. Each call's inputs pass an optimization barrier together with the previous call's output, which
+    keeps the calls in order and stops XLA from fusing one call's ops with another's. Inputs that are the same
+    array in every tuple are shared (say so where they are)."""
+
+    def run(calls):
+        outs, token = [], None
+        for args in calls:
+            if token is not None:
+                args, _ = jax.lax.optimization_barrier((args, token))
+            out = fn(*args)
+            token = jax.tree.leaves(out)[0]
+            outs.append(out)
+        return outs
+
+    run = jax.jit(run)
+    return median_ms(lambda: run(calls), warmup=warmup, iters=iters) / len(calls)
+
+
 def device_events(trace_dir: Path) -> list[tuple[float, float, str]]:
     """(start us, duration us, name) of the device-side events of the perfetto trace under trace_dir, by start."""
     path = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))

@@ -61,12 +61,13 @@ def torch_median_ms(fn, warmup: int = 3, iters: int = 20, calls: int = 1) -> flo
 PREFILL_CALLS, PREFILL_ITERS = 5, 10
 
 
-def prefill_flops(tokens: int) -> float:
-    """Chunked form per head and chunk of C: K Kᵀ and Q Kᵀ (2·C²K each), the UT solve (~C³/3), W = A K and
-    U = A V (C²K + C²V), the state read by q and k (2·C K V), the state update (C K V); 2 FLOPs a MAC."""
+def prefill_flops(tokens: int, heads: int = N) -> float:
+    """Chunked form per head and chunk of C, in MACs: K Kᵀ and Q Kᵀ (C²K each), the UT solve (~C³/3), W = A K
+    and U = A V (C²K + C²V), the state read by q and k (2·C K V), the state update (C K V), and the intra-chunk
+    output A_qk V_new (C²V); 2 FLOPs a MAC."""
     c = CHUNK
-    per_chunk = 2 * (2 * c * c * DK + c**3 / 3 + c * c * DK + c * c * DV + 3 * c * DK * DV)
-    return N * (tokens / c) * per_chunk
+    per_chunk = 2 * (2 * c * c * DK + c**3 / 3 + c * c * DK + 2 * c * c * DV + 3 * c * DK * DV)
+    return heads * (tokens / c) * per_chunk
 
 
 def _to_torch(q, k, v, g, beta):
@@ -252,17 +253,17 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
     return bv, nw, prec or "tf32", solve or "neumann"
 
 
-def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[dict]:
+def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,)) -> list[dict]:
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
-    for t in lengths:
-        ks = jax.random.split(jax.random.key(t), 5)
-        q, k, v = (jax.random.normal(x, (1, t, N, DK), jnp.bfloat16) for x in ks[:3])
-        g = -jax.nn.softplus(jax.random.normal(ks[3], (1, t, N, DK))) * 0.1
-        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, t, N)))
+    for n, t in ((n, t) for n in heads for t in lengths):
+        ks = jax.random.split(jax.random.key(t + n), 5)
+        q, k, v = (jax.random.normal(x, (1, t, n, DK), jnp.bfloat16) for x in ks[:3])
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (1, t, n, DK))) * 0.1
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, t, n)))
         nbytes = 4 * q.nbytes + g.nbytes + beta.nbytes
-        flops = prefill_flops(t)
-        shape = f"B=1 T={t} N={N} K={DK} V={DV}"
+        flops = prefill_flops(t, n)
+        shape = f"B=1 T={t} N={n} K={DK} V={DV}"
         ref = jax.jit(
             lambda q, k, v, g, beta: kda(q, k, v, g, beta, impl="reference", form="chunked", chunk_size=CHUNK)
         )
@@ -299,18 +300,18 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False) -> list[di
     return rows
 
 
-def varlen_rows(bw, rate, fla, total: int, seqs: int = 8) -> list[dict]:
+def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N) -> list[dict]:
     """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all."""
     rng = np.random.default_rng(0)
     cuts = np.sort(rng.choice(np.arange(1, total), seqs - 1, replace=False))
     cu = np.concatenate([[0], cuts, [total]])
     ks = jax.random.split(jax.random.key(total + 1), 5)
-    q, k, v = (jax.random.normal(x, (1, total, N, DK), jnp.bfloat16) for x in ks[:3])
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (1, total, N, DK))) * 0.1
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, total, N)))
+    q, k, v = (jax.random.normal(x, (1, total, n, DK), jnp.bfloat16) for x in ks[:3])
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (1, total, n, DK))) * 0.1
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, total, n)))
     nbytes = 4 * q.nbytes + g.nbytes + beta.nbytes
-    flops = prefill_flops(total)
-    shape = f"{seqs} seqs, {total} tokens (longest {int(np.diff(cu).max())}), N={N} K={DK} V={DV}"
+    flops = prefill_flops(total, n)
+    shape = f"{seqs} seqs, {total} tokens (longest {int(np.diff(cu).max())}), N={n} K={DK} V={DV}"
     rows = []
     ref = jax.jit(functools.partial(kda, impl="reference", form="chunked", chunk_size=CHUNK, cu_seqlens=cu))
     ref_o, _ = ref(q, k, v, g, beta)
@@ -339,6 +340,7 @@ def main() -> None:
     p.add_argument("--only", choices=("decode", "layer", "prefill"))
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--varlen-total", type=int, default=32768, help="tokens of the 8-sequence varlen batch (0: none)")
+    p.add_argument("--heads", type=int, nargs="+", default=[N], help="KDA head counts of the prefill rows")
     p.add_argument(
         "--variants", nargs="+", default=[f"{bv}x{nw}" for bv, nw in PREFILL_VARIANTS],
         help="Pallas prefill variants as block_v x num_warps [:precision [:solve]], e.g. 64x4, 64x4:bf16 or "
@@ -357,9 +359,9 @@ def main() -> None:
         rows += layer_rows(bw, rate)
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
-        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases)
+        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads)
         if args.varlen_total:
-            rows += varlen_rows(bw, rate, fla, args.varlen_total)
+            rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0])
     title = (
         f"KDA kernels (N={N} heads, K=V={DK}); ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"

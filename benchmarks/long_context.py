@@ -2,7 +2,7 @@
 prefills one long prompt chunk by chunk through the caches, and decodes after it.
 
     python -m benchmarks.long_context [--preset kimi_linear_48b] [--lengths 32768 131072 524288 1048000]
-        [--chunk 16384] [--batch-contexts 32768 131072] [--batch 16] [--no-record]
+        [--chunk 16384] [--batch-contexts 32768 131072] [--batches 16] [--no-record]
 
 - TTFT: one prompt of max(--lengths) tokens is prefilled --chunk tokens at a time (one compiled chunk step; the
   cache spans the whole prompt from the start, as `generate(prefill_chunk=)` does). Prefilling the first L
@@ -12,7 +12,7 @@ prefills one long prompt chunk by chunk through the caches, and decodes after it
 - Decode after L (batch 1): when the prefill reaches each L, 16 greedy steps in one executable (the loop
   `generate` compiles) on a copy of the cache; the prefill continues from the cache before them. Floor: the
   bytes one step must move (`e2e.decode_floor_bytes`) over the copy bandwidth.
-- Decode at --batch rows after each of --batch-contexts: the caches filled with random rows of the right
+- Decode at each of --batches rows after each of --batch-contexts: the caches filled with random rows of the right
   length (no prefill: a step's cost depends on the lengths, not on the values), the same 16-step loop.
 - Peak: the device's peak bytes in use after each row (it only grows over a run).
 """
@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--preset", default="kimi_linear_48b")
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048000])
     p.add_argument("--chunk", type=int, default=16384)
-    p.add_argument("--batch", type=int, default=16, help="rows of the batched decode rows")
+    p.add_argument("--batches", type=int, nargs="*", default=[16], help="rows of the random-filled decode rows")
     p.add_argument("--batch-contexts", type=int, nargs="*", default=[32768, 131072])
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers (a cut model)")
     p.add_argument("--no-record", action="store_true")
@@ -127,10 +127,7 @@ def main() -> None:
                  note=f"{DECODE_STEPS} steps per executable")  # fmt: skip
             del copy
     del cache
-    b = args.batch
-    for ctx in args.batch_contexts:
-        if b < 2:
-            break
+    for b, ctx in ((b, ctx) for ctx in args.batch_contexts for b in args.batches):
         cache = model.init_cache(b, ctx + 2 * DECODE_STEPS + 2)
         cache = _random_like(cache, jax.random.key(ctx)).replace(lengths=jnp.full((b,), ctx, jnp.int32))
         tok = jnp.zeros((b,), jnp.int32)

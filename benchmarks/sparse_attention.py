@@ -16,7 +16,7 @@ FLOPs 2·N·H per query-key pair. Sparse MLA: the selected rows [c | k_rope] rea
 
     python -m benchmarks.sparse_attention [--contexts 32768 131072] [--batches 1 16 64] [--only indexer|mla]
         [--indexer-variants 128:1024:bf16 ...] [--prefill-variants 64:128:kernel ...] [--no-prefill-reference]
-        [--chain 10] [--split-rows normal cauchy ties constant relu_zeros] [--no-record]
+        [--chain 10] [--topk-kinds normal cauchy ties constant relu_zeros] [--topk-rows 1 64] [--no-record]
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import CHAIN, ceilings, chained_device_ms, chained_ms, median_ms, rel_err, report
+from benchmarks.common import CHAIN, ceilings, fresh_ms, median_ms, rel_err, report
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.indexer.api import default_keys_per_program, default_selection
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.indexer.select_split import top_k_split
+from pallas_kernels.indexer.tuning import RANK_MAX_ROWS
 from pallas_kernels.registry import is_sm90
 from pallas_kernels.sparse_attention import sparse_mla
 from pallas_kernels.sparse_attention.api import default_tiles, dequantizes_pool
@@ -89,88 +90,100 @@ def _prefill_variant(text: str) -> dict:
     return dict(block_q=int(bq), block_s=int(bs), select=select)
 
 
+# Decode timings run `chain` calls on fresh inputs in one executable (`common.fresh_ms`). Key pools up to this
+# size are drawn anew for each call: a smaller pool could stay in the 50 MB L2 between calls, which a decode
+# step's pool does not (the other layers' reads come between); larger ones are shared (no L2 reuse possible).
+FRESH_POOL_MAX_BYTES = 256 * 2**20
+
+
+def _indexer_draw(key, b, s, heads, dim, pool=None):
+    """One decode call's inputs: queries [B, 1, H, D], weights [B, 1, H], and a key pool (drawn unless given)."""
+    ks = jax.random.split(key, 3)
+    pool = _pool(ks[0], b, s, dim, jnp.bfloat16)[0] if pool is None else pool
+    q = jax.random.normal(ks[1], (b, 1, heads, dim), jnp.bfloat16)
+    return q, jax.random.normal(ks[2], (b, 1, heads), jnp.float32), pool
+
+
+def _selection(select: str, best_first: bool, s: int, topk: int):
+    """A jitted Top-K of [R, S] float32 scores (every score a candidate) by one of our selections."""
+    interpret = jax.default_backend() == "cpu"
+    if select == "kernel":
+        return jax.jit(
+            lambda x: top_k_rows_pallas(
+                x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(1024, s), interpret=interpret
+            )
+        )  # fmt: skip
+    return jax.jit(
+        lambda x: top_k_split(
+            x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(4096, s), best_first=best_first,
+            interpret=interpret,
+        )
+    )  # fmt: skip
+
+
 def indexer_rows(
     bw, rate, contexts, batches, heads, dim, topk, prefill_len, variants=INDEXER_VARIANTS,
     prefill_variants=PREFILL_VARIANTS, prefill_reference=True, select_variants=(), decode_selects=DECODE_SELECTS,
     chain=CHAIN,
 ) -> list[dict]:  # fmt: skip
     rows = []
-    chained = functools.partial(chained_ms, n=chain)
-
-    def device_note(fn, *args) -> str:  # the same chain's device time, without the executable's launch and wait
-        ms = chained_device_ms(fn, *args, n=chain)
-        return "" if ms is None else f"device {ms:.4f} ms/call"
-
-    for s in contexts:
-        for b in batches:
-            ks = jax.random.split(jax.random.key(s + b), 3)
-            pool, table = _pool(ks[0], b, s, dim, jnp.bfloat16)
-            q = jax.random.normal(ks[1], (b, 1, heads, dim), jnp.bfloat16)
-            w = jax.random.normal(ks[2], (b, 1, heads), jnp.float32)
-            pos = jnp.full((b, 1), s - 1, jnp.int32)
-            lens = jnp.full((b,), s, jnp.int32)
-            kw = dict(q_positions=pos, kv_lengths=lens, topk=topk, scale=dim**-0.5)
-            flops = 2 * b * s * heads * dim
-            shape = f"decode B={b} S={s} heads={heads}x{dim} top-{topk}, {chain} chained calls"
-            ref = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="reference", **kw))
-            ref_i, _ = ref(q, w, pool, table)
-            ms = chained(ref, q, w, pool, table)
-            note = device_note(ref, q, w, pool, table)
-            rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate, note))
-            for variant in variants:
-                for spec in decode_selects:
-                    select, _, segs = spec.partition(":")
-                    if select == "default":
-                        select, segs = default_selection(b, s, topk)
-                    vk = dict(_indexer_variant(variant), select=select, select_segments=int(segs or 1))
-                    fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
-                    got_i, _ = fn(q, w, pool, table)
-                    ms = chained(fn, q, w, pool, table)
-                    check = "; ".join(filter(None, [_same_topk(got_i, ref_i), device_note(fn, q, w, pool, table)]))
-                    how = {"top_k": "lax.top_k", "split": "split selection (row passes over many programs)"}.get(
-                        select, f"selection kernel, {vk['select_segments']} segments"
-                    )
-                    how += " (the default)" if spec == "default" else ""
-                    kpp = vk["keys_per_program"]
-                    kpp = default_keys_per_program(b, s)[0] if kpp == "auto" else kpp
-                    impl = (
-                        f"pallas scores (bf16 pool, block_s={vk['block_s']}, {kpp} keys/program, "
-                        f"{vk['precision']} products) + {how}"
-                    )
-                    rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
-            # the selection alone, on scores of the same shape: how much of the time the Top-K takes
-            scores = jax.random.normal(ks[2], (b, s), jnp.float32)
-            topk_only = jax.jit(lambda x: jax.lax.top_k(x, topk))
-            ms = chained(topk_only, scores)
-            rows.append(row("indexer", shape, "lax.top_k alone on [B, S] scores", ms, 0, scores.nbytes, bw, rate))
-            sel_only = jax.jit(
-                lambda x, s=s: top_k_rows_pallas(
-                    x,
-                    jnp.full((x.shape[0],), s, jnp.int32),
-                    k=topk,
-                    chunk=min(1024, s),
-                    interpret=jax.default_backend() == "cpu",
+    for s, b in ((s, b) for s in contexts for b in batches):
+        ks = jax.random.split(jax.random.key(s + b), chain + 1)
+        table = _pool(ks[0], b, s, dim, jnp.bfloat16)[1]
+        fresh_pool = b * s * dim * 2 <= FRESH_POOL_MAX_BYTES
+        draws = [_indexer_draw(ks[1], b, s, heads, dim)]
+        draws += [_indexer_draw(k, b, s, heads, dim, None if fresh_pool else draws[0][2]) for k in ks[2:]]
+        calls = [(q, w, pool, table) for q, w, pool in draws]
+        q, w, pool, _ = calls[0]
+        pos = jnp.full((b, 1), s - 1, jnp.int32)
+        lens = jnp.full((b,), s, jnp.int32)
+        kw = dict(q_positions=pos, kv_lengths=lens, topk=topk, scale=dim**-0.5)
+        flops = 2 * b * s * heads * dim
+        shape = f"decode B={b} S={s} heads={heads}x{dim} top-{topk}, {chain} calls, fresh inputs"
+        shape += "" if fresh_pool else " (one shared key pool)"
+        ref = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="reference", **kw))
+        ref_i, _ = ref(q, w, pool, table)
+        ms = fresh_ms(ref, calls)
+        rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
+        for variant in variants:
+            for spec in decode_selects:
+                select, _, segs = spec.partition(":")
+                if select == "default":
+                    select, segs = default_selection(b, s, topk)
+                vk = dict(_indexer_variant(variant), select=select, select_segments=int(segs or 1))
+                fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
+                got_i, _ = fn(q, w, pool, table)
+                ms = fresh_ms(fn, calls)
+                how = {"top_k": "lax.top_k", "split": "split selection (row passes over many programs)"}.get(
+                    select, f"selection kernel, {vk['select_segments']} segments"
                 )
-            )
-            ms = chained(sel_only, scores)
-            rows.append(row("indexer", shape, "selection kernel alone on [B, S]", ms, 0, scores.nbytes, bw, rate))
-            split_only = jax.jit(
-                lambda x, s=s: top_k_split(
-                    x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(4096, s), best_first=True,
-                    interpret=jax.default_backend() == "cpu",
+                how += " (the default)" if spec == "default" else ""
+                kpp = vk["keys_per_program"]
+                kpp = default_keys_per_program(b, s)[0] if kpp == "auto" else kpp
+                impl = (
+                    f"pallas scores (bf16 pool, block_s={vk['block_s']}, {kpp} keys/program, "
+                    f"{vk['precision']} products) + {how}"
                 )
-            )  # fmt: skip
-            ms = chained(split_only, scores)
-            label = "split selection alone on [B, S] (its own statistics pass, best first)"
-            rows.append(row("indexer", shape, label, ms, 0, scores.nbytes, bw, rate))
-            values, scales = quantize_mxfp8(pool)
-            fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
-            ms = chained(fn8, q, w, values, scales, table)
-            mx_bytes = values.nbytes + scales.nbytes
-            check = _same_topk(fn8(q, w, values, scales, table)[0], ref_i)
-            check = "; ".join(filter(None, [check, device_note(fn8, q, w, values, scales, table)]))
-            impl = "pallas scores (MXFP8 pool) + default selection"
-            rows.append(row("indexer", shape, impl, ms, flops, mx_bytes, bw, rate, check))
+                rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, _same_topk(got_i, ref_i)))
+        # the selection alone, on fresh scores of the same shape: how much of the time the Top-K takes
+        scores = [(jax.random.normal(jax.random.fold_in(k, 7), (b, s), jnp.float32),) for k in ks[1:]]
+        topk_only = jax.jit(lambda x: jax.lax.top_k(x, topk))
+        ms = fresh_ms(topk_only, scores)
+        rows.append(row("indexer", shape, "lax.top_k alone on [B, S] scores", ms, 0, scores[0][0].nbytes, bw, rate))
+        for select, best_first in (("kernel", False), ("split", b <= RANK_MAX_ROWS)):
+            fn = _selection(select, best_first, s, topk)
+            label = "selection kernel alone on [B, S]"
+            if select == "split":
+                label = f"split selection alone on [B, S] (its own statistics pass{', best first' * best_first})"
+            rows.append(row("indexer", shape, label, fresh_ms(fn, scores), 0, scores[0][0].nbytes, bw, rate))
+        mx = [(q, w, *quantize_mxfp8(p), table) for q, w, p, _ in calls]
+        fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
+        ms = fresh_ms(fn8, mx)
+        mx_bytes = mx[0][2].nbytes + mx[0][3].nbytes
+        check = _same_topk(fn8(*mx[0])[0], ref_i)
+        impl = "pallas scores (MXFP8 pool) + default selection"
+        rows.append(row("indexer", shape, impl, ms, flops, mx_bytes, bw, rate, check))
+        del draws, calls, mx, scores
     if prefill_len:
         t = prefill_len
         ks = jax.random.split(jax.random.key(t), 3)
@@ -201,7 +214,7 @@ def indexer_rows(
     return rows
 
 
-# Score rows for `--split-rows`: what the split selection's candidate bounds meet besides the indexer's
+# Score rows for `--topk-kinds`: what the split selection's candidate bounds meet besides the indexer's
 # near-normal scores. Heavy tails and ties leave more than 2k candidates, which the best-first ranking cuts
 # to k itself (each program's own K-th key search).
 SPLIT_ROWS = {
@@ -214,26 +227,54 @@ SPLIT_ROWS = {
 }
 
 
-def split_rows(bw, rate, kinds, s, topk, chain=CHAIN) -> list[dict]:
-    """The split selection alone on one row of S scores of each kind: best first (the decode default at
-    few rows) and in position order (one selection program per row after the passes), against `lax.top_k`;
-    the best-first result is checked equal to `lax.top_k`'s (values and positions)."""
+def _torch_topk_ms(xs, topk: int) -> tuple[float, np.ndarray] | None:
+    """torch.topk over the same fresh inputs (the Top-K an inference server's sampler calls): CUDA-event ms per
+    call of the calls queued back to back, median of 10, and the first call's positions; None without a CUDA
+    torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    tx = [torch.from_numpy(np.asarray(x)).cuda() for x in xs]
+    first = torch.topk(tx[0], topk, dim=-1).indices.cpu().numpy()
+    times = []
+    for _ in range(11):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for x in tx:
+            torch.topk(x, topk, dim=-1)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / len(tx))
+    return float(np.median(times[1:])), first
+
+
+def topk_rows(bw, rate, kinds, row_counts, s, topk, chain=CHAIN) -> list[dict]:
+    """Top-K of [R, S] float32 scores alone, for each score kind and row count R: `lax.top_k` (XLA), torch.topk,
+    our selection kernel (one program per row), the split selection in position order and, up to
+    RANK_MAX_ROWS rows, best first; the one the indexer picks for that shape is marked the default. Each
+    timing runs `chain` calls on fresh scores (`common.fresh_ms`). Checks: best first equal to `lax.top_k`
+    (values and positions), the others the same positions."""
     rows = []
-    chained = functools.partial(chained_ms, n=chain)
-    interpret = jax.default_backend() == "cpu"
-    limits = jnp.full((1,), s, jnp.int32)
-    for kind in kinds:
-        x = SPLIT_ROWS[kind](jax.random.key(s), (1, s)).astype(jnp.float32)
-        shape = f"one row of {s} {kind} scores, top-{topk}, {chain} chained calls"
+    for kind, r in ((kind, r) for kind in kinds for r in row_counts):
+        keys = jax.random.split(jax.random.key(s + r), chain)
+        calls = [(SPLIT_ROWS[kind](k, (r, s)).astype(jnp.float32),) for k in keys]
+        x = calls[0][0]
+        shape = f"[{r}, {s}] {kind} scores, top-{topk}, {chain} calls, fresh inputs"
         top = jax.jit(lambda x: jax.lax.top_k(x, topk))
         want_v, want_i = top(x)
-        rows.append(row("split rows", shape, "lax.top_k", chained(top, x), 0, x.nbytes, bw, rate))
-        for best_first in (True, False):
-            fn = jax.jit(
-                lambda x, b=best_first: top_k_split(
-                    x, limits, k=topk, chunk=min(4096, s), best_first=b, interpret=interpret
-                )
-            )  # fmt: skip
+        rows.append(row("top-k", shape, "lax.top_k (XLA)", fresh_ms(top, calls), 0, x.nbytes, bw, rate))
+        torch_ms = _torch_topk_ms([c[0] for c in calls], topk)
+        if torch_ms is not None:
+            rows.append(row("top-k", shape, "torch.topk", torch_ms[0], 0, x.nbytes, bw, rate,
+                            _same_topk(torch_ms[1], want_i)))  # fmt: skip
+        default = default_selection(r, s, topk)[0], r <= RANK_MAX_ROWS
+        for select, best_first in (("kernel", False), ("split", False), ("split", True)):
+            if best_first and r > RANK_MAX_ROWS:
+                continue
+            fn = _selection(select, best_first, s, topk)
             vals, idx = fn(x)
             if best_first:
                 same = np.array_equal(np.asarray(vals), np.asarray(want_v)) and np.array_equal(
@@ -242,8 +283,14 @@ def split_rows(bw, rate, kinds, s, topk, chain=CHAIN) -> list[dict]:
                 check = "equal to lax.top_k" if same else "DIFFERS from lax.top_k"
             else:
                 check = _same_topk(idx, want_i)
-            label = "split selection, best first" if best_first else "split selection, position order"
-            rows.append(row("split rows", shape, label, chained(fn, x), 0, x.nbytes, bw, rate, check))
+            label = {
+                ("kernel", False): "selection kernel (one program per row)",
+                ("split", False): "split selection, position order",
+                ("split", True): "split selection, best first",
+            }[select, best_first]
+            label += " (the default)" if (select, best_first) == default else ""
+            rows.append(row("top-k", shape, label, fresh_ms(fn, calls), 0, x.nbytes, bw, rate, check))
+        del calls
     return rows
 
 
@@ -306,6 +353,25 @@ def _mla_variant(text: str) -> tuple:
     return int(bh), int(bk), prec, None if sp == "-" else int(sp), int(nw), int(ns)
 
 
+def _mla_work(idx, heads: int, lat: int, rope: int, s: int, row_bytes: int) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) a sparse MLA call must spend on `idx` [B, T, K] (-1 = no row): FLOPs 2·H·(2L + R) per
+    selected row (an early causal query selects fewer than K); bytes the queries and outputs (bf16) and the
+    selected rows of `row_bytes` read once each — per query at decode, where every step reads its rows anew,
+    and each of the S pool rows once at prefill, where the queries of one call select from the same rows (a
+    pool of a few MB stays in the L2 between them)."""
+    b, t, _ = idx.shape
+    selected = int(jnp.sum(idx >= 0))
+    rows_read = selected if t == 1 else b * min(s, selected)
+    io = b * t * heads * (2 * lat + rope) * 2
+    return 2 * heads * (2 * lat + rope) * selected, io + rows_read * row_bytes
+
+
+def _dispatched_ms(fn, *args, calls: int) -> float:
+    """ms per call of `calls` separate dispatches of fn queued back to back (one wait), median of 10: nothing is
+    shared between the calls, each pays its own launch."""
+    return median_ms(functools.partial(fn, *args), warmup=2, iters=10, calls=calls)
+
+
 def sparse_mla_rows(
     bw,
     rate,
@@ -340,11 +406,10 @@ def sparse_mla_rows(
         idx = last - jax.random.permutation(ks[3], jnp.arange(topk))[None, None, :]
         idx = jnp.where(idx >= 0, idx, -1).astype(jnp.int32)
         idx = jnp.broadcast_to(idx, (b, t, topk))
-        flops = 2 * b * t * heads * topk * (2 * lat + rope)
-        nbytes = b * t * topk * (lat + rope) * 2
+        flops, nbytes = _mla_work(idx, heads, lat, rope, s, (lat + rope) * 2)
         shape = f"B={b} T={t} heads={heads} L={lat} R={rope} top-{topk}"
-        shape += f", {chain} chained calls" if t == 1 else ""
-        timer = functools.partial(chained_ms, n=chain) if t == 1 else functools.partial(_single_ms, iters=5)
+        shape += f", {chain} separate dispatches" if t == 1 else ""
+        timer = functools.partial(_dispatched_ms, calls=chain) if t == 1 else functools.partial(_single_ms, iters=5)
         ref = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="reference"))
         ref_o, _ = ref(ql, qr, pool, table, idx)
         if extra:
@@ -396,9 +461,9 @@ def sparse_mla_rows(
             continue
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
         args = (ql, qr, values, scales, pool[..., lat:], table, idx)
-        fp8_bytes = b * t * topk * (lat + 4 * lat // 128 + 2 * rope)  # E4M3 latent + f32 scales + bf16 rope
+        fp8_bytes = _mla_work(idx, heads, lat, rope, s, lat + 4 * lat // 128 + 2 * rope)[1]  # E4M3 + f32 scales
         pool_rows = pool.shape[0] * pool.shape[1]
-        if dequantizes_pool(b * t, topk, pool_rows):  # prefill: the BF16-row kernel
+        if dequantizes_pool(b * t, topk, pool_rows):  # prefill: the BF16 pool written and read back as well
             fp8_bytes = nbytes + values.nbytes + scales.nbytes + pool_rows * lat * 2
         for prec, label in ((None, "pallas, FP8 latent pool, defaults ({}, bf16)"),
                             ("tf32", "pallas, FP8 latent pool ({}), TF32 products")):  # fmt: skip
@@ -454,9 +519,10 @@ def main() -> None:
         "--decode-selects", nargs="+", default=list(DECODE_SELECTS), help="default, top_k, split or kernel:SEGMENTS"
     )
     p.add_argument(
-        "--split-rows", nargs="*", default=[], choices=sorted(SPLIT_ROWS),
-        help="the split selection alone on one row of each kind (the largest context's length)",
+        "--topk-kinds", nargs="*", default=[], choices=sorted(SPLIT_ROWS),
+        help="Top-K alone on [R, S] scores of each kind (S: the largest context), R each of --topk-rows",
     )  # fmt: skip
+    p.add_argument("--topk-rows", type=int, nargs="+", default=[1, 64])
     p.add_argument("--no-prefill-reference", action="store_true", help="skip the jnp reference's prefill row")
     p.add_argument("--mla-decode-variants", nargs="*", default=None, help="BH:BK:PREC:SPLITS(-):WARPS:STAGES")
     p.add_argument("--only", choices=["indexer", "mla"], default=None, help="one kernel's rows only")
@@ -477,8 +543,9 @@ def main() -> None:
             tuple(args.indexer_variants), tuple(args.prefill_variants), not args.no_prefill_reference,
             tuple(args.select_variants), tuple(args.decode_selects), args.chain,
         )  # fmt: skip
-        if args.split_rows:
-            rows += split_rows(bw, rate, args.split_rows, max(args.contexts or [131072]), args.topk, args.chain)
+        if args.topk_kinds:
+            s = max(args.contexts or [131072])
+            rows += topk_rows(bw, rate, args.topk_kinds, args.topk_rows, s, args.topk, args.chain)
     if args.only != "indexer":
         rows += sparse_mla_rows(
             bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill,

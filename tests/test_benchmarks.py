@@ -385,10 +385,10 @@ def test_sparse_mla_bound_probes_compute_what_they_claim():
 
 @pytest.mark.slow
 def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
-    """The issue-6 benchmark end to end at toy sizes in interpret mode: indexer decode rows (the default
-    selection against the jnp reference, the selections alone), sparse MLA decode rows (defaults, the
-    queries-inner grid, one explicit tile, FP8 rows), with `--chain` in the row labels, one `--split-rows`
-    kind; none fails."""
+    """The issue-6 benchmark end to end at toy sizes in interpret mode: indexer decode rows on fresh inputs (the
+    default selection against the jnp reference, the selections alone), sparse MLA decode rows as separate
+    dispatches (defaults, the queries-inner grid, one explicit tile, FP8 rows), the Top-K alone on two rows of
+    one `--topk-kinds` kind; none fails."""
     from benchmarks import sparse_attention
 
     # the script took `ceilings` by name: patch its own reference too (the real ones take minutes here)
@@ -396,18 +396,51 @@ def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, caps
     argv = ["sparse_attention", "--contexts", "2048", "--batches", "1", "--index-heads", "16", "--index-dim", "32",
             "--topk", "256", "--indexer-prefill", "0", "--mla-batch", "2", "--mla-heads", "16", "--mla-context", "512",
             "--mla-prefill", "0", "--mla-decode-variants", "16:32:bf16:-:4:2", "--decode-selects", "default",
-            "--chain", "2", "--split-rows", "relu_zeros", "--no-record"]  # fmt: skip
+            "--chain", "2", "--topk-kinds", "relu_zeros", "--topk-rows", "2", "--no-record"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     sparse_attention.main()
     out = capsys.readouterr().out
-    assert "| indexer | decode B=1 S=2048 heads=16x32 top-256, 2 chained calls | jnp reference" in out
+    assert "| indexer | decode B=1 S=2048 heads=16x32 top-256, 2 calls, fresh inputs | jnp reference" in out
     assert "split selection alone on [B, S]" in out and "Top-K overlap 1.0000" in out
     # a row whose K-th value is a zero shared by most of it: more than 2k candidates, cut inside the ranking
-    split = [ln for ln in out.splitlines() if ln.startswith("| split rows | one row of 2048 relu_zeros")]
-    assert len(split) == 3 and "equal to lax.top_k" in split[1], split
+    top = [ln for ln in out.splitlines() if ln.startswith("| top-k | [2, 2048] relu_zeros scores")]
+    assert len(top) == 4 and "split selection, best first (the default) | " in top[3], top
+    assert "equal to lax.top_k" in top[3] and all("Top-K overlap 1.0000" in ln for ln in top[1:3]), top
     mla = [ln for ln in out.splitlines() if ln.startswith("| sparse MLA decode | B=2 T=1 heads=16")]
+    assert all("2 separate dispatches" in ln for ln in mla), mla
     assert any("queries-inner grid" in ln for ln in mla) and any("FP8 latent pool" in ln for ln in mla)
     assert "did not run" not in out
+
+
+def test_sparse_mla_floors_count_the_rows_a_call_reads():
+    """An early causal query selects fewer than top-k rows (no FLOPs for the rest); a decode call reads its
+    selected rows, a prefill call each pool row once however many queries select it."""
+    import jax.numpy as jnp
+
+    from benchmarks.sparse_attention import _mla_work
+
+    heads, lat, rope, rb = 4, 8, 2, 20
+    pos = jnp.arange(6)[None, :, None]
+    idx = jnp.where(jnp.arange(4)[None, None, :] <= pos, pos - jnp.arange(4), -1)  # [1, 6, 4] causal top-4
+    flops, nbytes = _mla_work(idx, heads, lat, rope, 6, rb)
+    selected = 1 + 2 + 3 + 4 + 4 + 4
+    io = 6 * heads * (2 * lat + rope) * 2
+    assert flops == 2 * heads * (2 * lat + rope) * selected and nbytes == io + 6 * rb
+    flops, nbytes = _mla_work(idx[:, -1:], heads, lat, rope, 6, rb)  # one decode query: its 4 rows
+    assert flops == 2 * heads * (2 * lat + rope) * 4 and nbytes == heads * (2 * lat + rope) * 2 + 4 * rb
+
+
+def test_fresh_inputs_run_every_call_in_order():
+    """`fresh_ms` compiles one program with every call in it (none merged or dropped) and times it per call."""
+    import jax.numpy as jnp
+
+    from benchmarks.common import fresh_ms
+
+    calls = [(jnp.full((8,), float(i)),) for i in range(3)]
+    seen = []
+    fn = lambda x: jnp.sin(x) + len(seen.append(x.shape) or ())  # noqa: E731 — traced once per call
+    assert fresh_ms(fn, calls, warmup=0, iters=2) > 0
+    assert seen == [(8,)] * 3
 
 
 def _records(date, *rows, commit="abc1234"):
@@ -543,15 +576,16 @@ def test_report_check_fails_on_a_stale_file_and_merge_adds_only_new_rows(tmp_pat
 @pytest.mark.slow
 def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     """The issue-42 benchmark at toy size: a 96-token prompt in 32-token chunks with TTFT and decode rows after
-    40 and 96 tokens, then a 2-row decode on a random-filled 48-token cache."""
+    40 and 96 tokens, then 1- and 2-row decodes on a random-filled 48-token cache."""
     from benchmarks import long_context
 
-    argv = ["long_context", "--preset", "tiny", "--lengths", "40", "96", "--chunk", "32", "--batch", "2",
+    argv = ["long_context", "--preset", "tiny", "--lengths", "40", "96", "--chunk", "32", "--batches", "1", "2",
             "--batch-contexts", "48", "--no-record"]  # fmt: skip
     monkeypatch.setattr("sys.argv", argv)
     long_context.main()
     out = capsys.readouterr().out
     for case, batch, tokens in [("TTFT (chunked prefill)", 1, 40), ("decode step (after the prefill)", 1, 96),
+                                ("decode step (random-filled cache)", 1, 48),
                                 ("decode step (random-filled cache)", 2, 48)]:  # fmt: skip
         assert f"case={case} | batch={batch} | tokens={tokens} | ms=" in out, out[-3000:]
 
