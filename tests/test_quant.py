@@ -106,6 +106,23 @@ def test_fp8_kv_matches_flashmla_rule_and_bounds():
     assert np.isnan(np.asarray(dequantize_kv_fp8(*quantize_kv_fp8(jnp.full((1, 128), jnp.nan))))).all()
 
 
+@pytest.mark.parametrize("fmt, tile", [("fp8", 16), ("mxfp8", 0)])
+def test_an_empty_quantized_pool_is_quantized_zeros_and_compiles_without_folding_them(fmt, tile):
+    """Pool.empty broadcasts one quantized zero row: the same values and scales as quantizing a zero pool, and
+    the program that builds it holds no pool-sized reduction (XLA constant-folded that at compile time)."""
+    from hybrid_jax.cache import Pool, quantize_rows
+
+    shape = (3, 4, 64)
+    pool = Pool.empty(*shape, jnp.bfloat16, fmt, tile)
+    want_v, want_s = quantize_rows(jnp.zeros(shape, jnp.float32), fmt, tile, jnp.bfloat16)
+    for got, want in ((pool.values, want_v), (pool.scales, want_s)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    hlo = jax.jit(lambda: Pool.empty(*shape, jnp.bfloat16, fmt, tile)).lower().as_text()
+    reductions = [ln for ln in hlo.splitlines() if "stablehlo.reduce(" in ln]
+    assert reductions and not any("tensor<3x4x" in ln for ln in reductions), reductions
+
+
 def test_quant_config_yaml_and_errors(tmp_path):
     path = tmp_path / "quant.yaml"
     path.write_text("""
