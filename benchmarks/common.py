@@ -85,26 +85,58 @@ def chained_ms(fn, *args, n: int = CHAIN, warmup: int = 1, iters: int = 10) -> f
     return median_ms(lambda: chained(*args), warmup=warmup, iters=iters) / n
 
 
-def fresh_ms(fn, calls: list[tuple], warmup: int = 1, iters: int = 10) -> float:
-    """Median ms per call of fn over `calls` (argument tuples, each with its own arrays), run one after another
-    in one executable: no host dispatch per call (what an op costs inside a compiled step), and nothing for XLA
-    to hoist out of the calls or share between them — each call reads its own inputs and every output is
-    returned. Each call's inputs pass an optimization barrier together with the previous call's output, which
-    keeps the calls in order and stops XLA from fusing one call's ops with another's. Inputs that are the same
-    array in every tuple are shared (say so where they are)."""
+def fresh_program(fn, n: int):
+    """One jitted program running fn on n argument tuples one after another (see `fresh_ms`): each call's
+    inputs pass an optimization barrier together with the previous call's whole output, which keeps the calls
+    in order and stops XLA from fusing one call's ops with another's; every output is returned, so none is
+    dropped."""
 
     def run(calls):
-        outs, token = [], None
+        if len(calls) != n:
+            raise ValueError(f"fresh_program: {len(calls)} argument tuples for a program of n={n} calls")
+        outs, prev = [], None
         for args in calls:
-            if token is not None:
-                args, _ = jax.lax.optimization_barrier((args, token))
-            out = fn(*args)
-            token = jax.tree.leaves(out)[0]
-            outs.append(out)
+            if prev is not None:
+                args, _ = jax.lax.optimization_barrier((args, prev))
+            prev = fn(*args)
+            outs.append(prev)
         return outs
 
-    run = jax.jit(run)
+    return jax.jit(run)
+
+
+def fresh_ms(fn, calls: list[tuple], warmup: int = 1, iters: int = 10) -> float:
+    """Median wall ms per call of fn over `calls` (argument tuples, each with its own arrays), run one after
+    another in one executable (`fresh_program`): no host dispatch per call (what an op costs inside a compiled
+    step), and nothing for XLA to hoist out of the calls or share between them — each call reads its own
+    inputs. Arrays fn closes over, or that are the same in every tuple, are shared (say so where they are big).
+    The executable's own launch and wait (~0.3-0.5 ms on the H200) is spread over the calls: use enough calls,
+    or `fresh_device_ms`, for calls of tens of microseconds."""
+    run = fresh_program(fn, len(calls))
     return median_ms(lambda: run(calls), warmup=warmup, iters=iters) / len(calls)
+
+
+def fresh_device_ms(fn, calls: list[tuple], reps: int = 3) -> float | None:
+    """Device ms per call of the `fresh_ms` program: from a profiler trace of one execution, its first
+    kernel's start to its last kernel's end, over the number of calls (median of `reps` executions, each traced
+    alone) — `fresh_ms` less the executable's launch and wait; the gaps between kernels stay in. None where the
+    trace has no device events (CPU)."""
+    run = fresh_program(fn, len(calls))
+    return _device_span_ms(lambda: run(calls), len(calls), reps)
+
+
+def _device_span_ms(call, n: int, reps: int) -> float | None:
+    jax.block_until_ready(call())
+    spans = []
+    for _ in range(reps):
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                jax.block_until_ready(call())
+            events = device_events(Path(d))
+        if not events:
+            return None
+        spans.append((max(t + dur for t, dur, _ in events) - events[0][0]) / 1e3 / n)
+    return statistics.median(spans)
 
 
 def device_events(trace_dir: Path) -> list[tuple[float, float, str]]:
@@ -128,17 +160,7 @@ def chained_device_ms(fn, *args, n: int = CHAIN, reps: int = 3) -> float | None:
     B=1 decode at 40 calls: ~5 us a call, more than a tenth of it); the gaps between the calls' kernels stay
     in. None where the trace has no device events (CPU)."""
     chained = _chain(fn, n)
-    jax.block_until_ready(chained(*args))
-    spans = []
-    for _ in range(reps):
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                jax.block_until_ready(chained(*args))
-            events = device_events(Path(d))
-        if not events:
-            return None
-        spans.append((max(t + dur for t, dur, _ in events) - events[0][0]) / 1e3 / n)
-    return statistics.median(spans)
+    return _device_span_ms(lambda: chained(*args), n, reps)
 
 
 def flat_module(module):

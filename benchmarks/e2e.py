@@ -203,7 +203,8 @@ def prefill_flops(model, tokens: int) -> float:
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear":
             n, dk = cfg.kda_num_heads, cfg.kda_head_dim
-            chunk = 2 * (2 * c * c * dk + c**3 / 3 + 2 * c * c * dk + 3 * c * dk * dk)
+            # K Kᵀ, Q Kᵀ; the UT solve; W = A K, U = A V, the intra-chunk output A_qk V_new; state products (MACs)
+            chunk = 2 * (2 * c * c * dk + c**3 / 3 + 3 * c * c * dk + 3 * c * dk * dk)
             flops += n * tokens / c * chunk
         elif kind == "full":
             flops += 2 * pairs * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)

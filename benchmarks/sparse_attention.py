@@ -1,22 +1,24 @@
 """Sparse-attention kernels on one GPU: the lightning indexer (scores + Top-K) and index-based sparse MLA,
 Pallas against the jnp reference (materialised scores + `lax.top_k`; gathered rows) in the same run.
 
-Decode rows are timed as CHAIN calls in one executable (`common.chained_ms`), per call: inside a compiled
-decode step there is no host dispatch per op (~0.1-0.2 ms on the H200, more than the B=1 kernels take).
-The executable's own launch and wait (~0.2 ms) is still spread over its calls: ~20 us a call at the default
-10, which at B=1 is a fifth of a call; `--chain 40` spreads it thinner. The indexer's decode rows (the
-reference and the full Pallas paths) also give the same chain's device time per call in their check
-column (`common.chained_device_ms`: one execution's kernels, first start to last end, from a profiler
-trace), which leaves that launch and wait out.
+Decode rows: the indexer and the Top-K alone run `--fresh-calls` calls on fresh inputs in one executable
+(`common.fresh_ms`: no host dispatch per call, nothing XLA can hoist or share between calls; key pools up to
+FRESH_POOL_MAX_BYTES drawn anew per call so none stays in the L2); the executable's launch and wait (~0.3-0.5
+ms) is spread over the calls, so the check column also gives the kernels' span per call from a profiler trace
+(`common.fresh_device_ms`). Sparse MLA decode runs `--chain` separate dispatches queued back to back (each
+pays its launch; ~0.1 ms calls at B=64 hide the host's dispatch).
+Prefill rows: one call at a time, median of a few.
 
 Floors: bytes that must move over the measured copy bandwidth and FLOPs over the measured bf16 matmul rate
 (the larger). Indexer: the key cache read once (BF16, or MXFP8 values + E8M0 scales) plus the queries;
-FLOPs 2·N·H per query-key pair. Sparse MLA: the selected rows [c | k_rope] read once per query; FLOPs
-2·N·K·(2L + R) per query.
+FLOPs 2·N·H per query-key pair. Sparse MLA (`_mla_work`): FLOPs 2·N·(2L + R) per selected row (an early
+causal query selects fewer than K); bytes the queries and outputs, and the selected rows once per query at
+decode, each pool row once at prefill (a prefill's pool stays in the L2 between its queries).
 
     python -m benchmarks.sparse_attention [--contexts 32768 131072] [--batches 1 16 64] [--only indexer|mla]
         [--indexer-variants 128:1024:bf16 ...] [--prefill-variants 64:128:kernel ...] [--no-prefill-reference]
-        [--chain 10] [--topk-kinds normal cauchy ties constant relu_zeros] [--topk-rows 1 64] [--no-record]
+        [--chain 10] [--fresh-calls 40] [--topk-kinds normal cauchy ties constant relu_zeros] [--topk-rows 1 64]
+        [--no-record]
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import CHAIN, ceilings, fresh_ms, median_ms, rel_err, report
+from benchmarks.common import CHAIN, ceilings, fresh_device_ms, fresh_ms, median_ms, rel_err, report
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
+from pallas_kernels._pallas import pow2
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.indexer.api import default_keys_per_program, default_selection
 from pallas_kernels.indexer.select_kernel import top_k_rows_pallas
 from pallas_kernels.indexer.select_split import top_k_split
-from pallas_kernels.indexer.tuning import RANK_MAX_ROWS
+from pallas_kernels.indexer.tuning import RANK_MAX_ROWS, SELECT_CHUNK
 from pallas_kernels.registry import is_sm90
 from pallas_kernels.sparse_attention import sparse_mla
 from pallas_kernels.sparse_attention.api import default_tiles, dequantizes_pool
@@ -110,7 +113,8 @@ def _selection(select: str, best_first: bool, s: int, topk: int):
     if select == "kernel":
         return jax.jit(
             lambda x: top_k_rows_pallas(
-                x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(1024, s), interpret=interpret
+                x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(SELECT_CHUNK, pow2(s)),
+                interpret=interpret,
             )
         )  # fmt: skip
     return jax.jit(
@@ -129,12 +133,17 @@ def indexer_rows(
     rows = []
     for s, b in ((s, b) for s in contexts for b in batches):
         ks = jax.random.split(jax.random.key(s + b), chain + 1)
-        table = _pool(ks[0], b, s, dim, jnp.bfloat16)[1]
+        table = jnp.arange(b * (s // PAGE), dtype=jnp.int32).reshape(b, s // PAGE)
         fresh_pool = b * s * dim * 2 <= FRESH_POOL_MAX_BYTES
         draws = [_indexer_draw(ks[1], b, s, heads, dim)]
         draws += [_indexer_draw(k, b, s, heads, dim, None if fresh_pool else draws[0][2]) for k in ks[2:]]
         calls = [(q, w, pool, table) for q, w, pool in draws]
         q, w, pool, _ = calls[0]
+
+        def device_note(fn, calls=calls) -> str:  # the same program's kernel span, without its launch and wait
+            ms = fresh_device_ms(fn, calls)
+            return "" if ms is None else f"device {ms:.4f} ms/call"
+
         pos = jnp.full((b, 1), s - 1, jnp.int32)
         lens = jnp.full((b,), s, jnp.int32)
         kw = dict(q_positions=pos, kv_lengths=lens, topk=topk, scale=dim**-0.5)
@@ -144,13 +153,14 @@ def indexer_rows(
         ref = jax.jit(lambda q, w, p, t, kw=kw: indexer_topk(q, w, p, t, impl="reference", **kw))
         ref_i, _ = ref(q, w, pool, table)
         ms = fresh_ms(ref, calls)
-        rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate))
+        rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate,
+                        device_note(ref)))  # fmt: skip
         for variant in variants:
             for spec in decode_selects:
                 select, _, segs = spec.partition(":")
                 if select == "default":
                     select, segs = default_selection(b, s, topk)
-                vk = dict(_indexer_variant(variant), select=select, select_segments=int(segs or 1))
+                vk = dict(_indexer_variant(variant), select=select, select_segments=int(segs or 1), sort=False)
                 fn = jax.jit(lambda q, w, p, t, kw=kw, vk=vk: indexer_topk(q, w, p, t, impl="pallas", **vk, **kw))
                 got_i, _ = fn(q, w, pool, table)
                 ms = fresh_ms(fn, calls)
@@ -164,7 +174,9 @@ def indexer_rows(
                     f"pallas scores (bf16 pool, block_s={vk['block_s']}, {kpp} keys/program, "
                     f"{vk['precision']} products) + {how}"
                 )
-                rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, _same_topk(got_i, ref_i)))
+                check = _same_topk(got_i, ref_i)
+                check += f"; {device_note(fn)}" if spec == "default" else ""
+                rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
         # the selection alone, on fresh scores of the same shape: how much of the time the Top-K takes
         scores = [(jax.random.normal(jax.random.fold_in(k, 7), (b, s), jnp.float32),) for k in ks[1:]]
         topk_only = jax.jit(lambda x: jax.lax.top_k(x, topk))
@@ -176,8 +188,11 @@ def indexer_rows(
             if select == "split":
                 label = f"split selection alone on [B, S] (its own statistics pass{', best first' * best_first})"
             rows.append(row("indexer", shape, label, fresh_ms(fn, scores), 0, scores[0][0].nbytes, bw, rate))
-        mx = [(q, w, *quantize_mxfp8(p), table) for q, w, p, _ in calls]
-        fn8 = jax.jit(lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, **kw))
+        shared_mx = None if fresh_pool else quantize_mxfp8(pool)  # one quantized copy of a shared pool
+        mx = [(q, w, *(shared_mx or quantize_mxfp8(p)), table) for q, w, p, _ in calls]
+        fn8 = jax.jit(
+            lambda q, w, p, sc, t, kw=kw: indexer_topk(q, w, p, t, impl="pallas", k_scales=sc, sort=False, **kw)
+        )
         ms = fresh_ms(fn8, mx)
         mx_bytes = mx[0][2].nbytes + mx[0][3].nbytes
         check = _same_topk(fn8(*mx[0])[0], ref_i)
@@ -227,6 +242,11 @@ SPLIT_ROWS = {
 }
 
 
+def _device_note(fn, calls) -> str:
+    ms = fresh_device_ms(fn, calls)
+    return "" if ms is None else f"device {ms:.4f} ms/call"
+
+
 def _torch_topk_ms(xs, topk: int) -> tuple[float, np.ndarray] | None:
     """torch.topk over the same fresh inputs (the Top-K an inference server's sampler calls): CUDA-event ms per
     call of the calls queued back to back, median of 10, and the first call's positions; None without a CUDA
@@ -263,14 +283,17 @@ def topk_rows(bw, rate, kinds, row_counts, s, topk, chain=CHAIN) -> list[dict]:
         calls = [(SPLIT_ROWS[kind](k, (r, s)).astype(jnp.float32),) for k in keys]
         x = calls[0][0]
         shape = f"[{r}, {s}] {kind} scores, top-{topk}, {chain} calls, fresh inputs"
+        picked = default_selection(r, s, topk)[0]
+        default = picked, picked == "split" and r <= RANK_MAX_ROWS  # as `indexer_topk` ranks the split selection
         top = jax.jit(lambda x: jax.lax.top_k(x, topk))
         want_v, want_i = top(x)
-        rows.append(row("top-k", shape, "lax.top_k (XLA)", fresh_ms(top, calls), 0, x.nbytes, bw, rate))
+        label = "lax.top_k (XLA)" + (" (the default)" if default == ("top_k", False) else "")
+        rows.append(row("top-k", shape, label, fresh_ms(top, calls), 0, x.nbytes, bw, rate,
+                        _device_note(top, calls)))  # fmt: skip
         torch_ms = _torch_topk_ms([c[0] for c in calls], topk)
         if torch_ms is not None:
             rows.append(row("top-k", shape, "torch.topk", torch_ms[0], 0, x.nbytes, bw, rate,
                             _same_topk(torch_ms[1], want_i)))  # fmt: skip
-        default = default_selection(r, s, topk)[0], r <= RANK_MAX_ROWS
         for select, best_first in (("kernel", False), ("split", False), ("split", True)):
             if best_first and r > RANK_MAX_ROWS:
                 continue
@@ -289,6 +312,7 @@ def topk_rows(bw, rate, kinds, row_counts, s, topk, chain=CHAIN) -> list[dict]:
                 ("split", True): "split selection, best first",
             }[select, best_first]
             label += " (the default)" if (select, best_first) == default else ""
+            check = "; ".join(filter(None, [check, _device_note(fn, calls)]))
             rows.append(row("top-k", shape, label, fresh_ms(fn, calls), 0, x.nbytes, bw, rate, check))
         del calls
     return rows
@@ -360,8 +384,9 @@ def _mla_work(idx, heads: int, lat: int, rope: int, s: int, row_bytes: int) -> t
     and each of the S pool rows once at prefill, where the queries of one call select from the same rows (a
     pool of a few MB stays in the L2 between them)."""
     b, t, _ = idx.shape
-    selected = int(jnp.sum(idx >= 0))
-    rows_read = selected if t == 1 else b * min(s, selected)
+    per_seq = np.asarray(jnp.sum(idx >= 0, axis=(1, 2)))  # selected rows of each sequence's queries
+    selected = int(per_seq.sum())
+    rows_read = selected if t == 1 else int(np.minimum(per_seq, s).sum())
     io = b * t * heads * (2 * lat + rope) * 2
     return 2 * heads * (2 * lat + rope) * selected, io + rows_read * row_bytes
 
@@ -530,8 +555,9 @@ def main() -> None:
         "--chain",
         type=int,
         default=CHAIN,
-        help="decode calls per executable: the executable's own launch and wait (~0.2 ms) is spread over them",
+        help="sparse MLA decode: separate dispatches per timing",
     )
+    p.add_argument("--fresh-calls", type=int, default=40, help="indexer / Top-K decode: calls on fresh inputs")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
@@ -541,11 +567,11 @@ def main() -> None:
         rows += indexer_rows(
             bw, rate, args.contexts, args.batches, args.index_heads, args.index_dim, args.topk, args.indexer_prefill,
             tuple(args.indexer_variants), tuple(args.prefill_variants), not args.no_prefill_reference,
-            tuple(args.select_variants), tuple(args.decode_selects), args.chain,
+            tuple(args.select_variants), tuple(args.decode_selects), args.fresh_calls,
         )  # fmt: skip
         if args.topk_kinds:
             s = max(args.contexts or [131072])
-            rows += topk_rows(bw, rate, args.topk_kinds, args.topk_rows, s, args.topk, args.chain)
+            rows += topk_rows(bw, rate, args.topk_kinds, args.topk_rows, s, args.topk, args.fresh_calls)
     if args.only != "indexer":
         rows += sparse_mla_rows(
             bw, rate, args.mla_batch, args.mla_heads, 512, 64, args.topk, args.mla_context, args.mla_prefill,

@@ -396,7 +396,8 @@ def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, caps
     argv = ["sparse_attention", "--contexts", "2048", "--batches", "1", "--index-heads", "16", "--index-dim", "32",
             "--topk", "256", "--indexer-prefill", "0", "--mla-batch", "2", "--mla-heads", "16", "--mla-context", "512",
             "--mla-prefill", "0", "--mla-decode-variants", "16:32:bf16:-:4:2", "--decode-selects", "default",
-            "--chain", "2", "--topk-kinds", "relu_zeros", "--topk-rows", "2", "--no-record"]  # fmt: skip
+            "--chain", "2", "--fresh-calls", "2", "--topk-kinds", "relu_zeros", "--topk-rows", "2",
+            "--no-record"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     sparse_attention.main()
     out = capsys.readouterr().out
@@ -430,17 +431,32 @@ def test_sparse_mla_floors_count_the_rows_a_call_reads():
     assert flops == 2 * heads * (2 * lat + rope) * 4 and nbytes == heads * (2 * lat + rope) * 2 + 4 * rb
 
 
-def test_fresh_inputs_run_every_call_in_order():
-    """`fresh_ms` compiles one program with every call in it (none merged or dropped) and times it per call."""
+def test_fresh_inputs_run_every_call_in_order(monkeypatch):
+    """`fresh_program`: every call in the one program, each on its own inputs (outputs equal fn's), chained by
+    optimization barriers (n - 1 of them, each taking the previous call's output), none merged or dropped in the
+    compiled program; `fresh_device_ms` is the traced span over the calls (None on this CPU)."""
     import jax.numpy as jnp
+    import numpy as np
 
-    from benchmarks.common import fresh_ms
+    from benchmarks import common
 
+    fn = lambda x: (jnp.sin(x) * 3.0, x[0])  # noqa: E731
     calls = [(jnp.full((8,), float(i)),) for i in range(3)]
-    seen = []
-    fn = lambda x: jnp.sin(x) + len(seen.append(x.shape) or ())  # noqa: E731 — traced once per call
-    assert fresh_ms(fn, calls, warmup=0, iters=2) > 0
-    assert seen == [(8,)] * 3
+    program = common.fresh_program(fn, 3)
+    outs = program(calls)
+    for (x,), (got, first) in zip(calls, outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.sin(x) * 3.0))
+        assert float(first) == float(x[0])
+    assert program.lower(calls).as_text().count("stablehlo.optimization_barrier") == 2
+    hlo = program.lower(calls).compile().as_text()
+    assert hlo.count("sine(") == 3, hlo  # one per call, none shared
+    assert common.fresh_ms(fn, calls, warmup=0, iters=2) > 0
+    with pytest.raises(ValueError, match="3 argument tuples for a program of n=2"):
+        common.fresh_program(fn, 2)(calls)
+    assert common.fresh_device_ms(fn, calls, reps=1) is None
+    spans = iter([[(0.0, 3.0, "a"), (4.0, 2.0, "b")]])
+    monkeypatch.setattr(common, "device_events", lambda _: next(spans))
+    assert common.fresh_device_ms(fn, calls, reps=1) == pytest.approx(0.002)  # 6 us over 3 calls
 
 
 def _records(date, *rows, commit="abc1234"):
@@ -491,7 +507,8 @@ def test_report_appends_rows_to_jsonl_in_the_results_dir(results_dir, capsys):
 def test_report_picks_the_latest_row_per_key_and_the_latest_run_per_shape():
     """Of two rows with one key the newer wins (and of one date the later in the files); a shape shows its
     latest run's rows only (an implementation that run did not time drops out); how a decode row was timed
-    ("10 chained calls") is no shape of its own; a shape no newer run measured stays."""
+    ("10 chained calls", "40 calls, fresh inputs", "10 separate dispatches") is no shape of its own; a shape no
+    newer run measured stays."""
     from benchmarks.report import current, latest
 
     rows = [
@@ -501,6 +518,15 @@ def test_report_picks_the_latest_row_per_key_and_the_latest_run_per_shape():
         _record("2026-12-01T00:00:00Z", "pallas", "5.0", shape="B=2", commit="old"),
         _record("2026-12-03T00:00:00Z", "pallas", "0.9", shape="B=2, 10 chained calls", commit="newest"),
         _record("2026-11-30T00:00:00Z", "pallas", "4.0", shape="B=64", commit="oldest"),
+        _record("2026-11-29T00:00:00Z", "pallas", "4.5", shape="B=8, 10 separate dispatches", commit="oldest"),
+        _record("2026-12-04T00:00:00Z", "pallas", "3.0", shape="B=8, 40 chained calls", commit="fresh"),
+        _record(
+            "2026-12-05T00:00:00Z",
+            "pallas",
+            "3.5",
+            shape="B=8, 40 calls, fresh inputs (one shared key pool)",
+            commit="fresh",
+        ),  # fmt: skip
     ]
     for i, r in enumerate(rows):
         r["_order"] = i
@@ -513,6 +539,7 @@ def test_report_picks_the_latest_row_per_key_and_the_latest_run_per_shape():
         ("B=1", "pallas", "new"),  # not the older triton row of that shape
         ("B=2, 10 chained calls", "pallas", "newest"),
         ("B=64", "pallas", "oldest"),
+        ("B=8, 40 calls, fresh inputs (one shared key pool)", "pallas", "fresh"),
     ]
 
 
