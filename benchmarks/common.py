@@ -85,11 +85,12 @@ def chained_ms(fn, *args, n: int = CHAIN, warmup: int = 1, iters: int = 10) -> f
     return median_ms(lambda: chained(*args), warmup=warmup, iters=iters) / n
 
 
+@functools.cache
 def fresh_program(fn, n: int):
     """One jitted program running fn on n argument tuples one after another (see `fresh_ms`): each call's
     inputs pass an optimization barrier together with the previous call's whole output, which keeps the calls
     in order and stops XLA from fusing one call's ops with another's; every output is returned, so none is
-    dropped."""
+    dropped. Cached per (fn, n), so `fresh_ms` and `fresh_device_ms` of one fn compile it once."""
 
     def run(calls):
         if len(calls) != n:
