@@ -191,7 +191,7 @@ def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
 
 def prefill_flops(model, tokens: int) -> float:
     """Counted FLOPs of a batch-1 prefill of `tokens` (last position's logits only): 2 x the matmul
-    parameters each token uses (routed experts: k of E) plus attention — KDA chunked form at chunk 64,
+    parameters each token uses (routed experts: k of E) plus attention — KDA chunked form at its chunk size,
     dense MLA causal (expanded heads), sparse layers' indexer (causal, all heads; against one pooled key per
     index_kpool positions; none on a shared layer) and sparse MLA (absorbed, top-k rows), and the lm_head once."""
     cfg = model.config
@@ -199,12 +199,11 @@ def prefill_flops(model, tokens: int) -> float:
     per_token = dense + sum(p * cfg.num_experts_per_tok / e for p, e in routed)
     flops = 2.0 * per_token * tokens + 2.0 * cfg.hidden_size * cfg.vocab_size
     pairs = tokens * (tokens + 1) / 2
-    c = 64
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear":
-            n, dk = cfg.kda_num_heads, cfg.kda_head_dim
-            # K Kᵀ, Q Kᵀ; the UT solve; W = A K, U = A V, the intra-chunk output A_qk V_new; state products (MACs)
-            chunk = 2 * (2 * c * c * dk + c**3 / 3 + 3 * c * c * dk + 3 * c * dk * dk)
+            n, dk, dv, c = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_v_dim, cfg.kda_chunk_size
+            # K Kᵀ, Q Kᵀ; the UT solve; W = A K; U = A V and the intra-chunk output A_qk V_new; state products (MACs)
+            chunk = 2 * (2 * c * c * dk + c**3 / 3 + c * c * dk + 2 * c * c * dv + 3 * c * dk * dv)
             flops += n * tokens / c * chunk
         elif kind == "full":
             flops += 2 * pairs * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)

@@ -28,6 +28,8 @@ MAX_BYTES = 64_000  # readable in one sitting; superseded runs go to results/arc
 FASTEST = 2
 # How a decode row was timed (one call per dispatch, chained calls, calls on fresh inputs with or without one shared
 # pool, separate dispatches): the same shape, re-measured.
+# The kernels' traced span per call in a decode row's check column (`common.fresh_device_ms`).
+DEVICE_SPAN = re.compile(r"device ([\d.]+) ms/call")
 TIMING = re.compile(r",? \d+ (chained calls|calls, fresh inputs|separate dispatches)( \(one shared key pool\))?$")
 
 HEADER = """\
@@ -171,7 +173,9 @@ def _baseline(rec: dict, goal: dict, rows: list[dict]) -> dict | None:
 def measure(goal: dict, rec: dict, rows: list[dict]) -> tuple[float, str] | None:
     """(the number a goal's target is about, how it reads) for one row, or None where the row lacks it.
     `measure`: "speedup" (baseline / row), "slowdown" (row / baseline), "% of floor", "x floor" (row / its
-    "floor ms"), "value" (the row's main value); `show` adds columns to the text."""
+    "floor ms"), "value" (the row's main value), "device ms" / "device % of floor" (the kernels' span per call
+    that the check column gives as "device X ms/call", without the executable's launch and wait); `show` adds
+    columns to the text."""
     kind, value = goal["measure"], rec.get("value")
     if value is None:
         return None
@@ -189,6 +193,16 @@ def measure(goal: dict, rec: dict, rows: list[dict]) -> tuple[float, str] | None
     elif kind == "x floor":
         floor = number(rec["columns"].get("floor ms", ""))
         out = None if not floor else (value / floor, f"{value / floor:.2f}x ({value:g} vs {floor:g} ms)")
+    elif kind in ("device ms", "device % of floor"):  # the traced kernel span a row's check column gives
+        m = DEVICE_SPAN.search(rec["columns"].get("check vs reference", ""))
+        pct = number(rec["columns"].get("% of floor", ""))
+        if m is None or (kind == "device % of floor" and pct is None):
+            return None
+        device = float(m.group(1))
+        if kind == "device ms":
+            out = device, f"{device:g} ms on the device ({value:g} {unit} wall)"
+        else:  # the floor over the device time instead of over the wall time
+            out = pct * value / device, f"{pct * value / device:.0f}% ({device:g} ms on the device, {value:g} wall)"
     elif kind in ("value", "ran"):  # "ran": 1 where the row holds a number (the run did not fail)
         out = (1.0 if kind == "ran" else value), f"{value:g} {unit}"
     else:

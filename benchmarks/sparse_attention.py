@@ -93,7 +93,7 @@ def _prefill_variant(text: str) -> dict:
     return dict(block_q=int(bq), block_s=int(bs), select=select)
 
 
-# Decode timings run `chain` calls on fresh inputs in one executable (`common.fresh_ms`). Key pools up to this
+# Decode timings run `--fresh-calls` calls on fresh inputs in one executable (`common.fresh_ms`). Key pools up to this
 # size are drawn anew for each call: a smaller pool could stay in the 50 MB L2 between calls, which a decode
 # step's pool does not (the other layers' reads come between); larger ones are shared (no L2 reuse possible).
 FRESH_POOL_MAX_BYTES = 256 * 2**20
@@ -119,7 +119,7 @@ def _selection(select: str, best_first: bool, s: int, topk: int):
         )  # fmt: skip
     return jax.jit(
         lambda x: top_k_split(
-            x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(4096, s), best_first=best_first,
+            x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(SELECT_CHUNK, pow2(s)), best_first=best_first,
             interpret=interpret,
         )
     )  # fmt: skip
@@ -140,10 +140,6 @@ def indexer_rows(
         calls = [(q, w, pool, table) for q, w, pool in draws]
         q, w, pool, _ = calls[0]
 
-        def device_note(fn, calls=calls) -> str:  # the same program's kernel span, without its launch and wait
-            ms = fresh_device_ms(fn, calls)
-            return "" if ms is None else f"device {ms:.4f} ms/call"
-
         pos = jnp.full((b, 1), s - 1, jnp.int32)
         lens = jnp.full((b,), s, jnp.int32)
         kw = dict(q_positions=pos, kv_lengths=lens, topk=topk, scale=dim**-0.5)
@@ -154,7 +150,7 @@ def indexer_rows(
         ref_i, _ = ref(q, w, pool, table)
         ms = fresh_ms(ref, calls)
         rows.append(row("indexer", shape, "jnp reference (scores + top_k)", ms, flops, pool.nbytes, bw, rate,
-                        device_note(ref)))  # fmt: skip
+                        _device_note(ref, calls)))  # fmt: skip
         for variant in variants:
             for spec in decode_selects:
                 select, _, segs = spec.partition(":")
@@ -175,7 +171,7 @@ def indexer_rows(
                     f"{vk['precision']} products) + {how}"
                 )
                 check = _same_topk(got_i, ref_i)
-                check += f"; {device_note(fn)}" if spec == "default" else ""
+                check += f"; {_device_note(fn, calls)}" if spec == "default" else ""
                 rows.append(row("indexer", shape, impl, ms, flops, pool.nbytes, bw, rate, check))
         # the selection alone, on fresh scores of the same shape: how much of the time the Top-K takes
         scores = [(jax.random.normal(jax.random.fold_in(k, 7), (b, s), jnp.float32),) for k in ks[1:]]
@@ -243,6 +239,7 @@ SPLIT_ROWS = {
 
 
 def _device_note(fn, calls) -> str:
+    """The `fresh_ms` program's kernel span per call (no launch and wait), for the check column."""
     ms = fresh_device_ms(fn, calls)
     return "" if ms is None else f"device {ms:.4f} ms/call"
 

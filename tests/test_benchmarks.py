@@ -564,6 +564,13 @@ def test_goals_are_met_missed_or_not_measured():
     assert goal_row(dict(goal, measure="% of floor", target=50, rows=sel[1:]), rows)[5] == "missed"
     assert goal_row(dict(goal, rows=[{"label": "x", "match": {"shape": "^B=9$"}}]), rows)[5] == "not measured"
     assert goal_row(dict(goal, script="other.py"), rows)[3] == "B=1: not measured; B=2: not measured"
+    # the device span from the check column: B=1's 1 ms wall was 0.5 ms on the device (80% -> 160% of floor)
+    rows[1]["columns"]["check vs reference"] = "Top-K overlap 1.0000; device 0.5 ms/call"
+    device = dict(goal, measure="device ms", target=0.6, at_most=True, rows=sel)
+    assert goal_row(device, rows)[3] == "B=1: 0.5 ms on the device (1 ms wall); B=2: not measured"
+    assert goal_row(dict(device, rows=sel[:1]), rows)[5] == "met"
+    pct = goal_row(dict(goal, measure="device % of floor", target=100, rows=sel[:1]), rows)
+    assert pct[3] == "B=1: 160% (0.5 ms on the device, 1 wall)" and pct[5] == "met"
 
 
 def test_benchmarks_md_is_what_the_committed_rows_make():
