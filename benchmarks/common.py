@@ -127,6 +127,8 @@ def fresh_device_ms(fn, calls: list[tuple], reps: int = 3) -> float | None:
 
 
 def _device_span_ms(call, n: int, reps: int) -> float | None:
+    """call()'s first kernel start to last kernel end over n, median of `reps` traced executions; None without
+    device events."""
     jax.block_until_ready(call())
     spans = []
     for _ in range(reps):

@@ -26,10 +26,10 @@ MAX_BYTES = 64_000  # readable in one sitting; superseded runs go to results/arc
 # Of one shape's implementations in one run (a tile sweep) BENCHMARKS.md shows the references, the defaults and
 # the FASTEST quickest others, and counts the rest: the JSONL keeps them.
 FASTEST = 2
-# How a decode row was timed (one call per dispatch, chained calls, calls on fresh inputs with or without one shared
-# pool, separate dispatches): the same shape, re-measured.
 # The kernels' traced span per call in a decode row's check column (`common.fresh_device_ms`).
 DEVICE_SPAN = re.compile(r"device ([\d.]+) ms/call")
+# How a decode row was timed (one call per dispatch, chained calls, calls on fresh inputs with or without one shared
+# pool, separate dispatches): the same shape, re-measured.
 TIMING = re.compile(r",? \d+ (chained calls|calls, fresh inputs|separate dispatches)( \(one shared key pool\))?$")
 
 HEADER = """\
