@@ -8,8 +8,13 @@ The model is a preset cut to --layers / --experts with random bf16 weights (defa
 - "no cache, one shot": generate(prefill_chunk=prompt length): the whole prompt in one call (the baseline);
 - "no cache": plain generate (one-shot prefill up to `default_prefill_chunk`, chunks of it beyond);
 - "no cache, block chunks": generate(prefill_chunk=block_size), the chunking alone, no snapshots;
-- "cold cache (storing)": an empty PrefixCache (a fresh one each call): the prompt prefilled block by block, the states
-  after each block stored: the cost of filling the cache;
+- "cold cache (storing)": an empty PrefixCache (a fresh one each call), its default calls (`PrefixCache.default_chunk`
+  tokens, each keeping the states at every block end inside it, then block and tail calls): the cost of filling
+  the cache;
+- "cold cache (storing), one call": the same with prefill_chunk = the prompt's whole blocks: its blocks in one call
+  (snapshots at every block end), the partial last block in a tail call — against the one-shot baseline;
+- "prefix in one prefill call[, snapshots every <block>]": `model.prefill` of the prefix alone, without and with
+  `snapshot_every=block`: what returning the states costs;
 - "warm cache": the prefix stored by an earlier call: only the blocks past it are prefilled.
 
     python -m benchmarks.prefix_cache [--preset kimi_linear_48b] [--layers 8] [--experts 32] [--prefix 32768]
@@ -53,6 +58,33 @@ def bytes_per_token(pc: PrefixCache) -> tuple[float, float]:
     return (total - snaps) / pc.capacity_tokens, snaps / pc.capacity_tokens
 
 
+def snapshot_rows(model, ids, blk: int, reps: int, base_ms: float) -> list[dict]:
+    """`model.prefill` of ids in one call with snapshot_every=blk, against the same call without (both jitted,
+    fresh caches made outside the timing; the cache donated)."""
+    b, t = ids.shape
+    plain = jax.jit(lambda m, i, c: m.prefill(i, c, last_only=True), donate_argnums=2)
+    snap = jax.jit(lambda m, i, c: m.prefill(i, c, last_only=True, snapshot_every=blk), donate_argnums=2)
+    ms = {}
+    for name, fn in (("plain", plain), ("snap", snap)):
+        caches = [model.init_cache(b, t) for _ in range(reps + 1)]
+        jax.block_until_ready(caches)
+        jax.block_until_ready(fn(model, ids, caches[0]))  # compile
+        times = []
+        for c in caches[1:]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(model, ids, c))
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms[name] = statistics.median(times)
+    return [
+        dict(case="prefix in one prefill call", block=blk, ms=ms["plain"], vs=ms["plain"] / base_ms,
+             note=f"{t} tokens"),
+        dict(
+            case=f"prefix in one prefill call, snapshots every {blk}", block=blk, ms=ms["snap"],
+            vs=ms["snap"] / base_ms, note=f"{ms['snap'] / ms['plain']:.3f}x the call without snapshots",
+        ),
+    ]  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="kimi_linear_48b", choices=sorted(PRESETS))
@@ -88,19 +120,24 @@ def main() -> None:
             ms = timed(lambda blk=blk: gen(model, ids, max_new_tokens=1, prefill_chunk=blk).tokens, args.reps)
             emit(dict(case="no cache, block chunks", block=blk, ms=ms, vs=ms / base_ms))
 
-            def cold(blk=blk, capacity=capacity):
+            def cold(blk=blk, capacity=capacity, chunk=None):
                 pc = PrefixCache(model, max_tokens=capacity, block_size=blk)
                 jax.block_until_ready(pc.store)  # allocating the cache is not filling it
                 t0 = time.perf_counter()
-                out = gen(model, ids, max_new_tokens=1, prefix_cache=pc)
+                out = gen(model, ids, max_new_tokens=1, prefix_cache=pc, prefill_chunk=chunk)
                 jax.block_until_ready(out.tokens)
                 return (time.perf_counter() - t0) * 1e3, out
 
-            cold()  # compile
-            runs = [cold() for _ in range(args.reps)]
-            ms = statistics.median(r[0] for r in runs)
-            emit(dict(case="cold cache (storing)", block=blk, ms=ms, vs=ms / base_ms))
+            whole = t // blk * blk
+            for chunk, case in ((None, "cold cache (storing)"), (whole, "cold cache (storing), one call")):
+                cold(chunk=chunk)  # compile
+                runs = [cold(chunk=chunk) for _ in range(args.reps)]
+                ms = statistics.median(r[0] for r in runs)
+                note = "" if chunk is None else f"{whole} tokens in one call + {t - whole} in tail calls"
+                emit(dict(case=case, block=blk, ms=ms, vs=ms / base_ms, note=note))
             state = {"pc": runs[-1][1].prefix_cache}
+            for row in snapshot_rows(model, ids[:, : args.prefix], blk, args.reps, base_ms):
+                emit(row)
 
             def warm(state=state):
                 out = gen(model, ids, max_new_tokens=1, prefix_cache=state["pc"])

@@ -194,8 +194,10 @@ class StepInfo:
     n_new: jax.Array  # [B] int32 real tokens per row
     page_table: jax.Array  # [B, n]; arange(B)[:, None] when running without a cache
     kv_lengths: jax.Array  # [B] keys visible after this call (cache length + n_new)
-    mode: str = struct.field(pytree_node=False)  # "prefill" or "decode"
+    mode: str = struct.field(pytree_node=False)  # "prefill", "decode" or "verify"
     cp: ContextParallel | None = struct.field(pytree_node=False, default=None)  # sequence split over devices
+    # prefill only: per-sequence states also after every this many tokens of the call (`HybridLM.prefill`)
+    snapshot_every: int | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def uncached(cls, b: int, t: int) -> StepInfo:

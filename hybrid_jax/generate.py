@@ -153,9 +153,11 @@ def generate(
     the rejection rule takes its proposal as certain; tokens of `history` at or past `length` are not
     history). Static under jit, as is `num_draft`.
     prefix_cache: a `hybrid_jax.PrefixCache` for this model. Prompts whose leading blocks it stores prefill only
-    the rest (the recurrent states resume from the stored snapshots; the attention pages are shared); the prompt
-    is prefilled block by block and its full blocks are stored. The outputs are those without the cache. The
-    updated cache comes back in `GenerateOutput.prefix_cache` (under jit, donate the one passed in).
+    the rest (the recurrent states resume from the stored snapshots; the attention pages are shared); the rest
+    is prefilled in calls of `prefill_chunk` tokens (a multiple of the cache's block_size; default
+    `PrefixCache.default_chunk`) that keep the states at every block end, and its full blocks are stored. The
+    outputs are those without the cache. The updated cache comes back in `GenerateOutput.prefix_cache` (under
+    jit, donate the one passed in).
     """
     _validate(model, input_ids, prompt_lengths, max_new_tokens, top_k, top_p, temperature, eos_id)
     extra = _validate_draft(model, draft, num_draft, np.shape(input_ids)[1] + max_new_tokens)
@@ -182,13 +184,13 @@ def generate(
     lens = jnp.where(error, 1, lens)
 
     if prefix_cache is not None:
-        if prefill_chunk is not None and prefill_chunk != prefix_cache.block_size:
+        if prefill_chunk is not None and prefill_chunk % prefix_cache.block_size:
             raise ValueError(
-                f"prefill_chunk={prefill_chunk!r}: with a prefix cache the prompt is prefilled in its blocks of "
-                f"block_size={prefix_cache.block_size} tokens"
+                f"prefill_chunk={prefill_chunk!r}: with a prefix cache the prompt is prefilled in calls of whole "
+                f"blocks (a multiple of block_size={prefix_cache.block_size})"
             )
         room = t + max_new_tokens + extra
-        logits, cache, pc = prefix_cache.prefill(model, input_ids, lens, max_len=room, rows=~error)
+        logits, cache, pc = prefix_cache.prefill(model, input_ids, lens, max_len=room, rows=~error, chunk=prefill_chunk)
     elif prefill_chunk is None and jax.process_count() > 1:
         raise ValueError(
             "generate: pass prefill_chunk= with several processes (free memory differs between hosts and the chunk "
@@ -360,12 +362,15 @@ def prefill_in_two_sizes(model: HybridLM, ids, lengths, cache, logits, start, ch
     return (logits, cache) if after is None else (logits, cache, out[2])
 
 
-def prefill_calls(model: HybridLM, ids, lengths, cache, logits, start, size: int, *, take=None, after=None, carry=None):
+def prefill_calls(model: HybridLM, ids, lengths, cache, logits, start, size: int, *, take=None, after=None, carry=None,
+                  snapshot_every: int | None = None):  # fmt: skip
     """Prefill calls of `size` tokens in a `lax.while_loop` until every row's tokens [start[r], lengths[r]) are in:
     row r's call c takes [start[r] + c*size, ...), none past its length or, with `take`, from call take[r] on.
     Each row's logits (a [B, vocab] running value, replaced in the call holding its last token) -> (logits, cache).
     `after(c, n_new, cache, carry) -> carry` runs after each call on an extra loop value `carry` (then returned
-    third): what the prefix cache uses to store the states at block ends."""
+    third): what the prefix cache uses to store the states at block ends. With `snapshot_every` each call also
+    takes the states after every that many of its tokens (`HybridLM.prefill`), passed as
+    `after(c, n_new, cache, carry, snapshots)`."""
     t = ids.shape[1]
     left = lengths - start
     n_calls = jnp.max(-(-left // size)) if take is None else jnp.max(jnp.minimum(take, -(-left // size)))
@@ -377,11 +382,12 @@ def prefill_calls(model: HybridLM, ids, lengths, cache, logits, start, size: int
         n_new = jnp.clip(lengths - first, 0, size)
         if take is not None:
             n_new = jnp.where(c < take, n_new, 0)
-        out, cache = model.prefill(jnp.take_along_axis(ids, idx, axis=1), cache, n_new, last_only=True)
+        chunk = jnp.take_along_axis(ids, idx, axis=1)
+        out, cache, *snaps = model.prefill(chunk, cache, n_new, last_only=True, snapshot_every=snapshot_every)
         here = (n_new > 0) & (lengths - 1 < first + size)
         logits = jnp.where(here[:, None], out, logits)
         if after is not None:
-            extra = after(c, n_new, cache, extra)
+            extra = after(c, n_new, cache, extra, *snaps)
         return c + 1, logits, cache, extra
 
     _, logits, cache, extra = jax.lax.while_loop(lambda s: s[0] < n_calls, body, (jnp.int32(0), logits, cache, carry))

@@ -310,7 +310,7 @@ class HybridLM(nnx.Module):
             if bad.size:
                 raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
 
-    def _step_info(self, cache: HybridCache, b: int, t: int, n_new, mode: str):
+    def _step_info(self, cache: HybridCache, b: int, t: int, n_new, mode: str, snapshot_every=None):
         """The StepInfo of appending up to t tokens per row to `cache` (checks eager where concrete) ->
         (info, overflow [B]): a row that would overflow under jit takes none of its tokens."""
         if b != cache.batch_size:
@@ -338,7 +338,7 @@ class HybridLM(nnx.Module):
         valid = steps[None, :] < n_new[:, None]
         info = StepInfo(
             positions=positions, valid=valid, n_new=n_new, page_table=cache.page_table,
-            kv_lengths=cache.lengths + n_new, mode=mode,
+            kv_lengths=cache.lengths + n_new, mode=mode, snapshot_every=snapshot_every,
         )  # fmt: skip
         return info, overflow
 
@@ -347,13 +347,18 @@ class HybridLM(nnx.Module):
         logits = jnp.where(overflow.reshape((-1,) + (1,) * (logits.ndim - 1)), jnp.nan, logits)
         return logits, cache.replace(layers=states, lengths=info.kv_lengths)
 
-    def _extend(self, input_ids, cache: HybridCache, n_new, mode: str, last_only: bool, return_hidden=False):
+    def _extend(self, input_ids, cache: HybridCache, n_new, mode: str, last_only: bool, return_hidden=False,
+                snapshot_every=None):  # fmt: skip
         b, t = input_ids.shape
-        info, overflow = self._step_info(cache, b, t, n_new, mode)
+        info, overflow = self._step_info(cache, b, t, n_new, mode, snapshot_every)
         last = jnp.maximum(info.n_new - 1, 0) if last_only else None
         out = self.forward(input_ids, info, cache.layers, last, return_hidden=return_hidden)
-        logits, new_cache = self._advance(cache, info, out[1], out[0], overflow)
-        return (logits, new_cache, out[2]) if return_hidden else (logits, new_cache)
+        states, snaps = out[1], None
+        if snapshot_every is not None:
+            states, snaps = _split_snapshots(states)
+        logits, new_cache = self._advance(cache, info, states, out[0], overflow)
+        extra = ((out[2],) if return_hidden else ()) + ((snaps,) if snapshot_every is not None else ())
+        return (logits, new_cache, *extra)
 
     # ------------------------------------------------------------------ multi-token prediction
     def init_mtp_cache(self, batch_size: int, max_len: int, *, dtype=None) -> HybridCache:
@@ -386,16 +391,28 @@ class HybridLM(nnx.Module):
 
     def prefill(
         self, input_ids: jax.Array, cache: HybridCache, lengths=None, *, last_only: bool = False,
-        return_hidden: bool = False,
+        return_hidden: bool = False, snapshot_every: int | None = None,
     ):  # fmt: skip
         """Append tokens to every sequence: ids [B, T] (right-padded), lengths [B] real tokens per row
         (default T). Returns (logits [B, T, vocab] float32 — or [B, vocab] at each row's last real token
-        when last_only — and the updated cache[, with return_hidden the final normed hidden states [B, T, D]]).
-        Padded positions change no state."""
+        when last_only — and the updated cache[, with return_hidden the final normed hidden states [B, T, D]]
+        [, with snapshot_every the snapshots]). Padded positions change no state.
+
+        snapshot_every=E (a positive int, static): also every per-sequence state after E, 2E, ..., S·E tokens
+        of this call (S = T // E), last: a tuple with one entry per layer — KDAState(conv [B, S, W-1, 3C],
+        recurrent [B, S, N, K, V]) for a KDA layer, the KPool tail [B, S, P, 2 H_I] (or None) for an MLA layer,
+        None for a GQA layer: what a prefix cache keeps at its block boundaries (`hybrid_jax.PrefixCache`),
+        from the one call instead of a call per block. KDA's come from its state pass (`kda(state_every=E)`).
+        A row's snapshots past its real tokens are not meaningful."""
         self._check_ids(input_ids, lengths)
         b, t = input_ids.shape
+        if snapshot_every is not None and (
+            not isinstance(snapshot_every, (int, np.integer)) or isinstance(snapshot_every, bool) or snapshot_every < 1
+        ):
+            raise ValueError(f"snapshot_every={snapshot_every!r} must be a positive int (static under jit)")
         n_new = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
-        return self._extend(input_ids, cache, n_new, "prefill", last_only, return_hidden)
+        snap = None if snapshot_every is None else int(snapshot_every)
+        return self._extend(input_ids, cache, n_new, "prefill", last_only, return_hidden, snap)
 
     def decode_step(self, token_ids: jax.Array, cache: HybridCache, active=None):
         """One token per sequence: ids [B] -> (logits [B, vocab] float32, cache). Rows with active=False
@@ -467,3 +484,20 @@ class HybridLM(nnx.Module):
                 st = MLAState(latent=latent, rope=rope, index_k=index_k, index_tail=tail)
             layers.append(st)
         return cache.replace(layers=tuple(layers), lengths=jnp.where(bad_row, cache.max_len + 1, new_len))
+
+
+def _split_snapshots(states):
+    """Layer states of a prefill with snapshots (per-sequence leaves [B, S+1, ...], the last entry the state
+    after the call) -> (the states to continue from, the snapshots [B, S, ...] per layer)."""
+    new, snaps = [], []
+    for st in states:
+        if isinstance(st, KDAState):
+            new.append(KDAState(conv=st.conv[:, -1], recurrent=st.recurrent[:, -1]))
+            snaps.append(KDAState(conv=st.conv[:, :-1], recurrent=st.recurrent[:, :-1]))
+        elif isinstance(st, MLAState) and st.index_tail is not None:
+            new.append(st.replace(index_tail=st.index_tail[:, -1]))
+            snaps.append(st.index_tail[:, :-1])
+        else:
+            new.append(st)
+            snaps.append(None)
+    return tuple(new), tuple(snaps)

@@ -17,9 +17,10 @@ widths one snapshot is ~2 MiB per KDA layer, which is why blocks are thousands o
      least recently used stored blocks not matched in this call (deepest first among equals, so a chain loses its
      tail before its head; a block whose parent is evicted is dropped with it);
   3. the per-sequence states start from the snapshot of each row's last matched block (zeros without a hit), the
-     cache length at the matched tokens; the rest of the prompt is prefilled block by block (block-shaped calls
-     in a `lax.while_loop`, as chunked prefill does), the states after every full block written to that block's
-     slot; the partial last block in calls of `tail_chunk` tokens;
+     cache length at the matched tokens; the rest of the prompt is prefilled in calls of `chunk` tokens (whole
+     blocks) that return the states at every block end inside them, then block calls, then the partial last
+     block in calls of `tail_chunk` tokens (each size a `lax.while_loop`, as chunked prefill runs), the states
+     after every full block written to that block's slot;
   4. registration: every full prompt block not matched becomes a stored block (a block an earlier row of the
      same call already stored is not stored twice: the row keeps its private copy, later blocks chain to the
      stored one).
@@ -43,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax.cache import AttnState, HybridCache, KDAState, MLAState, is_concrete
-from hybrid_jax.generate import default_tail_chunk, prefill_in_two_sizes
+from hybrid_jax.generate import default_prefill_chunk, default_tail_chunk, prefill_calls, prefill_in_two_sizes
 
 # Default tokens per block: a KDA snapshot per block costs (layers x heads x K x V x 4 bytes) / block_size
 # bytes per cached token (~20 KiB at Kimi-Linear-48B widths), against ~8 KiB of MLA pages; a block of this many
@@ -192,6 +193,11 @@ class PrefixCache:
             f"tail_chunk={self.tail_chunk}{lent})"
         )
 
+    def default_chunk(self, model) -> int:
+        """Tokens per prefill call when none are given: `default_prefill_chunk(model)` (what a prefill without
+        the cache runs in one call) rounded down to whole blocks, at least one block."""
+        return max(1, default_prefill_chunk(model) // self.block_size) * self.block_size
+
     def stats(self) -> dict[str, int]:
         """hit_tokens / miss_tokens: prompt tokens served from the cache / prefilled, over every call;
         evictions: stored blocks dropped to make room; cached_tokens: tokens stored now; capacity_tokens."""
@@ -222,15 +228,29 @@ class PrefixCache:
             )
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, model, input_ids, lengths=None, *, max_len: int, rows=None):
+    def prefill(self, model, input_ids, lengths=None, *, max_len: int, rows=None, chunk: int | None = None):
         """Prefill prompts through the cache: ids [B, T] right-padded, lengths [B] (default T), max_len the
         capacity of each sequence (prompt + tokens to come). -> (float32 logits [B, vocab] at each row's last
         prompt token, the `HybridCache` to decode with, this PrefixCache updated and *lent*: pass that cache to
         `release` when decoding is done). rows [B] bool (default all): rows to serve; the others take no hit and
-        store nothing. Under jit, weights other than the cache's make every row miss and store nothing."""
+        store nothing. Under jit, weights other than the cache's make every row miss and store nothing.
+        chunk: tokens per prefill call, a multiple of block_size (static; default `default_chunk(model)`): the
+        new tokens go in calls of `chunk` that keep the states at every block end inside them, then in block
+        calls, then in calls of tail_chunk (module docstring, step 3)."""
         if self.lent:
             raise ValueError("prefix_cache is lent to a running cache: call release(cache) first")
         self.check(model)
+        if chunk is None and jax.process_count() > 1:
+            raise ValueError(
+                "PrefixCache.prefill: pass chunk= with several processes (free memory differs between hosts and "
+                "the chunk shapes the compiled program)"
+            )
+        chunk = self.default_chunk(model) if chunk is None else chunk
+        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1 or chunk % self.block_size:
+            raise ValueError(
+                f"chunk={chunk!r} must be a positive multiple of the prefix cache's block_size={self.block_size} "
+                "(its calls end on block boundaries)"
+            )
         ids = jnp.asarray(input_ids, jnp.int32)
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, time] with time >= 1, got shape {ids.shape}")
@@ -269,7 +289,7 @@ class PrefixCache:
         )
         cache = HybridCache(layers=layers, page_table=table, lengths=m * blk, max_len=max_len, page_size=g)
 
-        logits, cache, snaps = self._prefill_blocks(model, ids, lens, m, slots, cache)
+        logits, cache, snaps = self._prefill_blocks(model, ids, lens, m, slots, cache, chunk)
         tokens, parent, valid, depth, used = self._register(ids, lens, m, slots, ok, parent, valid, used)
         counts = _add(self.counts[0], jnp.sum(jnp.where(ok, m * blk, 0)))[None]
         counts = jnp.concatenate([counts, _add(self.counts[1], jnp.sum(jnp.where(ok, lens - m * blk, 0)))[None]])
@@ -354,25 +374,55 @@ class PrefixCache:
         parent = jnp.where(valid, self.parent, -1)
         return slots, valid, parent, evicted
 
-    def _prefill_blocks(self, model, ids, lens, m, slots, cache):
-        """Prefill each row's tokens from its first unmatched block on in block calls aligned to its blocks, the
-        per-sequence states after each full block going to the block's slot; a short partial last block in calls
-        of `tail_chunk` tokens (`prefill_in_two_sizes`: a few new tokens after a hit cost a few tokens, not a
-        whole padded block). -> (logits at the last prompt token, cache, the store's per-sequence snapshots)."""
+    def _prefill_blocks(self, model, ids, lens, m, slots, cache, chunk: int):
+        """Prefill each row's tokens from its first unmatched block on, in calls aligned to its blocks, the
+        per-sequence states after each full block going to the block's slot:
+          1. calls of `chunk` tokens (a multiple of the block size) while a row has a whole chunk left, each
+             returning the states at every block end inside it (`HybridLM.prefill(snapshot_every=block_size)`:
+             KDA's from its state pass, nothing recomputed), so storing a long prompt costs about what one
+             prefill of it costs;
+          2. block calls for the whole blocks left (each stores the state it ends with);
+          3. a short partial last block in calls of `tail_chunk` tokens (`prefill_in_two_sizes`: a few new
+             tokens after a hit cost a few tokens, not a whole padded block).
+        -> (logits at the last prompt token, cache, the store's per-sequence snapshots)."""
         blk, tc, s = self.block_size, self.tail_chunk, self.num_slots
         start0 = m * blk
         logits = jnp.zeros((ids.shape[0], model.config.vocab_size), jnp.float32)
-
-        def store(c, n_new, cache, snaps):  # after call c: a full block (row r's block m[r] + c) -> its slot
-            block = jnp.clip(m + c, 0, slots.shape[1] - 1)
-            dest = jnp.where(n_new == blk, jnp.take_along_axis(slots, block[:, None], 1)[:, 0], s)
-            return tuple(
-                jax.tree.map(lambda st, x: st.at[dest].set(x.astype(st.dtype), mode="drop"), sn, _per_seq(la))
-                for sn, la in zip(snaps, cache.layers, strict=True)
-            )
-
         snaps = tuple(_per_seq(st) for st in self.store)
-        return prefill_in_two_sizes(model, ids, lens, cache, logits, start0, blk, tc, after=store, carry=snaps)
+
+        def put(store, block, full, leaves):  # leaves [B, k, ...] of blocks [B, k] -> their slots where full
+            dest = jnp.where(full, jnp.take_along_axis(slots, jnp.clip(block, 0, slots.shape[1] - 1), 1), s)
+            flat = dest.reshape(-1)
+
+            def one(st, x):
+                return st.at[flat].set(x.reshape(-1, *x.shape[2:]).astype(st.dtype), mode="drop")
+
+            return tuple(jax.tree.map(one, sn, le) for sn, le in zip(store, leaves, strict=True))
+
+        per = chunk // blk
+        staged = per > 1 and ids.shape[1] >= chunk  # (statically) a row can hold a whole chunk
+        whole = (lens - start0) // chunk if staged else jnp.zeros_like(m)  # stage 1 calls per row
+        if staged:
+
+            def store_chunk(c, n_new, cache, store, taken):  # call c: blocks m + c·per + j, j < per
+                j = jnp.arange(per, dtype=jnp.int32)[None, :]
+                full = n_new[:, None] >= (j + 1) * blk
+                taken = tuple((x.conv, x.recurrent) if isinstance(x, KDAState) else x for x in taken)  # as _per_seq
+                return put(store, m[:, None] + c * per + j, full, taken)
+
+            logits, cache, snaps = prefill_calls(
+                model, ids, lens, cache, logits, start0, chunk, take=whole, after=store_chunk, carry=snaps,
+                snapshot_every=blk,
+            )  # fmt: skip
+        first = m + whole * per  # each row's first block after stage 1
+
+        def store_block(c, n_new, cache, store):  # after block call c: a full block first + c -> its slot
+            leaves = tuple(jax.tree.map(lambda x: x[:, None], _per_seq(la)) for la in cache.layers)
+            return put(store, (first + c)[:, None], (n_new == blk)[:, None], leaves)
+
+        return prefill_in_two_sizes(
+            model, ids, lens, cache, logits, first * blk, blk, tc, after=store_block, carry=snaps
+        )
 
     def _register(self, ids, lens, m, slots, ok, parent, valid, used):
         """Store every full prompt block past the matched ones, row by row (a block already stored — by an

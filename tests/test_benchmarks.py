@@ -657,9 +657,12 @@ def test_prefix_cache_benchmark_runs_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", argv)
     prefix_cache.main()
     out = capsys.readouterr().out
-    cases = ("| no cache, one shot |", "| no cache |", "| no cache, block chunks | 8 |", "| cold cache (storing) | 8 |")
+    cases = ("| no cache, one shot |", "| no cache |", "| no cache, block chunks | 8 |", "| cold cache (storing) | 8 |",
+             "| cold cache (storing), one call | 8 |", "| 32 tokens in one call + 1 in tail calls |",
+             "| prefix in one prefill call | 8 |", "| prefix in one prefill call, snapshots every 8 | 8 |")  # fmt: skip
     for case in cases:
         assert case in out, out[-2000:]
+    assert "x the call without snapshots |" in out
     assert "| warm cache | 8 |" in out and "| 32 of 33 hit; " in out, out[-2000:]
     assert "KiB/token (" in out
 

@@ -36,11 +36,12 @@ def test_projection_group_lowers():
     assert text.count("xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("solve", ["neumann", "substitution"])
-def test_kda_prefill_kernels_lower(solve):
+@pytest.mark.parametrize("solve, state_every", [("neumann", None), ("substitution", None), ("neumann", 128)])
+def test_kda_prefill_kernels_lower(solve, state_every):
+    """state_every: the state pass also stores the state at every 128 tokens (3 snapshots of 384 tokens)."""
     from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
 
-    t, n, dk = 128, 2, 128
+    t, n, dk = 384, 2, 128
     q = jnp.ones((1, t, n, dk), jnp.bfloat16)
     g = jnp.ones((1, t, n, dk), jnp.float32)
     beta = jnp.ones((1, t, n), jnp.float32)
@@ -48,9 +49,12 @@ def test_kda_prefill_kernels_lower(solve):
 
     def run(q, g, beta, s0):
         return kda_chunked_pallas(
-            q, q, q, g, beta, s0, scale=0.1, l2norm=True, block_v=32, precision="bf16", solve=solve
-        )
+            q, q, q, g, beta, s0, scale=0.1, l2norm=True, block_v=32, precision="bf16", solve=solve,
+            state_every=state_every,
+        )  # fmt: skip
 
+    lowered = jax.jit(run).trace(q, g, beta, s0)
+    assert len(jax.tree.leaves(lowered.out_info)) == (2 if state_every is None else 3)
     assert _lowered_for_h200(run, q, g, beta, s0).count("xla.gpu.triton") == 4  # cumsum, A, solve, state pass
 
 

@@ -244,3 +244,24 @@ def test_auto_runs_the_prefill_kernel_on_gpu(monkeypatch):
     assert all(f"name=kda_chunk_{k}" in jaxpr for k in ("a", "solve", "state"))  # phase 1 split by default
     assert seen == ["bf16"]
     assert "pallas_call" not in traced(1)
+
+
+@pytest.mark.parametrize("t, every", [(200, 64), (256, 128), (200, 40)])  # in the state pass (x2), by segments
+def test_prefill_kernel_states_at_boundaries(t, every):
+    """kda(impl="pallas", state_every=E): the state pass writes the states at every E tokens (E a multiple of 64;
+    otherwise segment calls): each equals the reference's final state after (j + 1)·E tokens, and the outputs
+    and final state are those of the call without snapshots (bit for bit from the state pass; segment calls
+    chunk the sequence differently)."""
+    args, s0 = _prefill_inputs(5, 2, t, 2, 24, 20, False, jnp.float32, True)
+    kw = dict(initial_state=s0, impl="pallas", precision="ieee", interpret=True, block_v=16)
+    o, s, states = kda(*args, **kw, state_every=every)
+    plain_o, plain_s = kda(*args, **kw)
+    if every % 64 == 0:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(plain_o))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(plain_s))
+    assert rel_err(o, plain_o) < 1e-5 and rel_err(s, plain_s) < 1e-5
+    assert states.shape == (2, t // every, 2, 24, 20)
+    for j in range(t // every):
+        n = (j + 1) * every
+        _, want = kda(*(x[:, :n] for x in args), initial_state=s0, impl="reference", form="recurrent")
+        assert rel_err(states[:, j], want) < 1e-5, j

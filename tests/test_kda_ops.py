@@ -135,3 +135,29 @@ def test_state_summary_is_the_affine_map_of_the_shard(scalar):
     second = kda_state_summary(k[:, 20:], v[:, 20:], g[:, 20:], beta[:, 20:], chunk_size=8)
     both = compose_summaries(first, second)
     assert rel_err(both[0], m) < 1e-5 and rel_err(both[1], e) < 1e-5
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+@pytest.mark.parametrize("t, every", [(150, 64), (150, 40), (30, 40)])  # aligned to chunks, not, none inside
+def test_states_after_every_segment_equal_prefix_runs(form, t, every):
+    """kda(state_every=E): the outputs and final state of the plain call, and state j equal to the final state of
+    a run over the first (j + 1)·E tokens (numpy, float64); T < E gives no states."""
+    q, k, v, g, beta, s0 = _inputs(11, 2, t, 2, 16, 8)
+    o, s, states = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form=form, chunk_size=16,
+                       state_every=every)  # fmt: skip
+    want_o, want_s = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form=form, chunk_size=16)
+    assert states.shape == (2, t // every, 2, 16, 8) and states.dtype == jnp.float32
+    assert rel_err(o, want_o) < 1e-6 and rel_err(s, want_s) < 1e-6
+    for j in range(t // every):
+        n = (j + 1) * every
+        _, want = _numpy_recurrence(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0)
+        assert rel_err(states[:, j], want) < 1e-5, j
+
+
+def test_state_every_bad_arguments_are_named():
+    q, k, v, g, beta, _ = _inputs(0, 1, 8, 1, 16, 8)
+    for bad in (0, -64, 2.5, True):
+        with pytest.raises(ValueError, match=f"state_every={bad!r}"):
+            kda(q, k, v, g, beta, impl="reference", state_every=bad)
+    with pytest.raises(ValueError, match="state_every is not taken with cu_seqlens"):
+        kda(q, k, v, g, beta, impl="reference", cu_seqlens=[0, 3, 8], state_every=4)

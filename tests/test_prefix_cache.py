@@ -25,9 +25,14 @@ GEN = jax.jit(generate, static_argnames=STATIC)
 GEN_PC = jax.jit(generate, static_argnames=STATIC, donate_argnames=("prefix_cache",))
 
 
-PREFILL = jax.jit(lambda p, m, i, n, max_len: p.prefill(m, i, n, max_len=max_len), static_argnames="max_len")
+PREFILL = jax.jit(
+    lambda p, m, i, n, max_len, chunk=None: p.prefill(m, i, n, max_len=max_len, chunk=chunk),
+    static_argnames=("max_len", "chunk"),
+)
 PLAIN = jax.jit(lambda m, i, c, n: m.prefill(i, c, n, last_only=True))
 STEP = jax.jit(lambda m, i, c: m.decode_step(i, c))
+PLAIN_ALL = jax.jit(lambda m, i, c, n: m.prefill(i, c, n))
+SNAP = jax.jit(lambda m, i, c, n: m.prefill(i, c, n, snapshot_every=6))
 
 
 def _valid_rows(cache, lengths):
@@ -94,16 +99,18 @@ def _model(make, quant):
 
 
 @pytest.mark.parametrize(
-    "make, quant, tail_chunk",
-    [(variant_config, None, 5), (glm5_tiny, QUANT, None), (qwen_tiny, QUANT, None)],
-    ids=["variant-tail-chunks", "glm5-quantized", "qwen3-next-quantized"],
-)
-def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chunk):
+    "make, quant, tail_chunk, chunk_blocks",
+    [(variant_config, None, 5, 1), (variant_config, None, None, 2), (glm5_tiny, QUANT, None, 3),
+     (qwen_tiny, QUANT, None, 2)],
+    ids=["variant-tail-chunks", "variant-2-block-calls", "glm5-quantized-3-block-calls", "qwen3-next-quantized"],
+)  # fmt: skip
+def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chunk, chunk_blocks):
     """Float32. Each call's logits and every cache leaf (KDA states and conv tails, KPool tails; every pool row —
     MLA, indexer, GQA K/V — the sequences hold) equal a one-shot prefill's; a hit gives the logits the miss of the
     same prompt gave; hit / miss tokens counted exactly; the stored blocks' pages are untouched by the decode steps
-    after. The variant prefills each prompt's partial last block in calls of 5 tokens (its full blocks in block
-    calls)."""
+    after. Calls of `chunk_blocks` blocks (stage 1, snapshots at each block end inside: rows with 4-5 new blocks
+    take 1-2 of them, then block calls), block calls alone with 1; the first variant prefills each prompt's
+    partial last block in calls of 5 tokens."""
     model = _model(make, quant)
     cfg = model.config
     blk = 2 * cfg.page_size
@@ -112,7 +119,8 @@ def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chun
     pc = PrefixCache(model, max_tokens=40 * blk, block_size=blk, tail_chunk=tail_chunk)
     results = []
     for ids, lens in ((ids1, lens1), (ids2, lens2)):
-        logits, cache, pc = PREFILL(pc, model, jnp.asarray(ids), jnp.asarray(lens), max_len=max_len)
+        args = (pc, model, jnp.asarray(ids), jnp.asarray(lens))
+        logits, cache, pc = PREFILL(*args, max_len=max_len, chunk=chunk_blocks * blk)
         want_logits, want = PLAIN(model, jnp.asarray(ids), model.init_cache(len(lens), max_len), jnp.asarray(lens))
         assert rel_err(logits, want_logits) < 2e-5
         assert_same_cache(cache, want, lens, 2e-5)
@@ -138,6 +146,41 @@ def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chun
     assert s["evictions"] == 0
     # a hit resumes from the miss's own state: row 2 of call 2 is row 1 of call 1
     np.testing.assert_allclose(np.asarray(results[1][2]), np.asarray(results[0][1]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [variant_config, glm5_tiny, qwen_tiny], ids=["variant", "glm5", "qwen3-next"])
+def test_prefill_snapshots_equal_the_states_of_shorter_prefills(make):
+    """model.prefill(snapshot_every=6) after 3 cached tokens: snapshot j of each layer (KDA state and conv tail,
+    KPool tail: pools of 4, so 6-token ends leave partial pools) equals the per-sequence state of a prefill of the
+    first 6·(j + 1) tokens of the call, for each row that has them (row 1 has 13 of 20); the logits and the cache
+    equal the prefill's without snapshots."""
+    model = HybridLM(make(), rngs=nnx.Rngs(3))
+    ids = jnp.asarray(random_ids(4, (2, 23), model.config.vocab_size))
+    lens = jnp.array([20, 13])
+    _, cache0 = PLAIN_ALL(model, ids[:, :3], model.init_cache(2, 32), jnp.array([3, 3]))
+    logits, cache, snaps = SNAP(model, ids[:, 3:], cache0, lens)
+    want_logits, want = PLAIN_ALL(model, ids[:, 3:], cache0, lens)
+    assert rel_err(logits, want_logits) < 1e-6
+    assert_same_cache(cache, want, np.asarray(want.lengths), 1e-6)
+    assert len(snaps) == model.config.num_layers
+    checked = 0
+    for j in range(3):
+        n = 6 * (j + 1)
+        _, part = PLAIN_ALL(model, ids[:, 3 : 3 + n], cache0, jnp.minimum(lens, n))
+        for li, (st, snap) in enumerate(zip(part.layers, snaps, strict=True)):
+            if isinstance(st, KDAState):
+                pairs = [(st.conv, snap.conv[:, j]), (st.recurrent, snap.recurrent[:, j])]
+            elif isinstance(st, MLAState) and st.index_tail is not None:
+                pairs = [(st.index_tail, snap[:, j])]
+            else:
+                assert snap is None, li
+                continue
+            for want_leaf, got_leaf in pairs:
+                for r in range(2):
+                    if n <= int(lens[r]):
+                        np.testing.assert_allclose(got_leaf[r], want_leaf[r], rtol=1e-5, atol=1e-5, err_msg=f"{li} {j}")
+                        checked += 1
+    assert checked > 0
 
 
 def test_lru_eviction_keeps_recent_prefixes_and_results():
@@ -228,8 +271,12 @@ def test_prefix_cache_bad_arguments():
     same_config.embed_tokens.embedding[...] = model.embed_tokens.embedding[...]  # only the other weights differ
     with pytest.raises(ValueError, match="built for other weights of this config"):
         generate(same_config, ids[:1], max_new_tokens=2, prefix_cache=pc)
-    with pytest.raises(ValueError, match="prefill_chunk=4: with a prefix cache"):
-        generate(model, ids[:1], max_new_tokens=2, prefix_cache=pc, prefill_chunk=4)
+    with pytest.raises(ValueError, match="prefill_chunk=24: with a prefix cache the prompt is prefilled in calls"):
+        generate(model, ids[:1], max_new_tokens=2, prefix_cache=pc, prefill_chunk=24)
+    with pytest.raises(ValueError, match="chunk=8 must be a positive multiple of the prefix cache's block_size=16"):
+        pc.prefill(model, ids[:1], max_len=30, chunk=8)
+    with pytest.raises(ValueError, match="snapshot_every=0 must be a positive int"):
+        model.prefill(ids[:1], model.init_cache(1, 30), snapshot_every=0)
     _, cache, lent = pc.prefill(model, ids[:1, :5], max_len=8)
     with pytest.raises(ValueError, match="prefix_cache is lent to a running cache"):
         lent.prefill(model, ids[:1, :5], max_len=8)

@@ -289,6 +289,8 @@ class KimiDeltaAttention(nnx.Module):
         if info.mode == "verify" and self._uses_fused_decode():
             return self._verify_fused(q_raw, k_raw, v_raw, f, z, b_logits, info, state)
         if info.cp is not None:
+            if info.snapshot_every is not None:
+                raise ValueError("snapshot_every: state snapshots are not taken in a context-parallel prefill")
             xhat = jnp.concatenate([q_raw, k_raw, v_raw], axis=-1)  # XLA's q, k, v end their own fusions
             return self._context_parallel(x, xhat, f, z, b_logits, info, state)
         if state is None:
@@ -318,16 +320,29 @@ class KimiDeltaAttention(nnx.Module):
             )
             o = o[:, None]
         else:
-            o, s = kda(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                initial_state=state.recurrent,
-                use_qk_l2norm=True,
-                impl="auto",
-                chunk_size=cfg.kda_chunk_size,
-            )
+            out = kda(
+                q, k, v, g, beta, initial_state=state.recurrent, use_qk_l2norm=True, impl="auto",
+                chunk_size=cfg.kda_chunk_size, state_every=info.snapshot_every,
+            )  # fmt: skip
+            o, s = out[:2]
+            if info.snapshot_every is not None:
+                return self._output(z, o), self._with_snapshots(state, (q_raw, k_raw, v_raw), out[2], conv, s, info)
 
         return self._output(z, o), _placed(KDAState(conv=conv, recurrent=s))
+
+    def _with_snapshots(self, state: KDAState, raw, states, conv, s, info: StepInfo) -> KDAState:
+        """A prefill's new state with its snapshots (`HybridLM.prefill(snapshot_every=E)`): conv [B, S+1, W-1, 3C]
+        and recurrent [B, S+1, N, K, V], entry j < S the state after (j + 1)·E tokens of the call (S = T // E;
+        `kda(state_every=E)`), entry S the state after all of them. Snapshot j's conv tail is the W-1 raw inputs
+        before token (j + 1)·E, as `short_conv` would leave them after that many tokens."""
+        w, e = self.cfg.kda_conv_size, info.snapshot_every
+        xhat = jnp.concatenate(raw, axis=-1)
+        ext = jnp.concatenate([state.conv.astype(xhat.dtype), xhat], axis=1)  # [B, W-1+T, 3C]
+        ends = (jnp.arange(states.shape[1]) + 1) * e  # rows [end, end + W-1) of ext hold the tail after end tokens
+        tails = ext[:, ends[:, None] + jnp.arange(w - 1)[None, :]].astype(state.conv.dtype)  # [B, S, W-1, 3C]
+        return _placed(
+            KDAState(
+                conv=jnp.concatenate([tails, conv[:, None]], axis=1),
+                recurrent=jnp.concatenate([states, s[:, None]], axis=1),
+            )
+        )

@@ -168,15 +168,20 @@ class LightningIndexer(nnx.Module):
             pool = pool.write(where, keys)
         if tail is None:
             return pool, None
+        per_step = info.mode == "verify" or info.snapshot_every is not None
         if info.mode == "verify":  # the tail after each of 0 .. T tokens: [B, T+1, P, 2H] (HybridLM.commit)
             filled = off[:, None] + jnp.minimum(jnp.arange(t + 1)[None, :], n_new[:, None])
+        elif info.snapshot_every is not None:  # after every E tokens, then after all: [B, T // E + 1, P, 2H]
+            e = info.snapshot_every
+            ends = jnp.minimum((jnp.arange(t // e) + 1)[None, :] * e, n_new[:, None])
+            filled = off[:, None] + jnp.concatenate([ends, n_new[:, None]], axis=1)
         else:
             filled = filled[:, None]
         last = jnp.minimum(filled // p, m - 1)  # the pool left incomplete (empty when filled % p == 0)
         new_tail = jnp.take_along_axis(ext, last[:, :, None, None], axis=1)  # [B, S, P, 2H]
         kept = jnp.arange(p)[None, None, :] < (filled % p)[..., None]  # slots past the pool's tokens hold zeros
         new_tail = jnp.where(kept[..., None], new_tail, 0).astype(tail.dtype)
-        return pool, new_tail if info.mode == "verify" else new_tail[:, 0]
+        return pool, new_tail if per_step else new_tail[:, 0]
 
     def __call__(self, x: jax.Array, c_q: jax.Array, info: StepInfo, pool: Pool | None, tail=None):
         """Returns (indices [B,T,topk] int32 positions, -1 = none, in no promised order; the updated key pool;

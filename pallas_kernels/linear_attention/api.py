@@ -56,6 +56,7 @@ def kda(
     interpret: bool | None = None,
     cu_seqlens=None,
     solve: str = "neumann",
+    state_every: int | None = None,
 ):
     """Gated delta rule with per-channel (g [B,T,N,K]) or per-head (g [B,T,N]) log decay.
 
@@ -76,6 +77,11 @@ def kda(
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
     at each sequence start; the jnp forms run them as one batch padded to the longest (pads at each row's end
     change no state).
+    state_every=E (a positive int; not with cu_seqlens): also the states after every E tokens, a third output
+    [B, T // E, N, K, V] float32 whose entry j is the state after tokens [0, (j + 1)·E) — what a prefix cache
+    keeps at its block boundaries. The Pallas path stores them from its state pass where E is a multiple of 64
+    (nothing recomputed); otherwise, and for the jnp forms, the sequence runs as a `lax.scan` over segments of
+    E tokens, each a call of this function from the state the one before left.
     """
     registry.check_impl("kda_prefill", impl)
     if form not in (None, *FORMS):
@@ -96,6 +102,13 @@ def kda(
         impl = registry.resolve("kda_prefill", impl, tokens=q.shape[1]).impl
     elif impl == "auto":  # a reference form asked for
         impl = "reference"
+    if state_every is not None:
+        return _with_states(
+            q, k, v, g, beta, state_every, cu_seqlens,
+            dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, form=form,
+                 chunk_size=chunk_size, block_v=block_v, precision=precision, num_warps=num_warps,
+                 interpret=interpret, solve=solve),
+        )  # fmt: skip
     if cu_seqlens is not None:
         if impl == "pallas":
             return _varlen_packed(
@@ -117,6 +130,43 @@ def kda(
     if form == "recurrent":
         return kda_recurrent(q, k, v, g, beta, **kw)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+
+
+def _with_states(q, k, v, g, beta, every, cu_seqlens, kw):
+    """`kda(..., state_every=every)`: (o, final state, the states after every `every` tokens)."""
+    if not isinstance(every, (int, np.integer)) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"kda: state_every={every!r} must be a positive int")
+    if cu_seqlens is not None:
+        raise ValueError("kda: state_every is not taken with cu_seqlens (packed sequences)")
+    b, t, n, dk = q.shape
+    dv = v.shape[-1]
+    count = t // every
+    impl = kw["impl"]  # resolved by `kda`
+    if count == 0:  # no boundary inside: the plain call and no states
+        o, s = kda(q, k, v, g, beta, **kw)
+        return o, s, jnp.zeros((b, 0, n, dk, dv), jnp.float32)
+    if impl == "pallas" and every % CHUNK == 0:
+        opts = {x: kw[x] for x in ("block_v", "num_warps", "solve")}
+        return _kda_pallas(
+            q, k, v, g, beta, kw["initial_state"], scale=kw["scale"], use_qk_l2norm=kw["use_qk_l2norm"],
+            precision=_pallas_precision(kw["precision"], q), interpret=kw["interpret"], state_every=every, **opts,
+        )  # fmt: skip
+    # segments of `every` tokens (the last zero-padded: g = 0, beta = 0 change no state), one call each
+    segs = -(-t // every)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, segs * every - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    split = lambda x: jnp.moveaxis(pad(x).reshape(b, segs, every, *x.shape[2:]), 1, 0)  # noqa: E731
+    s0 = kw["initial_state"]
+    s0 = jnp.zeros((b, n, dk, dv), jnp.float32) if s0 is None else s0.astype(jnp.float32)
+    seg_kw = dict(kw, initial_state=None)
+
+    def segment(s, xs):
+        o, s = kda(*xs, **dict(seg_kw, initial_state=s))
+        return s, (o, s)
+
+    _, (o, states) = jax.lax.scan(segment, s0, tuple(split(x) for x in (q, k, v, g, beta)))
+    o = jnp.moveaxis(o, 0, 1).reshape(b, segs * every, n, dv)[:, :t]
+    states = jnp.moveaxis(states, 0, 1)  # [B, segs, N, K, V]
+    return o, states[:, -1], states[:, :count]
 
 
 def _pallas_precision(precision, q) -> str:
@@ -189,11 +239,12 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
 
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
-    solve="neumann", seq_chunks=None,
+    solve="neumann", seq_chunks=None, state_every=None,
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16), runs, unpads.
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged.
-    seq_chunks: (first chunk, chunk count) per chunk-aligned packed sequence; initial_state then [S,N,K,V]."""
+    seq_chunks: (first chunk, chunk count) per chunk-aligned packed sequence; initial_state then [S,N,K,V].
+    state_every (a multiple of 64): the states after every state_every tokens come back third."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     if block_v <= 0 or block_v & (block_v - 1):
@@ -210,13 +261,18 @@ def _kda_pallas(
         s0 = jnp.zeros((b, n, pk, pv), jnp.float32)  # (packed sequences always pass theirs)
     else:
         s0 = jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, pk - dk), (0, pv - dv)])
-    o, s = kda_chunked_pallas(
+    extra = {} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])
+    if state_every is not None:  # boundaries past the real tokens would be the padding's: none are asked for
+        extra["state_every"] = state_every
+    out = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
-        interpret=registry.interpret_default(interpret), num_warps=num_warps,
-        solve=solve, **({} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])),
+        interpret=registry.interpret_default(interpret), num_warps=num_warps, solve=solve, **extra,
     )  # fmt: skip
-    return o[:, :t, :, :dv], s[:, :, :dk, :dv]
+    o, s = out[0][:, :t, :, :dv], out[1][:, :, :dk, :dv]
+    if state_every is None:
+        return o, s
+    return o, s, out[2][:, : t // state_every, :, :dk, :dv]
 
 
 def kda_state_summary(

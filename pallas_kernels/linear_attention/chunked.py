@@ -129,12 +129,16 @@ def _unit_lower_inverse(a_kk, dot_solve, solve, akk_rows):
     return dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
 
-def _state_kernel(*refs, nc, precision, packed):
+def _state_kernel(*refs, nc, precision, packed, every=None, count=0):
     """The state pass over one (row, head, V-block) — with packed sequences (`packed`) over one (sequence, head,
     V-block): seq_start / seq_count [S] int32 name the sequence's chunks, the program walks only those from
-    the sequence's initial state and writes its final state (a sequence with no chunk keeps its own)."""
+    the sequence's initial state and writes its final state (a sequence with no chunk keeps its own).
+    every / count (not with packed): also the state after chunks every, 2·every, ..., count·every, written to
+    rows [j·K, (j+1)·K) of the snapshot block (the loop over chunks split into `count` segments of `every`)."""
     if packed:
         start_ref, count_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
+    elif every:
+        w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, snap_ref = refs
     else:
         w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
     dot = _products(precision)
@@ -150,6 +154,16 @@ def _state_kernel(*refs, nc, precision, packed):
         seq = pl.program_id(0)
         first = start_ref[seq]
         s_ref[...] = jax.lax.fori_loop(first, first + count_ref[seq], body, s0_ref[...].astype(jnp.float32))
+    elif every:
+        dk = s0_ref.shape[0]
+
+        def segment(j, s):
+            s = jax.lax.fori_loop(j * every, (j + 1) * every, body, s)
+            snap_ref[pl.ds(j * dk, dk), :] = s
+            return s
+
+        s = jax.lax.fori_loop(0, count, segment, s0_ref[...].astype(jnp.float32))
+        s_ref[...] = jax.lax.fori_loop(count * every, nc, body, s)
     else:
         s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
@@ -329,14 +343,19 @@ def _gate_spec(nc, dk):
         "num_stages",
         "solve",
         "parts",
+        "state_every",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
-    num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS,
+    num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
+
+    state_every (a multiple of 64, not with packed sequences): also the states after every state_every tokens,
+    [B, T // state_every, N, K, V] float32 (third): the state pass stores its on-chip state at those chunk
+    boundaries, one [K, V] write per snapshot and nothing recomputed.
 
     Packed sequences: with seq_start / seq_count [S] int32 (each sequence's first chunk and number of chunks),
     B = 1 holds S sequences each starting at a chunk boundary (zero-padded to whole chunks: g = 0, beta = 0
@@ -371,17 +390,34 @@ def kda_chunked_pallas(
     else:
         maps, extra = [], ()
         seq, gate = functools.partial(_seq_spec, t), _gate_spec(nc, dk)
-    return pl.pallas_call(
-        functools.partial(_state_kernel, nc=nc, precision=precision, packed=packed),
+    every, count = 0, 0
+    out_specs = [seq(block_v, tile=True), state]
+    out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
+    if state_every is not None:
+        if packed or state_every <= 0 or state_every % CHUNK:
+            raise ValueError(
+                f"kda_chunked_pallas: state_every={state_every!r} must be a positive multiple of {CHUNK} "
+                "(and sequences not packed)"
+            )
+        every, count = state_every // CHUNK, t // state_every
+        # snapshot j of (row, head) in rows [j·K, (j+1)·K): a [K, BV] block per (j, V-block), like o's rows
+        out_specs.append(pl.BlockSpec((None, None, count * dk, block_v), lambda i, h, j: (i, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((b, n, count * dk, dv), jnp.float32))
+    out = pl.pallas_call(
+        functools.partial(_state_kernel, nc=nc, precision=precision, packed=packed, every=every, count=count),
         grid=(s0.shape[0], n, dv // block_v),
         in_specs=[*maps, seq(dk), seq(block_v, tile=True), seq(dk), seq(dk), seq(CHUNK), gate, state],
-        out_specs=[seq(block_v, tile=True), state],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         input_output_aliases={len(extra) + 6: 1} if packed else {},
         interpret=interpret,
         name="kda_chunk_state",
         **params,
     )(*extra, w, u, qg, kg, aqk, gl, s0.astype(jnp.float32))  # fmt: skip
+    if state_every is None:
+        return out
+    o, s, snaps = out
+    return o, s, jnp.moveaxis(snaps.reshape(b, n, count, dk, dv), 2, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages"))
