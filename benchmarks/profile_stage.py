@@ -50,6 +50,10 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
     info = _info(cache, b, 1, args.context, "decode")
     x = jax.random.normal(jax.random.key(0), (b, 1, cfg.hidden_size), model.dtypes.compute)
     if stage == "step":  # the cache is carried through the loop, as in generate's (the kernels update it in place)
+        from benchmarks.long_context import _random_like
+
+        # every step reads `context` cached positions of small random values (zeros would tie every Top-K score)
+        cache = _random_like(cache, jax.random.key(b)).replace(lengths=jnp.full((b,), args.context, jnp.int32))
         module, call = model, lambda m, x, c: m.decode_step(jnp.zeros((b,), jnp.int32), c)
         extra = (cache,)
     elif stage == "moe":

@@ -218,6 +218,21 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     assert asked == ["hierarchical"]
     assert "while" in (tmp_path / "out" / "kda_b1.hlo.txt").read_text()
     assert "kda stage (layer 0), B=1" in capsys.readouterr().out
+    # the whole step reads a cache filled with random values, --context positions long
+    from benchmarks import long_context
+
+    filled, fill = [], long_context._random_like
+
+    def recorded(cache, key):  # the step donates the cache: its values are read here
+        cache = fill(cache, key)
+        filled.append(float(abs(cache.layers[0].recurrent).max()))
+        return cache
+
+    monkeypatch.setattr(long_context, "_random_like", recorded)
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "step", *argv[5:-2]])
+    profile_stage.main()
+    out = capsys.readouterr().out
+    assert "step stage (layer 0), B=1" in out and len(filled) == 1 and filled[0] > 0
 
 
 def test_profile_stage_compares_a_chunked_prefill_with_one_call(tmp_path, monkeypatch, capsys):
