@@ -183,6 +183,11 @@ def generate(
     input_ids = jnp.where(error[:, None], 0, input_ids)
     lens = jnp.where(error, 1, lens)
 
+    if prefill_chunk is None and jax.process_count() > 1:
+        raise ValueError(
+            "generate: pass prefill_chunk= with several processes (free memory differs between hosts and the chunk "
+            "shapes the compiled program; the CLI takes the smallest default_prefill_chunk over the hosts)"
+        )
     if prefix_cache is not None:
         if prefill_chunk is not None and prefill_chunk % prefix_cache.block_size:
             raise ValueError(
@@ -191,11 +196,6 @@ def generate(
             )
         room = t + max_new_tokens + extra
         logits, cache, pc = prefix_cache.prefill(model, input_ids, lens, max_len=room, rows=~error, chunk=prefill_chunk)
-    elif prefill_chunk is None and jax.process_count() > 1:
-        raise ValueError(
-            "generate: pass prefill_chunk= with several processes (free memory differs between hosts and the chunk "
-            "shapes the compiled program; the CLI takes the smallest default_prefill_chunk over the hosts)"
-        )
     mtp = None
     if draft == "mtp":
         cache = model.init_cache(b, t + max_new_tokens + extra)

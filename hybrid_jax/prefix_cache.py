@@ -249,7 +249,7 @@ class PrefixCache:
         if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1 or chunk % self.block_size:
             raise ValueError(
                 f"chunk={chunk!r} must be a positive multiple of the prefix cache's block_size={self.block_size} "
-                "(its calls end on block boundaries)"
+                "(its calls end on block boundaries; static under jit)"
             )
         ids = jnp.asarray(input_ids, jnp.int32)
         if ids.ndim != 2 or ids.shape[1] == 0:
@@ -377,10 +377,11 @@ class PrefixCache:
     def _prefill_blocks(self, model, ids, lens, m, slots, cache, chunk: int):
         """Prefill each row's tokens from its first unmatched block on, in calls aligned to its blocks, the
         per-sequence states after each full block going to the block's slot:
-          1. calls of `chunk` tokens (a multiple of the block size) while a row has a whole chunk left, each
-             returning the states at every block end inside it (`HybridLM.prefill(snapshot_every=block_size)`:
-             KDA's from its state pass, nothing recomputed), so storing a long prompt costs about what one
-             prefill of it costs;
+          1. calls of `chunk` tokens (a multiple of the block size; the prompt's whole blocks where it has fewer)
+             while a row has a whole call left, each returning the states at every block end inside it
+             (`HybridLM.prefill(snapshot_every=block_size)`: KDA's from its state pass, nothing recomputed), so
+             storing a long prompt costs about what one prefill of it costs; a row with fewer such calls than
+             the longest takes all it has left in one more (the call runs for the others anyway);
           2. block calls for the whole blocks left (each stores the state it ends with);
           3. a short partial last block in calls of `tail_chunk` tokens (`prefill_in_two_sizes`: a few new
              tokens after a hit cost a few tokens, not a whole padded block).
@@ -399,30 +400,35 @@ class PrefixCache:
 
             return tuple(jax.tree.map(one, sn, le) for sn, le in zip(store, leaves, strict=True))
 
-        per = chunk // blk
-        staged = per > 1 and ids.shape[1] >= chunk  # (statically) a row can hold a whole chunk
-        whole = (lens - start0) // chunk if staged else jnp.zeros_like(m)  # stage 1 calls per row
-        if staged:
+        # stage 1's call size: `chunk`, or the prompt's whole blocks where it has fewer (static)
+        size = min(chunk, ids.shape[1] // blk * blk)
+        per = size // blk
+        full = jnp.zeros_like(m)  # calls of `size` whose every token is a row's
+        done = jnp.zeros(m.shape, bool)  # rows whose last call holds all they had left
+        if per > 1:
+            full = (lens - start0) // size
+            # a row with fewer whole calls than the longest takes its rest (< size tokens) in a call that runs anyway
+            take = jnp.where(full < jnp.max(full), full + 1, full)
+            done = take > full
 
             def store_chunk(c, n_new, cache, store, taken):  # call c: blocks m + c·per + j, j < per
                 j = jnp.arange(per, dtype=jnp.int32)[None, :]
-                full = n_new[:, None] >= (j + 1) * blk
+                whole = n_new[:, None] >= (j + 1) * blk
                 taken = tuple((x.conv, x.recurrent) if isinstance(x, KDAState) else x for x in taken)  # as _per_seq
-                return put(store, m[:, None] + c * per + j, full, taken)
+                return put(store, m[:, None] + c * per + j, whole, taken)
 
             logits, cache, snaps = prefill_calls(
-                model, ids, lens, cache, logits, start0, chunk, take=whole, after=store_chunk, carry=snaps,
+                model, ids, lens, cache, logits, start0, size, take=take, after=store_chunk, carry=snaps,
                 snapshot_every=blk,
             )  # fmt: skip
-        first = m + whole * per  # each row's first block after stage 1
+        first = m + full * per  # each row's first block after stage 1
 
         def store_block(c, n_new, cache, store):  # after block call c: a full block first + c -> its slot
             leaves = tuple(jax.tree.map(lambda x: x[:, None], _per_seq(la)) for la in cache.layers)
             return put(store, (first + c)[:, None], (n_new == blk)[:, None], leaves)
 
-        return prefill_in_two_sizes(
-            model, ids, lens, cache, logits, first * blk, blk, tc, after=store_block, carry=snaps
-        )
+        start = jnp.where(done, lens, first * blk)
+        return prefill_in_two_sizes(model, ids, lens, cache, logits, start, blk, tc, after=store_block, carry=snaps)
 
     def _register(self, ids, lens, m, slots, ok, parent, valid, used):
         """Store every full prompt block past the matched ones, row by row (a block already stored — by an

@@ -154,6 +154,10 @@ def test_chunked_prefill_equals_one_shot(tiny_model):
 
 def test_generate_asks_for_the_prefill_chunk_under_several_processes(tiny_model, monkeypatch):
     """Hosts' free memory differs and the chunk shapes the compiled program: no per-host default."""
+    from hybrid_jax import PrefixCache
+
+    pc = PrefixCache(tiny_model, max_tokens=64, block_size=tiny_model.config.page_size)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match="pass prefill_chunk= with several processes"):
-        generate(tiny_model, jnp.zeros((1, 4), jnp.int32), max_new_tokens=2)
+    for cache in (None, pc):  # with a prefix cache too: its calls are sized from the same default
+        with pytest.raises(ValueError, match="generate: pass prefill_chunk= with several processes"):
+            generate(tiny_model, jnp.zeros((1, 4), jnp.int32), max_new_tokens=2, prefix_cache=cache)

@@ -86,9 +86,9 @@ def _prompts(seed, blk, vocab):
     lens1 = np.array([5 * blk + 3, 4 * blk, blk - 3, blk + 1])
     second = base.copy()
     second[0, : 5 * blk] = first[0, : 5 * blk]  # 5 stored blocks + 1 new token ... + more
-    second[1, : 2 * blk] = first[0, : 2 * blk]  # 2 of them, then a different block
+    second[1, : 2 * blk] = first[0, : 2 * blk]  # 2 of them, then 4 different blocks
     second[2, : 4 * blk] = first[1, : 4 * blk]  # exactly row 1's stored prompt
-    lens2 = np.array([5 * blk + 7, 3 * blk + 5, 4 * blk, 2 * blk + 1])
+    lens2 = np.array([5 * blk + 7, 6 * blk, 4 * blk, 2 * blk + 1])
     return (first, lens1), (second, lens2)
 
 
@@ -104,13 +104,22 @@ def _model(make, quant):
      (qwen_tiny, QUANT, None, 2)],
     ids=["variant-tail-chunks", "variant-2-block-calls", "glm5-quantized-3-block-calls", "qwen3-next-quantized"],
 )  # fmt: skip
-def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chunk, chunk_blocks):
+def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chunk, chunk_blocks, monkeypatch):
     """Float32. Each call's logits and every cache leaf (KDA states and conv tails, KPool tails; every pool row —
     MLA, indexer, GQA K/V — the sequences hold) equal a one-shot prefill's; a hit gives the logits the miss of the
     same prompt gave; hit / miss tokens counted exactly; the stored blocks' pages are untouched by the decode steps
     after. Calls of `chunk_blocks` blocks (stage 1, snapshots at each block end inside: rows with 4-5 new blocks
-    take 1-2 of them, then block calls), block calls alone with 1; the first variant prefills each prompt's
+    take 1-2 of them, the shorter rows their whole rest in a call that runs anyway, then block calls; call 2's
+    row 1 resumes after 2 hit blocks in them), block calls alone with 1; the first variant prefills each prompt's
     partial last block in calls of 5 tokens."""
+    snapshot_calls = []
+    plain_prefill = HybridLM.prefill
+
+    def prefill(self, *a, snapshot_every=None, **kw):  # counts the traced calls that take snapshots
+        snapshot_calls.append(snapshot_every)
+        return plain_prefill(self, *a, snapshot_every=snapshot_every, **kw)
+
+    monkeypatch.setattr(HybridLM, "prefill", prefill)
     model = _model(make, quant)
     cfg = model.config
     blk = 2 * cfg.page_size
@@ -137,6 +146,8 @@ def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chun
         for a, w in zip(after, before, strict=True):  # every pool: latent, rope, indexer keys, their scales
             np.testing.assert_array_equal(a[pages], w[pages])
         results.append(logits)
+    # stage 1 ran (calls of chunk_blocks > 1 blocks with snapshots at each block end) exactly when asked for
+    assert (blk in snapshot_calls) == (chunk_blocks > 1), snapshot_calls
     s = pc.stats()
     # call 1: nothing stored; rows 0, 1 store 5 + 1 blocks (3 shared), row 2 none, row 3 one.
     # call 2: row 0 hits 5 blocks, row 1 2, row 2 3 (of its 4 stored: the last is recomputed), row 3 none.

@@ -337,9 +337,14 @@ class KimiDeltaAttention(nnx.Module):
         before token (j + 1)·E, as `short_conv` would leave them after that many tokens."""
         w, e = self.cfg.kda_conv_size, info.snapshot_every
         xhat = jnp.concatenate(raw, axis=-1)
-        ext = jnp.concatenate([state.conv.astype(xhat.dtype), xhat], axis=1)  # [B, W-1+T, 3C]
-        ends = (jnp.arange(states.shape[1]) + 1) * e  # rows [end, end + W-1) of ext hold the tail after end tokens
-        tails = ext[:, ends[:, None] + jnp.arange(w - 1)[None, :]].astype(state.conv.dtype)  # [B, S, W-1, 3C]
+        t = xhat.shape[1]
+        # row r of [prev; xhat] (W-1+T rows) is prev[r] for r < W-1, else xhat[r - (W-1)]; rows [end, end + W-1)
+        # are the tail after `end` tokens. Gathered from each part apart (as `short_conv` does), not from a
+        # concatenation XLA would write out.
+        r = ((jnp.arange(states.shape[1]) + 1) * e)[:, None] + jnp.arange(w - 1)[None, :]  # [S, W-1]
+        from_prev = state.conv.astype(xhat.dtype)[:, jnp.minimum(r, w - 2)]
+        from_new = xhat[:, jnp.clip(r - (w - 1), 0, t - 1)]
+        tails = jnp.where((r < w - 1)[None, :, :, None], from_prev, from_new).astype(state.conv.dtype)
         return _placed(
             KDAState(
                 conv=jnp.concatenate([tails, conv[:, None]], axis=1),

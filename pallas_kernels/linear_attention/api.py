@@ -262,7 +262,7 @@ def _kda_pallas(
     else:
         s0 = jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, pk - dk), (0, pv - dv)])
     extra = {} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])
-    if state_every is not None:  # boundaries past the real tokens would be the padding's: none are asked for
+    if state_every is not None:  # a boundary inside the padding (T rounded up to 64) is cut off below
         extra["state_every"] = state_every
     out = kda_chunked_pallas(
         q, k, v, g, beta, s0,
