@@ -32,7 +32,6 @@ PREFILL = jax.jit(
 PLAIN = jax.jit(lambda m, i, c, n: m.prefill(i, c, n, last_only=True))
 STEP = jax.jit(lambda m, i, c: m.decode_step(i, c))
 PLAIN_ALL = jax.jit(lambda m, i, c, n: m.prefill(i, c, n))
-SNAP = jax.jit(lambda m, i, c, n: m.prefill(i, c, n, snapshot_every=6))
 
 
 def _valid_rows(cache, lengths):
@@ -159,24 +158,30 @@ def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chun
     np.testing.assert_allclose(np.asarray(results[1][2]), np.asarray(results[0][1]), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("make", [variant_config, glm5_tiny, qwen_tiny], ids=["variant", "glm5", "qwen3-next"])
-def test_prefill_snapshots_equal_the_states_of_shorter_prefills(make):
-    """model.prefill(snapshot_every=6) after 3 cached tokens: snapshot j of each layer (KDA state and conv tail,
+@pytest.mark.parametrize(
+    "make, every", [(variant_config, 6), (glm5_tiny, 6), (qwen_tiny, 6), (variant_config, 2)],
+    ids=["variant", "glm5", "qwen3-next", "variant-every-2"],
+)  # fmt: skip
+def test_prefill_snapshots_equal_the_states_of_shorter_prefills(make, every):
+    """model.prefill(snapshot_every=E) after 3 cached tokens: snapshot j of each layer (KDA state and conv tail,
     KPool tail: pools of 4, so 6-token ends leave partial pools) equals the per-sequence state of a prefill of the
-    first 6·(j + 1) tokens of the call, for each row that has them (row 1 has 13 of 20); the logits and the cache
-    equal the prefill's without snapshots."""
+    first E·(j + 1) tokens of the call (j < 3), for each row that has them (row 1 has 13 of 20); the logits and
+    the cache equal the prefill's without snapshots. E = 2 is shorter than the conv tail (W - 1 = 3): the first
+    snapshot's tail still holds a cached input."""
     model = HybridLM(make(), rngs=nnx.Rngs(3))
+    assert every != 2 or model.config.kda_conv_size - 1 > every
     ids = jnp.asarray(random_ids(4, (2, 23), model.config.vocab_size))
     lens = jnp.array([20, 13])
     _, cache0 = PLAIN_ALL(model, ids[:, :3], model.init_cache(2, 32), jnp.array([3, 3]))
-    logits, cache, snaps = SNAP(model, ids[:, 3:], cache0, lens)
+    snap = jax.jit(lambda m, i, c, n: m.prefill(i, c, n, snapshot_every=every))
+    logits, cache, snaps = snap(model, ids[:, 3:], cache0, lens)
     want_logits, want = PLAIN_ALL(model, ids[:, 3:], cache0, lens)
     assert rel_err(logits, want_logits) < 1e-6
     assert_same_cache(cache, want, np.asarray(want.lengths), 1e-6)
     assert len(snaps) == model.config.num_layers
     checked = 0
     for j in range(3):
-        n = 6 * (j + 1)
+        n = every * (j + 1)
         _, part = PLAIN_ALL(model, ids[:, 3 : 3 + n], cache0, jnp.minimum(lens, n))
         for li, (st, snap) in enumerate(zip(part.layers, snaps, strict=True)):
             if isinstance(st, KDAState):
