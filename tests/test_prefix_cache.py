@@ -182,7 +182,7 @@ def test_prefill_snapshots_equal_the_states_of_shorter_prefills(make, every):
     checked = 0
     for j in range(3):
         n = every * (j + 1)
-        _, part = PLAIN_ALL(model, ids[:, 3 : 3 + n], cache0, jnp.minimum(lens, n))
+        _, part = PLAIN_ALL(model, ids[:, 3:], cache0, jnp.minimum(lens, n))  # n real tokens, one compiled shape
         for li, (st, snap) in enumerate(zip(part.layers, snaps, strict=True)):
             if isinstance(st, KDAState):
                 pairs = [(st.conv, snap.conv[:, j]), (st.recurrent, snap.recurrent[:, j])]
