@@ -58,7 +58,7 @@ def bytes_per_token(pc: PrefixCache) -> tuple[float, float]:
     return (total - snaps) / pc.capacity_tokens, snaps / pc.capacity_tokens
 
 
-def snapshot_rows(model, ids, blk: int, reps: int, base_ms: float) -> list[dict]:
+def snapshot_rows(model, ids, blk: int, reps: int) -> list[dict]:
     """`model.prefill` of ids in one call with snapshot_every=blk, against the same call without (both jitted,
     fresh caches made outside the timing; the cache donated)."""
     b, t = ids.shape
@@ -139,7 +139,7 @@ def main() -> None:
                 note = "" if chunk is None else f"{whole} tokens in one call + {t - whole} in tail calls"
                 emit(dict(case=case, block=blk, ms=ms, vs=ms / base_ms, note=note))
             state = {"pc": runs[-1][1].prefix_cache}
-            for row in snapshot_rows(model, ids[:, : args.prefix], blk, args.reps, base_ms):
+            for row in snapshot_rows(model, ids[:, : args.prefix], blk, args.reps):
                 emit(row)
 
             def warm(state=state):
