@@ -2,9 +2,10 @@
 stage (chained calls in one executable) summarised per kernel. Prints the table (no benchmarks/results row: it
 explains a number, it is not one) and writes the optimized HLO beside the trace to map kernel names to ops.
 
-Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step; `--model kimi` is the
-Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing). `--stage kda_prefill`
-is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with
+Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step; `--stage verify` is a
+speculative verify step instead (`--num-draft` + 1 tokens through the caches, then `commit` keeping one).
+`--model kimi` is the Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing).
+`--stage kda_prefill` is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with
 its defaults), what `benchmarks.linear_attention` times, split into its kernels. `--stage prefill` is the
 whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row times), split into its kernels.
 `--stage indexer` is the indexer's decode Top-K alone (`indexer_topk`, 64 heads of 128, a BF16 pool of
@@ -12,7 +13,7 @@ whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row times), split
 `benchmarks.sparse_attention`'s decode rows time.
 
     python -m benchmarks.profile_stage [--model hybrid_small|kimi]
-        [--stage kda|sparse|moe|step|kda_prefill|prefill|indexer] [--selects split top_k]
+        [--stage kda|sparse|moe|step|verify|kda_prefill|prefill|indexer] [--num-draft 4] [--selects split top_k]
         [--batch 1 16] [--context 2048] [--tokens 32768] [--quant none|hierarchical] [--out DIR]
 """
 
@@ -46,15 +47,25 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
     """Trace `args.calls` chained calls of the stage at batch b; print the per-kernel table."""
     cfg = model.config
     page = cfg.page_size
-    cache = model.init_cache(b, -(-(args.context + args.calls + 2) // page) * page)
+    cache = model.init_cache(b, -(-(args.context + args.calls + args.num_draft + 2) // page) * page)
     info = _info(cache, b, 1, args.context, "decode")
     x = jax.random.normal(jax.random.key(0), (b, 1, cfg.hidden_size), model.dtypes.compute)
-    if stage == "step":  # the cache is carried through the loop, as in generate's (the kernels update it in place)
+    if stage in ("step", "verify"):  # the cache is carried through the loop, as in generate's (updated in place)
         from benchmarks.long_context import _random_like
 
         # every step reads `context` cached positions of small random values (zeros would tie every Top-K score)
         cache = _random_like(cache, jax.random.key(b)).replace(lengths=jnp.full((b,), args.context, jnp.int32))
-        module, call = model, lambda m, x, c: m.decode_step(jnp.zeros((b,), jnp.int32), c)
+        if stage == "step":
+            module, call = model, lambda m, x, c: m.decode_step(jnp.zeros((b,), jnp.int32), c)
+        else:  # k + 1 different tokens (they route to as many experts as a real block), one kept: the cache grows by 1
+            block = jax.random.randint(jax.random.key(1), (b, args.num_draft + 1), 0, cfg.vocab_size, jnp.int32)
+            keep = jnp.ones((b,), jnp.int32)
+
+            def call(m, x, c):
+                logits, pending = m.verify(block, c)
+                return logits[:, 0], m.commit(pending, keep)
+
+            module = model
         extra = (cache,)
     elif stage == "moe":
         module, call, extra = model.layers[layer].mlp, lambda m, x: m(x), ()
@@ -65,7 +76,7 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
 
     def run(leaves, x, *a):
         m = rebuild(leaves)
-        if stage == "step":
+        if stage in ("step", "verify"):
 
             def body(_, carry):
                 x, c = carry
@@ -75,7 +86,7 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
             return jax.lax.fori_loop(0, args.calls, body, (x, *a))  # (x, cache): the cache goes on
         return jax.lax.fori_loop(0, args.calls, lambda _, x: x + call(m, x, *a).astype(x.dtype) * 0, x)
 
-    fn = jax.jit(run, donate_argnums=(2,) if stage == "step" else ())
+    fn = jax.jit(run, donate_argnums=(2,) if stage in ("step", "verify") else ())
     compiled = fn.lower(leaves, x, *extra).compile()
     hlo = compiled.as_text()
     (out_dir / f"{stage}_b{b}.hlo.txt").write_text(hlo)
@@ -83,7 +94,7 @@ def profile_one(model, stage: str, layer: int, b: int, args, out_dir: Path) -> N
     def call_once(extra):
         out = fn(leaves, x, *extra)
         jax.block_until_ready(out)
-        return (out[1],) if stage == "step" else extra  # the donated cache is replaced by the returned one
+        return (out[1],) if stage in ("step", "verify") else extra  # the donated cache is replaced by the returned one
 
     extra = call_once(extra)
     trace = out_dir / f"trace_{stage}_b{b}"
@@ -254,8 +265,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="hybrid_small", help="a preset, or kimi / glm5 (e2e's folders)")
     p.add_argument(
-        "--stage", default="kda", choices=["kda", "sparse", "moe", "step", "kda_prefill", "prefill", "indexer"]
-    )
+        "--stage", default="kda",
+        choices=["kda", "sparse", "moe", "step", "verify", "kda_prefill", "prefill", "indexer"],
+    )  # fmt: skip
+    p.add_argument("--num-draft", type=int, default=4, help="verify only: a block of num_draft + 1 tokens")
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill only: also chunked, and the difference")
     p.add_argument("--layers", type=int, default=None, help="a preset cut to this many layers (gpu_parity.cut_config)")

@@ -60,6 +60,28 @@ def step_ms(fn, cache, args, steps: int) -> float:
     return statistics.median(times)
 
 
+def own_replay(model, ids, reference, new: int, k: int, wrong_every, max_runs: int, reps: int):
+    """Speculative decode replaying the speculative run's own greedy output: a fixed point of
+    D -> ids ++ generate(draft=replay_drafter(D, wrong_every)).tokens, starting from `reference` (plain greedy).
+
+    In bf16 a verify block ranks near-tied tokens differently from a decode step, so a replay of plain greedy is
+    rejected where the two part and replays the wrong continuation from there on. Each run agrees with the last
+    up to the first position where they part, and there the new run's token is the one its own block computes,
+    which the next run (same blocks up to there) accepts: the agreement grows every run until the output
+    replays itself, every draft the target's own choice except the every-n-th wrong ones.
+    -> (median ms of the generate call at the fixed point, its output, runs made, whether it was reached)."""
+    fn = jax.jit(lambda m, ref: generate(m, ids, max_new_tokens=new, draft=replay_drafter(ref, wrong_every),
+                                         num_draft=k))  # fmt: skip
+    ref, runs, fixed = jnp.asarray(reference, jnp.int32), 0, False
+    while runs < max_runs and not fixed:
+        out = fn(model, ref)
+        runs += 1
+        nxt = jnp.concatenate([ids, out.tokens], axis=1)
+        fixed = bool(jnp.array_equal(nxt, ref))
+        ref = nxt
+    return median_ms(lambda: fn(model, ref), warmup=0, iters=reps), out, runs, fixed
+
+
 def measure(model, batch: int, args, emit) -> None:
     cfg = model.config
     k, new, ctx = args.num_draft, args.new, args.context
@@ -84,20 +106,24 @@ def measure(model, batch: int, args, emit) -> None:
     )
     if cfg.mtp_layers:
         drafters["mtp (random weights)"] = "mtp"
-    for label, draft in drafters.items():
-        ms, out = timed(max_new_tokens=new, draft=draft, num_draft=k)
+
+    def row(label, ms, out, note=""):
         same = bool(np.array_equal(np.asarray(out.tokens), np.asarray(plain.tokens)))
         steps = np.asarray(out.drafted).sum() / k
         per_step = (np.asarray(out.lengths).sum() - batch) / steps  # tokens emitted per verify step and row
+        note = ("same tokens as plain greedy" if same else "TOKENS DIFFER from plain greedy") + note
+        emit(dict(base, case=f"speculative k={k}", drafter=label, ms=ms, tok_s=tokens / ms * 1e3,
+                  speedup=decode_ms / ms, per_step=per_step, note=note))  # fmt: skip
+
+    for label, draft in drafters.items():
+        ms, out = timed(max_new_tokens=new, draft=draft, num_draft=k)
         # the MTP drafter's prefill also runs the module over the prompt: subtract that prefill
         ms -= timed(max_new_tokens=1, draft=draft, num_draft=k)[0] if draft == "mtp" else prefill_ms
-        emit(
-            dict(
-                base, case=f"speculative k={k}", drafter=label, ms=ms, tok_s=tokens / ms * 1e3,
-                speedup=decode_ms / ms, per_step=per_step,
-                note=f"{'same tokens as plain greedy' if same else 'TOKENS DIFFER from plain greedy'}",
-            )
-        )  # fmt: skip
+        row(label, ms, out)
+    for n in [None, *args.wrong_every] if args.own_replay else []:
+        ms, out, iters, fixed = own_replay(model, ids, reference, new, k, n, args.own_replay, args.reps)
+        label = "replay of its own greedy" + (f", every {n}-th wrong" if n else "")
+        row(label, ms - prefill_ms, out, f"; {'fixed point' if fixed else 'NO fixed point'} after {iters} runs")
 
     # one verify step (k + 1 tokens, keep 1) against one decode step, each its own dispatch
     page = cfg.page_size
@@ -140,6 +166,10 @@ def main() -> None:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--num-draft", type=int, default=4)
     p.add_argument("--wrong-every", type=int, nargs="*", default=[3])
+    p.add_argument(
+        "--own-replay", type=int, default=0, metavar="RUNS",
+        help="also replay the speculative run's own greedy output (a fixed point found in at most RUNS runs)",
+    )  # fmt: skip
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -233,6 +233,12 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     profile_stage.main()
     out = capsys.readouterr().out
     assert "step stage (layer 0), B=1" in out and len(filled) == 1 and filled[0] > 0
+    # a verify step of --num-draft + 1 tokens runs over the same filled cache and commits one of them
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "verify", *argv[5:-2], "--num-draft", "3"])
+    profile_stage.main()
+    out = capsys.readouterr().out
+    assert "verify stage (layer 0), B=1" in out and len(filled) == 2
+    assert "while" in (tmp_path / "out" / "verify_b1.hlo.txt").read_text()
 
 
 def test_profile_stage_compares_a_chunked_prefill_with_one_call(tmp_path, monkeypatch, capsys):
@@ -658,6 +664,42 @@ def test_speculative_benchmark_runs_on_cpu(monkeypatch, capsys):
     assert out.count("| same tokens as plain greedy |") == 3, out[-2000:]  # ngram, replay, mtp
     assert "| speculative k=2 | mtp (random weights) |" in out and "| mtp drafting call, 2 drafts |" in out
     assert "verify step, 3 tokens + commit" in out and "x a decode step" in out
+
+
+@pytest.mark.slow
+def test_speculative_own_replay_reaches_a_self_replaying_output():
+    """In bf16 the replay of plain greedy parts from the speculative run; the fixed point replays the run's own
+    output: every draft accepted (k + 1 tokens a verify step but the last), the output what it replays."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks import speculative
+    from benchmarks.gpu_parity import cut_config
+    from hybrid_jax import PRESETS, HybridLM, generate
+    from hybrid_jax.speculative import replay_drafter
+
+    cfg = cut_config(PRESETS["tiny"](), 2, 4)
+    model = HybridLM(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    ids = speculative.repetitive_prompt(2, 24, cfg.vocab_size)
+    new, k = 13, 3
+    plain = generate(model, ids, max_new_tokens=new)
+    # this toy's bf16 blocks happen to agree with its decode steps: start from a continuation wrong everywhere
+    # (runs that part at once), so the fixed point needs runs beyond the first
+    wrong = (plain.tokens + 1) % cfg.vocab_size
+    reference = jnp.concatenate([ids, wrong], axis=1)
+    ms, out, runs, fixed = speculative.own_replay(model, ids, reference, new, k, None, 32, 1)
+    assert fixed and ms > 0 and runs >= 2
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    again = generate(model, ids, max_new_tokens=new, draft=replay_drafter(jnp.concatenate([ids, out.tokens], 1)),
+                     num_draft=k)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(out.tokens))
+    # 12 tokens after the first, 4 a step: 3 steps, every draft accepted
+    np.testing.assert_array_equal(np.asarray(out.drafted), [9, 9])
+    np.testing.assert_array_equal(np.asarray(out.accepted), [9, 9])
+    # every 2nd draft wrong: still a fixed point, and the wrong drafts are rejected
+    _, out2, _, fixed2 = speculative.own_replay(model, ids, reference, new, k, 2, 32, 1)
+    assert fixed2 and int(np.asarray(out2.accepted).sum()) < int(np.asarray(out2.drafted).sum())
 
 
 @pytest.mark.slow
