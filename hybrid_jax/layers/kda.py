@@ -241,30 +241,31 @@ class KimiDeltaAttention(nnx.Module):
         return self._output(z, o), _placed(KDAState(conv=conv, recurrent=recurrent))
 
     def _verify_fused(self, q_raw, k_raw, v_raw, f, z, b_logits, info: StepInfo, state: KDAState | None):
-        """The verify step where decode runs the fused decode-layer kernel: that kernel once per token (a
-        `lax.scan` over the block), so the block's KDA arithmetic is the decode steps' own; the snapshots are the
-        conv tail and state after each token, as `_verify` returns them."""
+        """The verify step where decode runs the fused decode-layer kernel: that kernel once per token, so the
+        block's KDA arithmetic is the decode steps' own; the snapshots are the conv tail and state after each
+        token, as `_verify` returns them. The T calls are unrolled (T = num_draft + 1 is static and small): as a
+        `lax.scan`, XLA copied the carried and stacked states at every iteration (~280 copy kernels in a
+        verify step of 6 KDA layers, docs/performance.md "Speculative decoding")."""
         cfg = self.cfg
         b, t, _ = q_raw.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
         state = self.init_state(b, q_raw.dtype) if state is None else state
         weights = [c[...] for c in self._conv_kernels()]
 
-        def step(carry, xs):
-            conv, s = carry
-            q, k, v, fx, bx, zx, valid = xs
+        ys, convs, states = [], [state.conv], [state.recurrent.astype(jnp.float32)]
+        for j in range(t):
+            valid = info.valid[:, j]
             y, conv, s = kda_decode_layer(
-                q, k, v, conv, weights, fx, self.A_log[...], self.dt_bias[...], bx, zx, self.o_norm.weight[...], s,
-                valid, valid.astype(jnp.int32), num_heads=n, head_dim=hd, scalar_decay=cfg.kda_scalar_decay,
+                q_raw[:, j], k_raw[:, j], v_raw[:, j], convs[-1], weights, f[:, j], self.A_log[...],
+                self.dt_bias[...], b_logits[:, j], z[:, j], self.o_norm.weight[...], states[-1], valid,
+                valid.astype(jnp.int32), num_heads=n, head_dim=hd, scalar_decay=cfg.kda_scalar_decay,
                 lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps, **dict(self.layout),
             )  # fmt: skip
-            return (conv, s), (y, conv, s)
-
-        xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q_raw, k_raw, v_raw, f, b_logits, z, info.valid))
-        _, (y, convs, states) = jax.lax.scan(step, (state.conv, state.recurrent), xs)
-        y = jnp.moveaxis(y, 0, 1).reshape(b, t, n * cfg.kda_v_dim)
-        conv = jnp.concatenate([state.conv[:, None], jnp.moveaxis(convs, 0, 1)], axis=1)
-        recurrent = jnp.concatenate([state.recurrent[:, None].astype(jnp.float32), jnp.moveaxis(states, 0, 1)], axis=1)
+            ys.append(y)
+            convs.append(conv)
+            states.append(s)
+        y = jnp.stack(ys, axis=1).reshape(b, t, n * cfg.kda_v_dim)
+        conv, recurrent = jnp.stack(convs, axis=1), jnp.stack(states, axis=1)
         return self.o_proj(y), _placed(KDAState(conv=conv, recurrent=recurrent))
 
     def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):
