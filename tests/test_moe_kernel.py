@@ -1,5 +1,7 @@
 """The Pallas grouped-matmul MoE experts (interpret mode on CPU) against the ragged_dot reference."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,26 @@ def test_moe_experts_rejects_bad_arguments():
         moe_experts(x, idx, w, gate, up, down, impl="pallas", block_m=24)
     with pytest.raises(ValueError, match="down_proj.shape"):
         moe_experts(x, idx, w, gate, up, gate, impl="pallas")
+
+
+def test_reference_sums_each_tokens_pairs_in_a_fixed_order():
+    """The reference against a float64 sum over each token's pairs, and without a scatter-add: a GPU adds a
+    scatter's colliding rows in whatever order its atomics land, so bf16 decoding changed run to run."""
+    from pallas_kernels.moe.reference import moe_experts_reference
+
+    x, idx, w, gate, up, down = _case(11, 23, 48, 40, 9, 3, 1.0)
+    got = moe_experts_reference(x, idx, w, gate, up, down)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    want = np.zeros((23, 48))
+    for t in range(23):
+        for j in range(3):
+            e = int(idx[t, j])
+            g, u = f64(x[t]) @ f64(gate[e]), f64(x[t]) @ f64(up[e])
+            want[t] += f64(w[t, j]) * ((g / (1 + np.exp(-g)) * u) @ f64(down[e]))
+    assert rel_err(got, want) < 1e-5
+    jaxpr = str(jax.make_jaxpr(moe_experts_reference)(x, idx, w, gate, up, down))
+    assert "i32[9] = scatter-add" in jaxpr  # the pair counts per expert: integers, exact in any order
+    assert not re.search(r"(f16|bf16|f32|f64)\[[\d,]*\] = scatter-add", jaxpr)
 
 
 def test_reference_in_token_blocks_equals_one_pass():

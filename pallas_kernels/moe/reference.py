@@ -85,7 +85,10 @@ def _experts(x, idx, w, gate_proj, up_proj, down_proj, limit=None):
     h = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
     y = jax.lax.ragged_dot(h, down_proj.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
     y = y * w.reshape(-1)[order][:, None].astype(jnp.float32)
-    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y)
+    # each token's k rows gathered back and summed in a fixed order: a scatter-add (`.at[token].add`) adds
+    # them in whatever order a GPU's atomics land, so bf16 models decoded differently run to run
+    back = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))  # a permutation
+    return jnp.sum(y[back].reshape(n, k, -1), axis=1)
 
 
 def moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj, *, swiglu_limit: float | None = None):
