@@ -57,6 +57,30 @@ def test_decode_layer_kernel_matches_reference(b, n, hd, w, scalar, lower_bound,
     assert not np.array_equal(np.asarray(conv[0], np.float32), np.asarray(args[3][0], np.float32))
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_decode_layer_out_of_place_writes_new_states(grouped):
+    """in_place=False: the same values in new arrays (no input aliased to an output), the old states intact."""
+    n, hd = 4, 16
+    kw = dict(num_heads=n, head_dim=hd, scalar_decay=False, lower_bound=None, eps=1e-5)
+    args = _inputs(5, 2, n, hd, 4, False, jnp.float32)
+    if grouped:  # Qwen's layout: 2 q/k heads of 16 for 4 value heads of 16
+        q, k, v, conv_state, (wq, wk, wv), *rest = args
+        q, k, wq, wk = q[:, : 2 * hd], k[:, : 2 * hd], wq[:, : 2 * hd], wk[:, : 2 * hd]
+        conv_state = conv_state[..., : 4 * hd + n * hd]
+        args = (q, k, v, conv_state, (wq, wk, wv), *rest)
+        kw["num_k_heads"] = 2
+    run = lambda in_place: jax.jit(  # noqa: E731
+        lambda *a: kda_decode_layer(*a, impl="pallas", interpret=True, in_place=in_place, **kw)
+    )
+    want = run(True)(*args)
+    got = run(False)(*args)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    hlo = jax.jit(lambda *a: kda_decode_layer(*a, impl="pallas", interpret=True, in_place=False, **kw))
+    assert "input_output_alias" not in str(jax.make_jaxpr(hlo)(*args)).replace("input_output_aliases=()", "")
+    assert "input_output_aliases=((" in str(jax.make_jaxpr(run(True))(*args))
+
+
 def _split_k(seed, values, splits, offset, dtype):
     """values [1, W_i] arrays as one `SplitK` each over a shared partial-sum array: `splits` random partials
     summing to them (float32), laid out after `offset` columns of other data."""

@@ -245,7 +245,8 @@ class KimiDeltaAttention(nnx.Module):
         block's KDA arithmetic is the decode steps' own; the snapshots are the conv tail and state after each
         token, as `_verify` returns them. The T calls are unrolled (T = num_draft + 1 is static and small): as a
         `lax.scan`, XLA copied the carried and stacked states at every iteration (~280 copy kernels in a
-        verify step of 6 KDA layers, docs/performance.md "Speculative decoding")."""
+        verify step of 6 KDA layers, docs/performance.md "Speculative decoding"); each call writes new state
+        arrays (`in_place=False`), as every snapshot is kept."""
         cfg = self.cfg
         b, t, _ = q_raw.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
@@ -259,7 +260,7 @@ class KimiDeltaAttention(nnx.Module):
                 q_raw[:, j], k_raw[:, j], v_raw[:, j], convs[-1], weights, f[:, j], self.A_log[...],
                 self.dt_bias[...], b_logits[:, j], z[:, j], self.o_norm.weight[...], states[-1], valid,
                 valid.astype(jnp.int32), num_heads=n, head_dim=hd, scalar_decay=cfg.kda_scalar_decay,
-                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps, **dict(self.layout),
+                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps, in_place=False, **dict(self.layout),
             )  # fmt: skip
             ys.append(y)
             convs.append(conv)

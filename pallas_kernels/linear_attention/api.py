@@ -406,7 +406,7 @@ def kda_decode_layer(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
     n_new, *, num_heads: int, head_dim: int, scalar_decay: bool = False, lower_bound: float | None = None,
     eps: float = 1e-6, impl: str = "auto", interpret: bool | None = None, num_warps: int = 4,
-    num_k_heads: int | None = None, v_head_dim: int | None = None, gate: str = "sigmoid",
+    num_k_heads: int | None = None, v_head_dim: int | None = None, gate: str = "sigmoid", in_place: bool = True,
 ):  # fmt: skip
     """One decode token of a KDA layer from its raw projections to o_proj's input: short conv + SiLU, q / k
     normalisation, decay and β gates (zero on padded rows), the state update and the gated RMSNorm.
@@ -422,7 +422,9 @@ def kda_decode_layer(
     one-per-head b_logits / scalar f); the reference, and the kernel elsewhere, take their `value()`.
     impl: "reference" (`reference.kda_decode_layer_reference`), "pallas" (`layer_decode.decode_layer_pallas`:
     one program per (sequence, head), conv state and state updated in place) or "auto"
-    (`registry.resolve("kda_decode_layer", head_dim=...)`)."""
+    (`registry.resolve("kda_decode_layer", head_dim=...)`). in_place (the kernel only): the new conv state and
+    state written over the old (the caller's old arrays are then XLA's to copy if it still reads them); False:
+    into new arrays, for callers that keep the old states (a speculative verify step)."""
     registry.check_impl("kda_decode_layer", impl)
     projected = (q_raw, k_raw, v_raw, f, b_logits, z)
     for x in projected:
@@ -484,5 +486,5 @@ def kda_decode_layer(
     return decode_layer_pallas(
         *args, num_heads=num_heads, scalar_decay=scalar_decay,
         lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps), interpret=interpret,
-        num_warps=num_warps, dtype=dtype, **layout,
+        num_warps=num_warps, dtype=dtype, in_place=in_place, **layout,
     )  # fmt: skip

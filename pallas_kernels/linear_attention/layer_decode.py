@@ -112,18 +112,20 @@ def _split(x, unit: int):
 @functools.partial(
     jax.jit,
     static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps", "dtype",
-                     "num_k_heads", "v_head_dim", "gate"),
+                     "num_k_heads", "v_head_dim", "gate", "in_place"),
 )  # fmt: skip
 def decode_layer_pallas(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
     n_new, *, num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4, dtype=None, num_k_heads=None,
-    v_head_dim=None, gate="sigmoid",
+    v_head_dim=None, gate="sigmoid", in_place=True,
 ):  # fmt: skip
     """Shapes as `reference.kda_decode_layer_reference` (K and V powers of two; in the grouped layout 2·N_k·K a
     multiple of V) -> (y [B, N, V] in the compute dtype, new conv state, new state); in Kimi's layout conv_state
     and state are updated in place, in the grouped one the state. q_raw, k_raw, v_raw, f, z, b_logits may be
     one-row `projection.SplitK`s lined up with the heads (start a multiple of the head width, of 1 for the
-    one-per-head b_logits / scalar f): the kernel adds their partial sums; dtype is then the compute dtype."""
+    one-per-head b_logits / scalar f): the kernel adds their partial sums; dtype is then the compute dtype.
+    in_place=False: new arrays for the new states (a caller that keeps the old ones, as a speculative verify
+    step does, spares XLA a copy of each before the kernel overwrites it)."""
     b, n = conv_state.shape[0], num_heads
     dt = jnp.dtype(dtype or q_raw.dtype)
     nk = num_k_heads or n
@@ -171,7 +173,7 @@ def decode_layer_pallas(
                 jax.ShapeDtypeStruct((b, w - 1, 3, n, hd), conv_state.dtype),
                 jax.ShapeDtypeStruct(state.shape, jnp.float32),
             ],
-            input_output_aliases={3: 1, 15: 2},
+            input_output_aliases={3: 1, 15: 2} if in_place else {},
             **params,
         )(
             qp, kp, vp, conv_state.reshape(b, w - 1, 3, n, hd), *(x.reshape(w, n, hd) for x in conv_weights), fp,
@@ -199,7 +201,7 @@ def decode_layer_pallas(
             jax.ShapeDtypeStruct((b, w - 1, n * dv), conv_state.dtype),
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
-        input_output_aliases={17: 4},
+        input_output_aliases={17: 4} if in_place else {},
         **params,
     )(qp, kp, vp, conv_state, conv_state, conv_state, *conv_weights, fp, *gate_args)  # fmt: skip
     return y, jnp.concatenate([cq, ck, cv], axis=-1), s
