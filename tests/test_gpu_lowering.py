@@ -309,6 +309,20 @@ def test_kda_decode_layer_kernel_lowers():
     assert _lowered_for_h200(run, *args).count("xla.gpu.triton") == 1
 
 
+@pytest.mark.parametrize("nk", [None, 2])
+def test_kda_verify_layer_kernel_lowers(nk):
+    """The verify block kernel (5 tokens: the snapshots' blocks have no power-of-two length), both layouts."""
+    from pallas_kernels.linear_attention import kda_verify_layer
+    from tests.test_kda_decode_layer import _block
+
+    args = _block(0, 1, 5, 4, 128, 4, False, jnp.bfloat16, nk)
+
+    def run(*a):
+        return kda_verify_layer(*a, num_heads=4, head_dim=128, num_k_heads=nk, impl="pallas", interpret=False)
+
+    assert _lowered_for_h200(run, *args).count("xla.gpu.triton") == 1
+
+
 def test_kda_decode_layer_kernel_lowers_with_split_k_inputs():
     """Batch 1 as the model runs it: the projections as split-K partial sums (3 and 2 partials: counts that
     are no power of two) read by the layer kernel, the second projections reading the first's."""

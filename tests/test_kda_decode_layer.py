@@ -57,28 +57,83 @@ def test_decode_layer_kernel_matches_reference(b, n, hd, w, scalar, lower_bound,
     assert not np.array_equal(np.asarray(conv[0], np.float32), np.asarray(args[3][0], np.float32))
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_decode_layer_out_of_place_writes_new_states(grouped):
-    """in_place=False: the same values in new arrays (no input aliased to an output), the old states intact."""
-    n, hd = 4, 16
-    kw = dict(num_heads=n, head_dim=hd, scalar_decay=False, lower_bound=None, eps=1e-5)
-    args = _inputs(5, 2, n, hd, 4, False, jnp.float32)
-    if grouped:  # Qwen's layout: 2 q/k heads of 16 for 4 value heads of 16
-        q, k, v, conv_state, (wq, wk, wv), *rest = args
-        q, k, wq, wk = q[:, : 2 * hd], k[:, : 2 * hd], wq[:, : 2 * hd], wk[:, : 2 * hd]
-        conv_state = conv_state[..., : 4 * hd + n * hd]
-        args = (q, k, v, conv_state, (wq, wk, wv), *rest)
-        kw["num_k_heads"] = 2
-    run = lambda in_place: jax.jit(  # noqa: E731
-        lambda *a: kda_decode_layer(*a, impl="pallas", interpret=True, in_place=in_place, **kw)
+def _block(seed, b, t, n, hd, w, scalar, dtype, nk=None):
+    """`kda_verify_layer`'s inputs: a block of t tokens per row (row 1 all padding, row 2 only its first two
+    tokens real), Kimi's layout or Qwen's grouped one with nk q / k heads."""
+    nk = nk or n
+    (_, _, _, conv_state, (wq, wk, wv), _, a_log, dt_bias, _, _, norm_weight, state, _, _) = _inputs(
+        seed, b, n, hd, w, scalar, dtype
     )
-    want = run(True)(*args)
-    got = run(False)(*args)
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    hlo = jax.jit(lambda *a: kda_decode_layer(*a, impl="pallas", interpret=True, in_place=False, **kw))
-    assert "input_output_alias" not in str(jax.make_jaxpr(hlo)(*args)).replace("input_output_aliases=()", "")
-    assert "input_output_aliases=((" in str(jax.make_jaxpr(run(True))(*args))
+    ks = iter(jax.random.split(jax.random.key(seed + 1), 8))
+    qk = [jax.random.normal(next(ks), (b, t, nk * hd), dtype) for _ in range(2)]
+    v, z = (jax.random.normal(next(ks), (b, t, n * hd), dtype) for _ in range(2))
+    f = jax.random.normal(next(ks), (b, t, n if scalar else n * hd), dtype)
+    b_logits = jax.random.normal(next(ks), (b, t, n), dtype)
+    valid = jnp.ones((b, t), bool).at[1].set(False).at[2, 2:].set(False)
+    conv_state = jnp.concatenate([conv_state[..., : 2 * nk * hd], conv_state[..., -n * hd :]], axis=-1)
+    weights = (wq[:, : nk * hd], wk[:, : nk * hd], wv)
+    return (*qk, v, conv_state, weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid)
+
+
+@pytest.mark.parametrize(
+    "t,n,nk,hd,scalar,lower_bound,dtype",
+    [
+        (5, 2, None, 16, False, None, jnp.float32),
+        (3, 3, None, 32, True, None, jnp.float32),
+        (4, 4, 2, 16, False, -5.0, jnp.float32),  # Qwen's grouped layout
+        (5, 2, None, 32, False, None, jnp.bfloat16),
+    ],
+)
+def test_verify_layer_kernel_matches_reference_and_decode_steps(t, n, nk, hd, scalar, lower_bound, dtype):
+    """The block kernel (interpret mode) against the reference (T decode-layer references, every state kept),
+    and bit for bit against T calls of the decode-layer kernel: a verify block computes what decode does."""
+    from pallas_kernels.linear_attention import kda_verify_layer
+
+    b = 3
+    args = _block(t * 10 + n, b, t, n, hd, 4, scalar, dtype, nk)
+    kw = dict(num_heads=n, head_dim=hd, scalar_decay=scalar, lower_bound=lower_bound, eps=1e-5, num_k_heads=nk)
+    y_ref, conv_ref, s_ref = kda_verify_layer(*args, impl="reference", **kw)
+    y, conv, s = kda_verify_layer(*args, impl="pallas", interpret=True, **kw)
+    channels = args[3].shape[-1]
+    assert y.shape == (b, t, n, hd) and conv.shape == (b, t + 1, 3, channels) and s.shape == (b, t + 1, n, hd, hd)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert rel_err(y, y_ref) < tol and rel_err(s, s_ref) < max(tol, 1e-4)
+    np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(conv_ref, np.float32))
+    # snapshot 0 is the state passed in; the padded row never moves; row 2 stops after its 2 real tokens
+    np.testing.assert_array_equal(np.asarray(s[:, 0]), np.asarray(args[11], np.float32))
+    np.testing.assert_array_equal(np.asarray(s[1, -1]), np.asarray(args[11][1], np.float32))
+    np.testing.assert_array_equal(np.asarray(s[2, 2]), np.asarray(s[2, -1]))
+    assert not np.array_equal(np.asarray(s[0, 1]), np.asarray(s[0, 2]))
+    # the decode-layer kernel token by token
+    q, k, v, conv_state, weights, f, a_log, dt_bias, b_logits, z, nw, state, valid = args
+    c_j, s_j = conv_state, state
+    for j in range(t):
+        y_j, c_j, s_j = kda_decode_layer(
+            q[:, j], k[:, j], v[:, j], c_j, weights, f[:, j], a_log, dt_bias, b_logits[:, j], z[:, j], nw, s_j,
+            valid[:, j], valid[:, j].astype(jnp.int32), impl="pallas", interpret=True, **kw,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(y[:, j], np.float32), np.asarray(y_j, np.float32))
+        np.testing.assert_array_equal(np.asarray(conv[:, j + 1], np.float32), np.asarray(c_j, np.float32))
+        np.testing.assert_array_equal(np.asarray(s[:, j + 1]), np.asarray(s_j))
+
+
+def test_verify_layer_rejects_bad_shapes():
+    from pallas_kernels.linear_attention import kda_verify_layer
+
+    args = list(_block(0, 2, 3, 2, 16, 4, False, jnp.float32))
+    kw = dict(num_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=r"q_raw.shape=\(2, 32\)"):
+        kda_verify_layer(args[0][:, 0], *args[1:], **kw)
+    bad = list(args)
+    bad[12] = args[12][:, :2]
+    with pytest.raises(ValueError, match=r"must all start with \(2, 3\)"):
+        kda_verify_layer(*bad, **kw)
+    bad = list(args)
+    bad[3] = args[3][..., :-1]
+    with pytest.raises(ValueError, match="kda_verify_layer: conv_state.shape="):
+        kda_verify_layer(*bad, **kw)
+    with pytest.raises(ValueError, match="kda_verify_layer: gate='relu'"):
+        kda_verify_layer(*args, gate="relu", **kw)
 
 
 def _split_k(seed, values, splits, offset, dtype):

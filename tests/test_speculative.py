@@ -52,7 +52,7 @@ def test_commit_leaves_the_caches_as_if_only_the_kept_tokens_were_fed(make, quan
     """verify a block, commit a prefix per row (all, part, none; rows verifying different counts): every leaf of
     the cache equals that of a cache that was fed only the kept tokens, pool rows of the rejected ones cleared
     (KDA states and conv tails, MLA latent / rope pools, indexer keys, KPool pooled keys and tails). "fused":
-    the KDA layers verify through the fused decode-layer kernel (interpret mode), as on a GPU."""
+    the KDA layers verify through the block kernel (`kda_verify_layer`, interpret mode), as on a GPU."""
     cfg = make()
     fused = quant == "fused"
     model = HybridLM(cfg, quant=None if fused else quant, rngs=nnx.Rngs(1))
@@ -65,7 +65,7 @@ def test_commit_leaves_the_caches_as_if_only_the_kept_tokens_were_fed(make, quan
     with use_pallas(ops=["kda_decode_layer"]) if fused else contextlib.nullcontext():
         verify = jax.jit(lambda m, i, c, n: m.verify(i, c, n))
         if fused:
-            assert "kda_decode_layer" in str(jax.make_jaxpr(verify)(model, ids[:, t0:], base, n_new))
+            assert "kda_verify_layer" in str(jax.make_jaxpr(verify)(model, ids[:, t0:], base, n_new))
         logits, pending = verify(model, ids[:, t0:], base, n_new)
     got = jax.jit(lambda m, p, k: m.commit(p, k))(model, pending, keep)
     ref_logits, want = prefill(model, jnp.zeros_like(ids[:, :t0]).at[:, :t].set(ids[:, t0:]), base, keep)

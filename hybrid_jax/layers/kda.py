@@ -20,6 +20,7 @@ from pallas_kernels.linear_attention import (
     kda_decode_steps,
     kda_gate,
     kda_sequence_parallel,
+    kda_verify_layer,
     short_conv,
     split_pieces,
 )
@@ -241,32 +242,22 @@ class KimiDeltaAttention(nnx.Module):
         return self._output(z, o), _placed(KDAState(conv=conv, recurrent=recurrent))
 
     def _verify_fused(self, q_raw, k_raw, v_raw, f, z, b_logits, info: StepInfo, state: KDAState | None):
-        """The verify step where decode runs the fused decode-layer kernel: that kernel once per token, so the
-        block's KDA arithmetic is the decode steps' own; the snapshots are the conv tail and state after each
-        token, as `_verify` returns them. The T calls are unrolled (T = num_draft + 1 is static and small): as a
-        `lax.scan`, XLA copied the carried and stacked states at every iteration (~280 copy kernels in a
-        verify step of 6 KDA layers, docs/performance.md "Speculative decoding"); each call writes new state
-        arrays (`in_place=False`), as every snapshot is kept."""
+        """The verify step where decode runs the fused decode-layer kernel: the block in one launch
+        (`kda_verify_layer`), each token's arithmetic the decode-layer kernel's, so the block computes what T
+        decode steps would; the snapshots are the conv tail and state after each token, as `_verify` returns
+        them. (As T decode-layer calls in a `lax.scan`, XLA copied the carried and stacked states at every
+        token: docs/performance.md "Speculative decoding".)"""
         cfg = self.cfg
         b, t, _ = q_raw.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim
         state = self.init_state(b, q_raw.dtype) if state is None else state
-        weights = [c[...] for c in self._conv_kernels()]
-
-        ys, convs, states = [], [state.conv], [state.recurrent.astype(jnp.float32)]
-        for j in range(t):
-            valid = info.valid[:, j]
-            y, conv, s = kda_decode_layer(
-                q_raw[:, j], k_raw[:, j], v_raw[:, j], convs[-1], weights, f[:, j], self.A_log[...],
-                self.dt_bias[...], b_logits[:, j], z[:, j], self.o_norm.weight[...], states[-1], valid,
-                valid.astype(jnp.int32), num_heads=n, head_dim=hd, scalar_decay=cfg.kda_scalar_decay,
-                lower_bound=cfg.kda_gate_lower_bound, eps=self.o_norm.eps, in_place=False, **dict(self.layout),
-            )  # fmt: skip
-            ys.append(y)
-            convs.append(conv)
-            states.append(s)
-        y = jnp.stack(ys, axis=1).reshape(b, t, n * cfg.kda_v_dim)
-        conv, recurrent = jnp.stack(convs, axis=1), jnp.stack(states, axis=1)
+        y, conv, recurrent = kda_verify_layer(
+            q_raw, k_raw, v_raw, state.conv, [c[...] for c in self._conv_kernels()], f, self.A_log[...],
+            self.dt_bias[...], b_logits, z, self.o_norm.weight[...], state.recurrent, info.valid, num_heads=n,
+            head_dim=hd, scalar_decay=cfg.kda_scalar_decay, lower_bound=cfg.kda_gate_lower_bound,
+            eps=self.o_norm.eps, **dict(self.layout),
+        )  # fmt: skip
+        y = y.reshape(b, t, n * cfg.kda_v_dim)
         return self.o_proj(y), _placed(KDAState(conv=conv, recurrent=recurrent))
 
     def __call__(self, x: jax.Array, info: StepInfo, state: KDAState | None):

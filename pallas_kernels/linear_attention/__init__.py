@@ -7,6 +7,7 @@ from pallas_kernels.linear_attention.api import (
     kda_decode_step,
     kda_decode_steps,
     kda_state_summary,
+    kda_verify_layer,
 )
 from pallas_kernels.linear_attention.context_parallel import (
     gather_in_sequence_order,
@@ -28,6 +29,7 @@ __all__ = [
     "kda_gate",
     "kda_sequence_parallel",
     "kda_state_summary",
+    "kda_verify_layer",
     "short_conv",
     "split_pieces",
 ]

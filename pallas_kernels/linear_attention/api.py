@@ -13,13 +13,14 @@ from pallas_kernels import registry
 from pallas_kernels._pallas import pow2
 from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
-from pallas_kernels.linear_attention.layer_decode import decode_layer_pallas
+from pallas_kernels.linear_attention.layer_decode import decode_layer_pallas, verify_layer_pallas
 from pallas_kernels.linear_attention.reference import (
     apply_summary,
     compose_summaries,
     kda_chunked,
     kda_decode_layer_reference,
     kda_recurrent,
+    kda_verify_layer_reference,
 )
 from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
 from pallas_kernels.projection.api import SplitK, materialize
@@ -402,11 +403,44 @@ def decode_layer_uses_kernel(head_dim: int, v_head_dim: int | None = None, qk_ch
     return registry.resolve("kda_decode_layer", **facts).impl != "reference"
 
 
+def _check_layer(name, q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, state,
+                 num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate):  # fmt: skip
+    """The one-token shapes of `kda_decode_layer` (a ValueError naming the value) -> (N_k, V, N_k·K)."""
+    if gate not in ("sigmoid", "silu"):
+        raise ValueError(f"{name}: gate={gate!r} must be 'sigmoid' or 'silu'")
+    nk, dv = num_k_heads or num_heads, v_head_dim or head_dim
+    if num_heads % nk:
+        raise ValueError(f"{name}: num_k_heads={nk} must divide num_heads={num_heads}")
+    b, c = q_raw.shape
+    cv = num_heads * dv
+    if c != nk * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != (b, cv) or z.shape != (b, cv):
+        raise ValueError(
+            f"{name}: q/k/v/z {[x.shape for x in (q_raw, k_raw, v_raw, z)]} must be "
+            f"[B, {nk} x {head_dim}] (q, k) and [B, {num_heads} x {dv}] (v, z)"
+        )
+    channels = 2 * c + cv
+    if conv_state.ndim != 3 or conv_state.shape[0] != b or conv_state.shape[2] != channels:
+        raise ValueError(f"{name}: conv_state.shape={conv_state.shape} must be [{b}, W-1, {channels}]")
+    width = conv_state.shape[1] + 1
+    widths = ((width, c), (width, c), (width, cv))
+    if len(conv_weights) != 3 or any(w.shape != want for w, want in zip(conv_weights, widths, strict=True)):
+        raise ValueError(f"{name}: conv weights {[w.shape for w in conv_weights]} must be {widths}")
+    gates = num_heads if scalar_decay else num_heads * head_dim
+    if f.shape != (b, gates) or dt_bias.shape != (gates,) or a_log.shape != (num_heads,):
+        raise ValueError(
+            f"{name}: f {f.shape}, dt_bias {dt_bias.shape}, A_log {a_log.shape} must be "
+            f"{(b, gates)}, {(gates,)}, {(num_heads,)}"
+        )
+    if state.shape != (b, num_heads, head_dim, dv) or b_logits.shape != (b, num_heads):
+        raise ValueError(f"{name}: state {state.shape} / b_logits {b_logits.shape} do not match")
+    return nk, dv, c
+
+
 def kda_decode_layer(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
     n_new, *, num_heads: int, head_dim: int, scalar_decay: bool = False, lower_bound: float | None = None,
     eps: float = 1e-6, impl: str = "auto", interpret: bool | None = None, num_warps: int = 4,
-    num_k_heads: int | None = None, v_head_dim: int | None = None, gate: str = "sigmoid", in_place: bool = True,
+    num_k_heads: int | None = None, v_head_dim: int | None = None, gate: str = "sigmoid",
 ):  # fmt: skip
     """One decode token of a KDA layer from its raw projections to o_proj's input: short conv + SiLU, q / k
     normalisation, decay and β gates (zero on padded rows), the state update and the gated RMSNorm.
@@ -422,9 +456,7 @@ def kda_decode_layer(
     one-per-head b_logits / scalar f); the reference, and the kernel elsewhere, take their `value()`.
     impl: "reference" (`reference.kda_decode_layer_reference`), "pallas" (`layer_decode.decode_layer_pallas`:
     one program per (sequence, head), conv state and state updated in place) or "auto"
-    (`registry.resolve("kda_decode_layer", head_dim=...)`). in_place (the kernel only): the new conv state and
-    state written over the old (the caller's old arrays are then XLA's to copy if it still reads them); False:
-    into new arrays, for callers that keep the old states (a speculative verify step)."""
+    (`registry.resolve("kda_decode_layer", head_dim=...)`)."""
     registry.check_impl("kda_decode_layer", impl)
     projected = (q_raw, k_raw, v_raw, f, b_logits, z)
     for x in projected:
@@ -434,33 +466,10 @@ def kda_decode_layer(
     q_raw, k_raw, v_raw, f, b_logits, z = (
         dataclasses.replace(x, lead=(1,)) if isinstance(x, SplitK) else x for x in projected
     )
-    if gate not in ("sigmoid", "silu"):
-        raise ValueError(f"kda_decode_layer: gate={gate!r} must be 'sigmoid' or 'silu'")
-    nk, dv = num_k_heads or num_heads, v_head_dim or head_dim
-    if num_heads % nk:
-        raise ValueError(f"kda_decode_layer: num_k_heads={nk} must divide num_heads={num_heads}")
-    b, c = q_raw.shape
-    cv = num_heads * dv
-    if c != nk * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != (b, cv) or z.shape != (b, cv):
-        raise ValueError(
-            f"kda_decode_layer: q/k/v/z {[x.shape for x in (q_raw, k_raw, v_raw, z)]} must be "
-            f"[B, {nk} x {head_dim}] (q, k) and [B, {num_heads} x {dv}] (v, z)"
-        )
-    channels = 2 * c + cv
-    if conv_state.ndim != 3 or conv_state.shape[0] != b or conv_state.shape[2] != channels:
-        raise ValueError(f"kda_decode_layer: conv_state.shape={conv_state.shape} must be [{b}, W-1, {channels}]")
-    width = conv_state.shape[1] + 1
-    widths = ((width, c), (width, c), (width, cv))
-    if len(conv_weights) != 3 or any(w.shape != want for w, want in zip(conv_weights, widths, strict=True)):
-        raise ValueError(f"kda_decode_layer: conv weights {[w.shape for w in conv_weights]} must be {widths}")
-    gates = num_heads if scalar_decay else num_heads * head_dim
-    if f.shape != (b, gates) or dt_bias.shape != (gates,) or a_log.shape != (num_heads,):
-        raise ValueError(
-            f"kda_decode_layer: f {f.shape}, dt_bias {dt_bias.shape}, A_log {a_log.shape} must be "
-            f"{(b, gates)}, {(gates,)}, {(num_heads,)}"
-        )
-    if state.shape != (b, num_heads, head_dim, dv) or b_logits.shape != (b, num_heads):
-        raise ValueError(f"kda_decode_layer: state {state.shape} / b_logits {b_logits.shape} do not match")
+    nk, dv, c = _check_layer(
+        "kda_decode_layer", q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, state,
+        num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate,
+    )  # fmt: skip
     impl = registry.resolve("kda_decode_layer", impl, head_dim=head_dim, v_head_dim=dv, qk_channels=c).impl
     dtype = jnp.dtype(q_raw.dtype)
     if impl == "reference":
@@ -486,5 +495,55 @@ def kda_decode_layer(
     return decode_layer_pallas(
         *args, num_heads=num_heads, scalar_decay=scalar_decay,
         lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps), interpret=interpret,
-        num_warps=num_warps, dtype=dtype, in_place=in_place, **layout,
+        num_warps=num_warps, dtype=dtype, **layout,
+    )  # fmt: skip
+
+
+def kda_verify_layer(
+    q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid, *,
+    num_heads: int, head_dim: int, scalar_decay: bool = False, lower_bound: float | None = None, eps: float = 1e-6,
+    impl: str = "auto", interpret: bool | None = None, num_warps: int = 4, num_k_heads: int | None = None,
+    v_head_dim: int | None = None, gate: str = "sigmoid",
+):  # fmt: skip
+    """A speculative verify block through a KDA layer: T tokens per sequence, each as `kda_decode_layer` runs
+    it, with the conv state and state after every token kept (the rollback points).
+
+    `kda_decode_layer`'s inputs with a token axis: q_raw, k_raw [B, T, N_k*K], v_raw, z [B, T, N*V], f
+    [B, T, N*K] ([B, T, N] with scalar_decay), b_logits [B, T, N], valid [B, T] bool (an invalid token leaves
+    both states as they are); conv_state, conv_weights, a_log, dt_bias, norm_weight, state as there ->
+    (y [B, T, N, V] in q_raw.dtype, conv snapshots [B, T+1, W-1, channels], state snapshots [B, T+1, N, K, V]
+    float32), snapshot t the states after t tokens (0: those passed in).
+    impl: "reference" (`reference.kda_verify_layer_reference`: T decode-layer references), "pallas"
+    (`layer_decode.verify_layer_pallas`: one launch, one program per (sequence, head), the state kept on chip
+    across the block, each token's arithmetic the decode-layer kernel's), or "auto" (the `kda_decode_layer`
+    rule of `registry.resolve`: where the decode-layer kernel runs, this one does)."""
+    registry.check_impl("kda_decode_layer", impl)
+    if q_raw.ndim != 3 or q_raw.shape[1] < 1:
+        raise ValueError(f"kda_verify_layer: q_raw.shape={q_raw.shape} must be [B, T >= 1, N_k x K]")
+    b, t = q_raw.shape[:2]
+    per_token = (q_raw, k_raw, v_raw, f, b_logits, z)
+    if any(x.ndim < 2 or x.shape[:2] != (b, t) for x in per_token) or valid.shape != (b, t):
+        shapes = [x.shape for x in (*per_token, valid)]
+        raise ValueError(f"kda_verify_layer: q, k, v, f, b_logits, z, valid {shapes} must all start with {(b, t)}")
+    one = lambda x: jax.ShapeDtypeStruct((b, *x.shape[2:]), x.dtype)  # noqa: E731
+    nk, dv, c = _check_layer(
+        "kda_verify_layer", *(one(x) for x in (q_raw, k_raw, v_raw)), conv_state, conv_weights, one(f), a_log,
+        dt_bias, one(b_logits), one(z), state, num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate,
+    )  # fmt: skip
+    impl = registry.resolve("kda_decode_layer", impl, head_dim=head_dim, v_head_dim=dv, qk_channels=c).impl
+    args = (q_raw, k_raw, v_raw, conv_state, tuple(conv_weights), f, a_log, dt_bias, b_logits, z, norm_weight, state,
+            valid)  # fmt: skip
+    layout = dict(num_k_heads=nk, v_head_dim=dv, gate=gate)
+    if impl == "reference":
+        return kda_verify_layer_reference(
+            *args, num_heads=num_heads, head_dim=head_dim, scalar_decay=scalar_decay, lower_bound=lower_bound,
+            eps=eps, **layout,
+        )  # fmt: skip
+    why = registry.kda_layer_shape_problem(head_dim, dv, c)
+    if why is not None:
+        raise ValueError(f"kda_verify_layer(impl='pallas'): {why}")
+    return verify_layer_pallas(
+        *args, num_heads=num_heads, scalar_decay=scalar_decay,
+        lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps),
+        interpret=registry.interpret_default(interpret), num_warps=num_warps, **layout,
     )  # fmt: skip

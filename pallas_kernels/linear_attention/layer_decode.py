@@ -57,48 +57,65 @@ def _kernel(*refs, width, scalar, lower_bound, eps, dt, grouped, gate):
         def write(part, j, x):
             cs_out_ref[j, part, :] = x.astype(cs_out_ref.dtype)
 
-    f32 = jnp.float32
     shift = nnew_ref[0] > 0  # this row has a token: the cached inputs move by one
     live = valid_ref[0] > 0
 
     def val(ref):  # a projection's value for this head: its S partial sums added, rounded to the compute dtype
         return sum_rows(ref).astype(dt)
 
-    def conv(part, raw_ref, w_ref):  # one of q, k, v for this head: [K] after SiLU, in the compute dtype
-        # the raw inputs, oldest first, in the projections' dtype (as the model joins them)
-        window = [read(part, j).astype(dt) for j in range(width - 1)] + [val(raw_ref)]
-        u = jnp.zeros(window[-1].shape, f32)
-        for j, x in enumerate(window):
-            u = u + w_ref[j, :].astype(f32) * x.astype(f32)
+    window = [[read(part, j).astype(dt) for j in range(width - 1)] for part in range(3)]
+    y, window, s = token_step(
+        window, [val(r) for r in (qr_ref, kr_ref, vr_ref)], (wq_ref, wk_ref, wv_ref), val(f_ref), val(bl_ref),
+        val(z_ref), s_ref[...], live, shift, alog_ref, dtb_ref, nw_ref, scalar=scalar, lower_bound=lower_bound,
+        eps=eps, dt=dt, gate=gate,
+    )  # fmt: skip
+    for part in range(3):
         for j in range(width - 1):
-            write(part, j, jnp.where(shift, window[j + 1], window[j]))
+            write(part, j, window[part][j])
+    s_out_ref[...] = s
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def token_step(window, raw, w_refs, f, b_logit, z, s, live, shift, alog_ref, dtb_ref, nw_ref, *, scalar,
+               lower_bound, eps, dt, gate):  # fmt: skip
+    """One token of one head, on values: window (q, k, v) each the W-1 cached raw inputs [C_part] oldest first
+    and raw (q, k, v) this token's, in the compute dtype dt; w_refs the conv kernels [W, C_part]; f [K] or [1],
+    b_logit [1], z [V] (dt); s [K, V] float32; live / shift scalars -> (y [V] float32, the window after the
+    token, new s). Shared by the decode-layer kernel (one token) and the verify-layer kernel (a block)."""
+    f32 = jnp.float32
+
+    def conv(part):  # one of q, k, v for this head: [K] after SiLU, rounded to the compute dtype
+        rows = window[part] + [raw[part]]
+        u = jnp.zeros(rows[-1].shape, f32)
+        for j, x in enumerate(rows):
+            u = u + w_refs[part][j, :].astype(f32) * x.astype(f32)
         return (u / (1.0 + jnp.exp(-u))).astype(dt).astype(f32)
 
-    q = conv(0, qr_ref, wq_ref)
-    k = conv(1, kr_ref, wk_ref)
-    v = conv(2, vr_ref, wv_ref)
+    q, k, v = conv(0), conv(1), conv(2)
+    width = len(window[0]) + 1
+    window = [[jnp.where(shift, (w + [x])[j + 1], w[j]) for j in range(width - 1)]
+              for w, x in zip(window, raw, strict=True)]  # fmt: skip
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * (q.shape[0] ** -0.5)
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
 
-    fv = val(f_ref).astype(f32) + dtb_ref[...].astype(f32)  # [K] or [1]
+    fv = f.astype(f32) + dtb_ref[...].astype(f32)  # [K] or [1]
     a = jnp.exp(alog_ref[...].astype(f32))  # [1]
     if lower_bound is not None:
         g = lower_bound * (1.0 / (1.0 + jnp.exp(-a * fv)))
     else:
         g = -a * jnp.where(fv > 20.0, fv, jnp.log1p(jnp.exp(jnp.minimum(fv, 20.0))))
     g = jnp.where(live, g, 0.0)
-    beta = jnp.where(live, 1.0 / (1.0 + jnp.exp(-val(bl_ref).astype(f32))), 0.0)  # [1]
+    beta = jnp.where(live, 1.0 / (1.0 + jnp.exp(-b_logit.astype(f32))), 0.0)  # [1]
 
     decay = jnp.exp(g)
-    s = s_ref[...] * (jnp.broadcast_to(decay, k.shape) if scalar else decay)[:, None]  # [K, V]
+    s = s * (jnp.broadcast_to(decay, k.shape) if scalar else decay)[:, None]  # [K, V]
     u = beta * (v - jnp.sum(k[:, None] * s, axis=0))  # [V]
     s = s + k[:, None] * u[None, :]
-    s_out_ref[...] = s
     o = jnp.sum(q[:, None] * s, axis=0).astype(dt).astype(f32)  # [V], rounded as the unfused path's output
     y = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * nw_ref[...].astype(f32)
-    zv = val(z_ref).astype(f32)
+    zv = z.astype(f32)
     act = 1.0 / (1.0 + jnp.exp(-zv))
-    y_ref[...] = (y * (act if gate == "sigmoid" else zv * act)).astype(y_ref.dtype)
+    return y * (act if gate == "sigmoid" else zv * act), window, s
 
 
 def _split(x, unit: int):
@@ -112,20 +129,18 @@ def _split(x, unit: int):
 @functools.partial(
     jax.jit,
     static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps", "dtype",
-                     "num_k_heads", "v_head_dim", "gate", "in_place"),
+                     "num_k_heads", "v_head_dim", "gate"),
 )  # fmt: skip
 def decode_layer_pallas(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid,
     n_new, *, num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4, dtype=None, num_k_heads=None,
-    v_head_dim=None, gate="sigmoid", in_place=True,
+    v_head_dim=None, gate="sigmoid",
 ):  # fmt: skip
     """Shapes as `reference.kda_decode_layer_reference` (K and V powers of two; in the grouped layout 2·N_k·K a
     multiple of V) -> (y [B, N, V] in the compute dtype, new conv state, new state); in Kimi's layout conv_state
     and state are updated in place, in the grouped one the state. q_raw, k_raw, v_raw, f, z, b_logits may be
     one-row `projection.SplitK`s lined up with the heads (start a multiple of the head width, of 1 for the
-    one-per-head b_logits / scalar f): the kernel adds their partial sums; dtype is then the compute dtype.
-    in_place=False: new arrays for the new states (a caller that keeps the old ones, as a speculative verify
-    step does, spares XLA a copy of each before the kernel overwrites it)."""
+    one-per-head b_logits / scalar f): the kernel adds their partial sums; dtype is then the compute dtype."""
     b, n = conv_state.shape[0], num_heads
     dt = jnp.dtype(dtype or q_raw.dtype)
     nk = num_k_heads or n
@@ -173,7 +188,7 @@ def decode_layer_pallas(
                 jax.ShapeDtypeStruct((b, w - 1, 3, n, hd), conv_state.dtype),
                 jax.ShapeDtypeStruct(state.shape, jnp.float32),
             ],
-            input_output_aliases={3: 1, 15: 2} if in_place else {},
+            input_output_aliases={3: 1, 15: 2},
             **params,
         )(
             qp, kp, vp, conv_state.reshape(b, w - 1, 3, n, hd), *(x.reshape(w, n, hd) for x in conv_weights), fp,
@@ -201,7 +216,140 @@ def decode_layer_pallas(
             jax.ShapeDtypeStruct((b, w - 1, n * dv), conv_state.dtype),
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
-        input_output_aliases={17: 4} if in_place else {},
+        input_output_aliases={17: 4},
         **params,
     )(qp, kp, vp, conv_state, conv_state, conv_state, *conv_weights, fp, *gate_args)  # fmt: skip
+    return y, jnp.concatenate([cq, ck, cv], axis=-1), s
+
+
+def _verify_kernel(*refs, tokens, width, scalar, lower_bound, eps, dt, grouped, gate):
+    """A block of `tokens` tokens of one (sequence, head): `token_step` after token, the state kept on chip;
+    snapshot t (0 .. tokens) of the conv window and the state is what they are after t tokens."""
+    if grouped:
+        (qr_ref, kr_ref, vr_ref, csq_ref, csk_ref, csv_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref,
+         z_ref, nw_ref, valid_ref, s_ref, y_ref, oq_ref, ok_ref, ov_ref, s_out_ref) = refs  # fmt: skip
+        cs_in, cs_out = (csq_ref, csk_ref, csv_ref), (oq_ref, ok_ref, ov_ref)
+
+        def read(part, j):
+            return cs_in[part][j, :]
+
+        def write(t, part, j, x):
+            cs_out[part][t, j, :] = x.astype(cs_out[part].dtype)
+    else:
+        (qr_ref, kr_ref, vr_ref, cs_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref, z_ref, nw_ref,
+         valid_ref, s_ref, y_ref, cs_out_ref, s_out_ref) = refs  # fmt: skip
+
+        def read(part, j):
+            return cs_ref[j, part, :]
+
+        def write(t, part, j, x):
+            cs_out_ref[t, j, part, :] = x.astype(cs_out_ref.dtype)
+
+    window = [[read(part, j).astype(dt) for j in range(width - 1)] for part in range(3)]
+    s = s_ref[...]
+
+    def snapshot(t, window, s):
+        for part in range(3):
+            for j in range(width - 1):
+                write(t, part, j, window[part][j])
+        s_out_ref[t] = s
+
+    snapshot(0, window, s)
+    for t in range(tokens):
+        live = valid_ref[t] > 0  # a padded token (or a finished row) leaves the window and the state alone
+        y, window, s = token_step(
+            window, [r[t, :].astype(dt) for r in (qr_ref, kr_ref, vr_ref)], (wq_ref, wk_ref, wv_ref),
+            f_ref[t, :].astype(dt), bl_ref[t, :].astype(dt), z_ref[t, :].astype(dt), s, live, live, alog_ref,
+            dtb_ref, nw_ref, scalar=scalar, lower_bound=lower_bound, eps=eps, dt=dt, gate=gate,
+        )  # fmt: skip
+        y_ref[t, :] = y.astype(y_ref.dtype)
+        snapshot(t + 1, window, s)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps", "num_k_heads",
+                     "v_head_dim", "gate"),
+)  # fmt: skip
+def verify_layer_pallas(
+    q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid, *,
+    num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4, num_k_heads=None, v_head_dim=None,
+    gate="sigmoid",
+):  # fmt: skip
+    """A block of T tokens per sequence (`reference.kda_verify_layer_reference`'s shapes: q_raw [B, T, N_k·K],
+    ..., valid [B, T]) in one launch, one program per (sequence, head) -> (y [B, T, N, V] in q_raw's dtype,
+    conv snapshots [B, T+1, W-1, channels], state snapshots [B, T+1, N, K, V] float32). Each token's arithmetic
+    is the decode-layer kernel's (`token_step`), so the block's outputs are T decode steps' bit for bit; the
+    state stays on chip between tokens and is written once per snapshot."""
+    b, t, _ = q_raw.shape
+    n = num_heads
+    dt = jnp.dtype(q_raw.dtype)
+    nk = num_k_heads or n
+    hd = state.shape[2]
+    dv = v_head_dim or hd
+    r = n // nk
+    grouped = nk != n or dv != hd
+    w = conv_state.shape[1] + 1
+
+    def per_head(unit, per=1):
+        return pl.BlockSpec((None, t, unit), lambda i, h: (i, 0, h // per))
+
+    gate_unit = 1 if scalar_decay else hd
+    state_spec = pl.BlockSpec((None, None, hd, dv), lambda i, h: (i, h, 0, 0))
+    snap_spec = pl.BlockSpec((None, t + 1, None, hd, dv), lambda i, h: (i, 0, h, 0, 0))
+    y_spec = pl.BlockSpec((None, t, None, dv), lambda i, h: (i, 0, h, 0))
+    kernel = functools.partial(_verify_kernel, tokens=t, width=w, scalar=scalar_decay, lower_bound=lower_bound,
+                               eps=eps, dt=dt, grouped=grouped, gate=gate)  # fmt: skip
+    gates = [
+        per_head(gate_unit), pl.BlockSpec((None, 1), lambda i, h: (h, 0)),
+        pl.BlockSpec((None, 1) if scalar_decay else (None, hd), lambda i, h: (h, 0)),
+        per_head(1), per_head(dv), pl.BlockSpec((dv,), lambda i, h: (0,)),
+        pl.BlockSpec((None, t), lambda i, h: (i, 0)), state_spec,
+    ]  # fmt: skip
+    gate_args = (
+        f, a_log.reshape(n, 1), dt_bias.reshape(n, -1), b_logits.reshape(b, t, n), z, norm_weight,
+        valid.astype(jnp.int32), state.astype(jnp.float32),
+    )  # fmt: skip
+    params = dict(interpret=interpret, name="kda_verify_layer", **triton_params(interpret, num_warps, 1))
+    y_shape = jax.ShapeDtypeStruct((b, t, n, dv), dt)
+    s_shape = jax.ShapeDtypeStruct((b, t + 1, n, hd, dv), jnp.float32)
+    if not grouped:
+        conv_spec = pl.BlockSpec((None, w - 1, 3, None, hd), lambda i, h: (i, 0, 0, h, 0))
+        conv_snap = pl.BlockSpec((None, t + 1, w - 1, 3, None, hd), lambda i, h: (i, 0, 0, 0, h, 0))
+        weight_spec = pl.BlockSpec((w, None, hd), lambda i, h: (0, h, 0))
+        y, conv, s = pl.pallas_call(
+            kernel,
+            grid=(b, n),
+            in_specs=[per_head(hd), per_head(hd), per_head(hd), conv_spec, weight_spec, weight_spec, weight_spec,
+                      *gates],  # fmt: skip
+            out_specs=[y_spec, conv_snap, snap_spec],
+            out_shape=[y_shape, jax.ShapeDtypeStruct((b, t + 1, w - 1, 3, n, hd), conv_state.dtype), s_shape],
+            **params,
+        )(
+            q_raw, k_raw, v_raw, conv_state.reshape(b, w - 1, 3, n, hd), *(x.reshape(w, n, hd) for x in conv_weights),
+            *gate_args,
+        )  # fmt: skip
+        return y, conv.reshape(b, t + 1, w - 1, 3 * n * hd), s
+    vstart = 2 * nk * hd // dv
+    qk_conv = [pl.BlockSpec((None, w - 1, hd), lambda i, h, p=p: (i, 0, p * nk + h // r)) for p in (0, 1)]
+    v_conv = pl.BlockSpec((None, w - 1, dv), lambda i, h: (i, 0, vstart + h))
+    qk_out = pl.BlockSpec((None, t + 1, w - 1, hd), lambda i, h: (i, 0, 0, h // r))
+    v_out = pl.BlockSpec((None, t + 1, w - 1, dv), lambda i, h: (i, 0, 0, h))
+    qk_weight = pl.BlockSpec((w, hd), lambda i, h: (0, h // r))
+    v_weight = pl.BlockSpec((w, dv), lambda i, h: (0, h))
+    y, cq, ck, cv, s = pl.pallas_call(
+        kernel,
+        grid=(b, n),
+        in_specs=[per_head(hd, r), per_head(hd, r), per_head(dv), *qk_conv, v_conv, qk_weight, qk_weight, v_weight,
+                  *gates],  # fmt: skip
+        out_specs=[y_spec, qk_out, qk_out, v_out, snap_spec],
+        out_shape=[
+            y_shape,
+            jax.ShapeDtypeStruct((b, t + 1, w - 1, nk * hd), conv_state.dtype),
+            jax.ShapeDtypeStruct((b, t + 1, w - 1, nk * hd), conv_state.dtype),
+            jax.ShapeDtypeStruct((b, t + 1, w - 1, n * dv), conv_state.dtype),
+            s_shape,
+        ],
+        **params,
+    )(q_raw, k_raw, v_raw, conv_state, conv_state, conv_state, *conv_weights, *gate_args)  # fmt: skip
     return y, jnp.concatenate([cq, ck, cv], axis=-1), s

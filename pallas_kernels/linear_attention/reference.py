@@ -251,3 +251,23 @@ def kda_decode_layer_reference(
         o, s = step(q, k, v, g, beta, state)
     y = gated_rms_norm(o, z.reshape(b, num_heads, dv), norm_weight, eps, dt, gate)
     return y, conv, s
+
+
+def kda_verify_layer_reference(
+    q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid, **kw
+):  # fmt: skip
+    """A block of T tokens of a KDA layer, as T decode steps with every state kept (a speculative verify step):
+    the per-token inputs of `kda_decode_layer_reference` with a token axis (q_raw [B, T, N_k*K], ..., b_logits
+    [B, T, N], valid [B, T] bool: an invalid token leaves both states alone) and the same conv_state / state
+    -> (y [B, T, N, V], conv snapshots [B, T+1, W-1, channels], state snapshots [B, T+1, N, K, V] float32),
+    snapshot t the states after the first t tokens (0: the ones passed in). kw: `kda_decode_layer_reference`'s."""
+    ys, convs, states = [], [conv_state], [state.astype(jnp.float32)]
+    for t in range(q_raw.shape[1]):
+        y, conv, s = kda_decode_layer_reference(
+            q_raw[:, t], k_raw[:, t], v_raw[:, t], convs[-1], conv_weights, f[:, t], a_log, dt_bias, b_logits[:, t],
+            z[:, t], norm_weight, states[-1], valid[:, t], valid[:, t].astype(jnp.int32), **kw,
+        )  # fmt: skip
+        ys.append(y)
+        convs.append(conv)
+        states.append(s)
+    return jnp.stack(ys, axis=1), jnp.stack(convs, axis=1), jnp.stack(states, axis=1)
