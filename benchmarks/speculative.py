@@ -6,9 +6,12 @@ The model is a preset cut to --layers / --experts with random bf16 weights (defa
 drafter gets accepted on them says nothing about a real checkpoint; the table therefore also runs a replay
 drafter (`hybrid_jax.speculative.replay_drafter`) that proposes plain greedy's output, as is or with every n-th
 token wrong. That is a known acceptance only while the speculative run follows plain greedy: in bf16 the block's
-rounding differs from a decode step's and random weights' logits nearly tie, so the runs part within a few
-tokens (the "same tokens" note says whether they did; `--dtype float32 --precision highest` keeps them
-together). The tokens per verify step are always measured, never assumed.
+rounding differs from a decode step's and random weights' logits nearly tie (and a near-tied router flips an
+expert), so the runs part within a few tokens (the "same tokens" note says whether they did; `--dtype float32
+--precision highest` keeps them together). `--own-replay RUNS` replays the speculative run's own greedy output
+instead (`own_replay`: a fixed point, found in RUNS runs at most), so that every draft is the target's own
+choice, or every n-th one wrong; it replaces the replay of plain greedy. The tokens per verify step are always
+measured, never assumed.
 
 With --mtp the model carries one multi-token-prediction module (random weights, the preset's sparse or dense
 MLA layer + MoE), and the table adds `draft="mtp"` and the cost of one MTP drafting call (k drafts) beside a
@@ -19,8 +22,8 @@ The prompt is repetitive (a 64-token pattern repeated: code-like). Decode time =
 that of a generate call making one token (the same prefill), medians of --reps calls after a compile.
 
     python -m benchmarks.speculative [--preset kimi_linear_48b] [--layers 8] [--experts 32] [--batches 1 16]
-        [--context 2048] [--new 256] [--num-draft 4] [--dtype bfloat16] [--precision highest] [--mtp]
-        [--no-record]
+        [--context 2048] [--new 256] [--num-draft 4] [--wrong-every 3] [--own-replay RUNS] [--dtype bfloat16]
+        [--precision highest] [--mtp] [--no-record]
 """
 
 from __future__ import annotations
@@ -100,10 +103,12 @@ def measure(model, batch: int, args, emit) -> None:
     tokens = batch * (new - 1)
     emit(dict(base, case="plain greedy", drafter="", ms=decode_ms, tok_s=tokens / decode_ms * 1e3, speedup=1.0))
     reference = np.concatenate([np.asarray(ids), np.asarray(plain.tokens)], axis=1)
-    drafters = {"ngram": "ngram", "replay of plain greedy": replay_drafter(reference)}
-    drafters.update(
-        {f"replay of plain greedy, every {n}-th wrong": replay_drafter(reference, n) for n in args.wrong_every}
-    )
+    drafters = {"ngram": "ngram"}
+    if not args.own_replay:  # the own replay starts from this one and is it where verify and decode agree
+        drafters["replay of plain greedy"] = replay_drafter(reference)
+        drafters.update(
+            {f"replay of plain greedy, every {n}-th wrong": replay_drafter(reference, n) for n in args.wrong_every}
+        )
     if cfg.mtp_layers:
         drafters["mtp (random weights)"] = "mtp"
 

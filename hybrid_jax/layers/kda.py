@@ -243,10 +243,10 @@ class KimiDeltaAttention(nnx.Module):
 
     def _verify_fused(self, q_raw, k_raw, v_raw, f, z, b_logits, info: StepInfo, state: KDAState | None):
         """The verify step where decode runs the fused decode-layer kernel: the block in one launch
-        (`kda_verify_layer`), each token's arithmetic the decode-layer kernel's, so the block computes what T
-        decode steps would; the snapshots are the conv tail and state after each token, as `_verify` returns
-        them. (As T decode-layer calls in a `lax.scan`, XLA copied the carried and stacked states at every
-        token: docs/performance.md "Speculative decoding".)"""
+        (`kda_verify_layer`), each token's arithmetic the decode-layer kernel's (to float32 summation order),
+        so the block computes what T decode steps would; the snapshots are the conv tail and state after each
+        token, as `_verify` returns them. (As T decode-layer calls in a `lax.scan`, XLA copied the carried and
+        stacked states at every token: docs/performance.md "Speculative decoding".)"""
         cfg = self.cfg
         b, t, _ = q_raw.shape
         n, hd = cfg.kda_num_heads, cfg.kda_head_dim

@@ -503,7 +503,7 @@ def kda_verify_layer(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid, *,
     num_heads: int, head_dim: int, scalar_decay: bool = False, lower_bound: float | None = None, eps: float = 1e-6,
     impl: str = "auto", interpret: bool | None = None, num_warps: int = 4, num_k_heads: int | None = None,
-    v_head_dim: int | None = None, gate: str = "sigmoid",
+    v_head_dim: int | None = None, gate: str = "sigmoid", block_v: int | None = None,
 ):  # fmt: skip
     """A speculative verify block through a KDA layer: T tokens per sequence, each as `kda_decode_layer` runs
     it, with the conv state and state after every token kept (the rollback points).
@@ -514,9 +514,10 @@ def kda_verify_layer(
     (y [B, T, N, V] in q_raw.dtype, conv snapshots [B, T+1, W-1, channels], state snapshots [B, T+1, N, K, V]
     float32), snapshot t the states after t tokens (0: those passed in).
     impl: "reference" (`reference.kda_verify_layer_reference`: T decode-layer references), "pallas"
-    (`layer_decode.verify_layer_pallas`: one launch, one program per (sequence, head), the state kept on chip
-    across the block, each token's arithmetic the decode-layer kernel's), or "auto" (the `kda_decode_layer`
-    rule of `registry.resolve`: where the decode-layer kernel runs, this one does)."""
+    (`layer_decode.verify_layer_pallas`: one launch, one program per (sequence, head, block of `block_v` value
+    columns, a power of two; default `tuning.VERIFY_BLOCK_V`), the state kept on chip across the block, each
+    token's state arithmetic the decode-layer kernel's; the output norm after it), or "auto" (the
+    `kda_decode_layer` rule of `registry.resolve`: where the decode-layer kernel runs, this one does)."""
     registry.check_impl("kda_decode_layer", impl)
     if q_raw.ndim != 3 or q_raw.shape[1] < 1:
         raise ValueError(f"kda_verify_layer: q_raw.shape={q_raw.shape} must be [B, T >= 1, N_k x K]")
@@ -542,8 +543,10 @@ def kda_verify_layer(
     why = registry.kda_layer_shape_problem(head_dim, dv, c)
     if why is not None:
         raise ValueError(f"kda_verify_layer(impl='pallas'): {why}")
+    if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
+        raise ValueError(f"kda_verify_layer: block_v={block_v} must be a power of two >= 16")
     return verify_layer_pallas(
         *args, num_heads=num_heads, scalar_decay=scalar_decay,
         lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps),
-        interpret=registry.interpret_default(interpret), num_warps=num_warps, **layout,
+        interpret=registry.interpret_default(interpret), num_warps=num_warps, block_v=block_v, **layout,
     )  # fmt: skip

@@ -64,27 +64,30 @@ def _kernel(*refs, width, scalar, lower_bound, eps, dt, grouped, gate):
         return sum_rows(ref).astype(dt)
 
     window = [[read(part, j).astype(dt) for j in range(width - 1)] for part in range(3)]
-    y, window, s = token_step(
+    o, window, s = token_step(
         window, [val(r) for r in (qr_ref, kr_ref, vr_ref)], (wq_ref, wk_ref, wv_ref), val(f_ref), val(bl_ref),
-        val(z_ref), s_ref[...], live, shift, alog_ref, dtb_ref, nw_ref, scalar=scalar, lower_bound=lower_bound,
-        eps=eps, dt=dt, gate=gate,
+        s_ref[...], live, shift, alog_ref, dtb_ref, scalar=scalar, lower_bound=lower_bound, dt=dt,
     )  # fmt: skip
     for part in range(3):
         for j in range(width - 1):
             write(part, j, window[part][j])
     s_out_ref[...] = s
-    y_ref[...] = y.astype(y_ref.dtype)
+    zv = val(z_ref).astype(jnp.float32)
+    y = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * nw_ref[...].astype(jnp.float32)
+    act = 1.0 / (1.0 + jnp.exp(-zv))
+    y_ref[...] = (y * (act if gate == "sigmoid" else zv * act)).astype(y_ref.dtype)
 
 
-def token_step(window, raw, w_refs, f, b_logit, z, s, live, shift, alog_ref, dtb_ref, nw_ref, *, scalar,
-               lower_bound, eps, dt, gate):  # fmt: skip
-    """One token of one head, on values: window (q, k, v) each the W-1 cached raw inputs [C_part] oldest first
-    and raw (q, k, v) this token's, in the compute dtype dt; w_refs the conv kernels [W, C_part]; f [K] or [1],
-    b_logit [1], z [V] (dt); s [K, V] float32; live / shift scalars -> (y [V] float32, the window after the
-    token, new s). Shared by the decode-layer kernel (one token) and the verify-layer kernel (a block)."""
+def token_step(window, raw, w_refs, f, b_logit, s, live, shift, alog_ref, dtb_ref, *, scalar, lower_bound, dt):
+    """One token of one head (or of a V-block of it), on values: window (q, k, v) each the W-1 cached raw inputs
+    [C_part] oldest first and raw (q, k, v) this token's, in the compute dtype dt; w_refs the conv kernels
+    [W, C_part]; f [K] or [1], b_logit [1] (dt); s [K, V_block] float32 (v, s and o may be any block of the
+    head's V columns: each column's update reads only its own); live / shift scalars -> (o [V_block] float32,
+    rounded to dt as the unfused path's output, the window after the token, new s). Shared by the decode-layer
+    kernel (one token) and the verify-layer kernel (a block of tokens)."""
     f32 = jnp.float32
 
-    def conv(part):  # one of q, k, v for this head: [K] after SiLU, rounded to the compute dtype
+    def conv(part):  # one of q, k, v for this head: after SiLU, rounded to the compute dtype
         rows = window[part] + [raw[part]]
         u = jnp.zeros(rows[-1].shape, f32)
         for j, x in enumerate(rows):
@@ -112,10 +115,7 @@ def token_step(window, raw, w_refs, f, b_logit, z, s, live, shift, alog_ref, dtb
     u = beta * (v - jnp.sum(k[:, None] * s, axis=0))  # [V]
     s = s + k[:, None] * u[None, :]
     o = jnp.sum(q[:, None] * s, axis=0).astype(dt).astype(f32)  # [V], rounded as the unfused path's output
-    y = o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * nw_ref[...].astype(f32)
-    zv = z.astype(f32)
-    act = 1.0 / (1.0 + jnp.exp(-zv))
-    return y * (act if gate == "sigmoid" else zv * act), window, s
+    return o, window, s
 
 
 def _split(x, unit: int):
@@ -222,65 +222,55 @@ def decode_layer_pallas(
     return y, jnp.concatenate([cq, ck, cv], axis=-1), s
 
 
-def _verify_kernel(*refs, tokens, width, scalar, lower_bound, eps, dt, grouped, gate):
-    """A block of `tokens` tokens of one (sequence, head): `token_step` after token, the state kept on chip;
-    snapshot t (0 .. tokens) of the conv window and the state is what they are after t tokens."""
-    if grouped:
-        (qr_ref, kr_ref, vr_ref, csq_ref, csk_ref, csv_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref,
-         z_ref, nw_ref, valid_ref, s_ref, y_ref, oq_ref, ok_ref, ov_ref, s_out_ref) = refs  # fmt: skip
-        cs_in, cs_out = (csq_ref, csk_ref, csv_ref), (oq_ref, ok_ref, ov_ref)
-
-        def read(part, j):
-            return cs_in[part][j, :]
-
-        def write(t, part, j, x):
-            cs_out[part][t, j, :] = x.astype(cs_out[part].dtype)
-    else:
-        (qr_ref, kr_ref, vr_ref, cs_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref, dtb_ref, bl_ref, z_ref, nw_ref,
-         valid_ref, s_ref, y_ref, cs_out_ref, s_out_ref) = refs  # fmt: skip
-
-        def read(part, j):
-            return cs_ref[j, part, :]
-
-        def write(t, part, j, x):
-            cs_out_ref[t, j, part, :] = x.astype(cs_out_ref.dtype)
-
-    window = [[read(part, j).astype(dt) for j in range(width - 1)] for part in range(3)]
+def _verify_kernel(qr_ref, kr_ref, vr_ref, csq_ref, csk_ref, csv_ref, wq_ref, wk_ref, wv_ref, f_ref, alog_ref,
+                   dtb_ref, bl_ref, valid_ref, s_ref, o_ref, oq_ref, ok_ref, ov_ref, s_out_ref, *, tokens, width,
+                   scalar, lower_bound, dt):  # fmt: skip
+    """A block of `tokens` tokens of one (sequence, head, V-block): `token_step` after token, the state block
+    kept on chip; snapshot t (0 .. tokens) of the conv window and the state is what they are after t tokens.
+    Every V-block's program computes its head's q and k (and writes the same q / k conv snapshots)."""
+    cs_in, cs_out = (csq_ref, csk_ref, csv_ref), (oq_ref, ok_ref, ov_ref)
+    window = [[cs_in[part][j, :].astype(dt) for j in range(width - 1)] for part in range(3)]
     s = s_ref[...]
 
     def snapshot(t, window, s):
         for part in range(3):
             for j in range(width - 1):
-                write(t, part, j, window[part][j])
+                cs_out[part][t, j, :] = window[part][j].astype(cs_out[part].dtype)
         s_out_ref[t] = s
 
     snapshot(0, window, s)
     for t in range(tokens):
         live = valid_ref[t] > 0  # a padded token (or a finished row) leaves the window and the state alone
-        y, window, s = token_step(
+        o, window, s = token_step(
             window, [r[t, :].astype(dt) for r in (qr_ref, kr_ref, vr_ref)], (wq_ref, wk_ref, wv_ref),
-            f_ref[t, :].astype(dt), bl_ref[t, :].astype(dt), z_ref[t, :].astype(dt), s, live, live, alog_ref,
-            dtb_ref, nw_ref, scalar=scalar, lower_bound=lower_bound, eps=eps, dt=dt, gate=gate,
+            f_ref[t, :].astype(dt), bl_ref[t, :].astype(dt), s, live, live, alog_ref, dtb_ref, scalar=scalar,
+            lower_bound=lower_bound, dt=dt,
         )  # fmt: skip
-        y_ref[t, :] = y.astype(y_ref.dtype)
+        o_ref[t, :] = o.astype(o_ref.dtype)
         snapshot(t + 1, window, s)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("num_heads", "scalar_decay", "lower_bound", "eps", "interpret", "num_warps", "num_k_heads",
-                     "v_head_dim", "gate"),
+                     "v_head_dim", "gate", "block_v"),
 )  # fmt: skip
 def verify_layer_pallas(
     q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid, *,
     num_heads, scalar_decay, lower_bound, eps, interpret, num_warps=4, num_k_heads=None, v_head_dim=None,
-    gate="sigmoid",
+    gate="sigmoid", block_v=None,
 ):  # fmt: skip
     """A block of T tokens per sequence (`reference.kda_verify_layer_reference`'s shapes: q_raw [B, T, N_k·K],
-    ..., valid [B, T]) in one launch, one program per (sequence, head) -> (y [B, T, N, V] in q_raw's dtype,
-    conv snapshots [B, T+1, W-1, channels], state snapshots [B, T+1, N, K, V] float32). Each token's arithmetic
-    is the decode-layer kernel's (`token_step`), so the block's outputs are T decode steps' bit for bit; the
-    state stays on chip between tokens and is written once per snapshot."""
+    ..., valid [B, T]) in one launch, one program per (sequence, head, block of `block_v` value columns; default
+    `tuning.VERIFY_BLOCK_V`) -> (y [B, T, N, V] in q_raw's dtype, conv snapshots [B, T+1, W-1, channels], state
+    snapshots [B, T+1, N, K, V] float32). Each token's state arithmetic is the decode-layer kernel's
+    (`token_step`) on the program's columns; the gated RMSNorm, which needs all V columns of a head, runs after
+    the kernel (`reference.gated_rms_norm`). The state block stays on chip between tokens and is written once
+    per snapshot. Why the V split: one program per head kept the [K, V] float32 state in registers of one SM
+    (32 programs at Kimi's batch 1), slower than the five decode-layer launches it replaced."""
+    from pallas_kernels.linear_attention.reference import gated_rms_norm
+    from pallas_kernels.linear_attention.tuning import VERIFY_BLOCK_V
+
     b, t, _ = q_raw.shape
     n = num_heads
     dt = jnp.dtype(q_raw.dtype)
@@ -288,68 +278,54 @@ def verify_layer_pallas(
     hd = state.shape[2]
     dv = v_head_dim or hd
     r = n // nk
-    grouped = nk != n or dv != hd
+    bv = min(dv, hd, block_v or VERIFY_BLOCK_V)  # divides 2·N_k·K: the v channels start on a block boundary
+    nv = dv // bv
     w = conv_state.shape[1] + 1
+    vstart = 2 * nk * hd // bv
 
-    def per_head(unit, per=1):
-        return pl.BlockSpec((None, t, unit), lambda i, h: (i, 0, h // per))
+    def spec(block, index):
+        return pl.BlockSpec(block, lambda i, h, c: index(i, h, c))
 
-    gate_unit = 1 if scalar_decay else hd
-    state_spec = pl.BlockSpec((None, None, hd, dv), lambda i, h: (i, h, 0, 0))
-    snap_spec = pl.BlockSpec((None, t + 1, None, hd, dv), lambda i, h: (i, 0, h, 0, 0))
-    y_spec = pl.BlockSpec((None, t, None, dv), lambda i, h: (i, 0, h, 0))
-    kernel = functools.partial(_verify_kernel, tokens=t, width=w, scalar=scalar_decay, lower_bound=lower_bound,
-                               eps=eps, dt=dt, grouped=grouped, gate=gate)  # fmt: skip
+    qk_in = spec((None, t, hd), lambda i, h, c: (i, 0, h // r))
+    v_in = spec((None, t, bv), lambda i, h, c: (i, 0, h * nv + c))
+    qk_conv = [spec((None, w - 1, hd), lambda i, h, c, p=p: (i, 0, p * nk + h // r)) for p in (0, 1)]
+    v_conv = spec((None, w - 1, bv), lambda i, h, c: (i, 0, vstart + h * nv + c))
+    qk_weight = spec((w, hd), lambda i, h, c: (0, h // r))
+    v_weight = spec((w, bv), lambda i, h, c: (0, h * nv + c))
     gates = [
-        per_head(gate_unit), pl.BlockSpec((None, 1), lambda i, h: (h, 0)),
-        pl.BlockSpec((None, 1) if scalar_decay else (None, hd), lambda i, h: (h, 0)),
-        per_head(1), per_head(dv), pl.BlockSpec((dv,), lambda i, h: (0,)),
-        pl.BlockSpec((None, t), lambda i, h: (i, 0)), state_spec,
+        spec((None, t, 1 if scalar_decay else hd), lambda i, h, c: (i, 0, h)),  # f
+        spec((None, 1), lambda i, h, c: (h, 0)),  # A_log
+        spec((None, 1) if scalar_decay else (None, hd), lambda i, h, c: (h, 0)),  # dt_bias
+        spec((None, t, 1), lambda i, h, c: (i, 0, h)),  # b_logits
+        spec((None, t), lambda i, h, c: (i, 0)),  # valid
+        spec((None, None, hd, bv), lambda i, h, c: (i, h, 0, c)),  # state
     ]  # fmt: skip
-    gate_args = (
-        f, a_log.reshape(n, 1), dt_bias.reshape(n, -1), b_logits.reshape(b, t, n), z, norm_weight,
-        valid.astype(jnp.int32), state.astype(jnp.float32),
-    )  # fmt: skip
-    params = dict(interpret=interpret, name="kda_verify_layer", **triton_params(interpret, num_warps, 1))
-    y_shape = jax.ShapeDtypeStruct((b, t, n, dv), dt)
-    s_shape = jax.ShapeDtypeStruct((b, t + 1, n, hd, dv), jnp.float32)
-    if not grouped:
-        conv_spec = pl.BlockSpec((None, w - 1, 3, None, hd), lambda i, h: (i, 0, 0, h, 0))
-        conv_snap = pl.BlockSpec((None, t + 1, w - 1, 3, None, hd), lambda i, h: (i, 0, 0, 0, h, 0))
-        weight_spec = pl.BlockSpec((w, None, hd), lambda i, h: (0, h, 0))
-        y, conv, s = pl.pallas_call(
-            kernel,
-            grid=(b, n),
-            in_specs=[per_head(hd), per_head(hd), per_head(hd), conv_spec, weight_spec, weight_spec, weight_spec,
-                      *gates],  # fmt: skip
-            out_specs=[y_spec, conv_snap, snap_spec],
-            out_shape=[y_shape, jax.ShapeDtypeStruct((b, t + 1, w - 1, 3, n, hd), conv_state.dtype), s_shape],
-            **params,
-        )(
-            q_raw, k_raw, v_raw, conv_state.reshape(b, w - 1, 3, n, hd), *(x.reshape(w, n, hd) for x in conv_weights),
-            *gate_args,
-        )  # fmt: skip
-        return y, conv.reshape(b, t + 1, w - 1, 3 * n * hd), s
-    vstart = 2 * nk * hd // dv
-    qk_conv = [pl.BlockSpec((None, w - 1, hd), lambda i, h, p=p: (i, 0, p * nk + h // r)) for p in (0, 1)]
-    v_conv = pl.BlockSpec((None, w - 1, dv), lambda i, h: (i, 0, vstart + h))
-    qk_out = pl.BlockSpec((None, t + 1, w - 1, hd), lambda i, h: (i, 0, 0, h // r))
-    v_out = pl.BlockSpec((None, t + 1, w - 1, dv), lambda i, h: (i, 0, 0, h))
-    qk_weight = pl.BlockSpec((w, hd), lambda i, h: (0, h // r))
-    v_weight = pl.BlockSpec((w, dv), lambda i, h: (0, h))
-    y, cq, ck, cv, s = pl.pallas_call(
+    out_specs = [
+        spec((None, t, None, bv), lambda i, h, c: (i, 0, h, c)),  # o
+        spec((None, t + 1, w - 1, hd), lambda i, h, c: (i, 0, 0, h // r)),  # q conv snapshots
+        spec((None, t + 1, w - 1, hd), lambda i, h, c: (i, 0, 0, h // r)),  # k
+        spec((None, t + 1, w - 1, bv), lambda i, h, c: (i, 0, 0, h * nv + c)),  # v
+        spec((None, t + 1, None, hd, bv), lambda i, h, c: (i, 0, h, 0, c)),  # state snapshots
+    ]
+    kernel = functools.partial(_verify_kernel, tokens=t, width=w, scalar=scalar_decay, lower_bound=lower_bound, dt=dt)
+    o, cq, ck, cv, s = pl.pallas_call(
         kernel,
-        grid=(b, n),
-        in_specs=[per_head(hd, r), per_head(hd, r), per_head(dv), *qk_conv, v_conv, qk_weight, qk_weight, v_weight,
-                  *gates],  # fmt: skip
-        out_specs=[y_spec, qk_out, qk_out, v_out, snap_spec],
+        grid=(b, n, nv),
+        in_specs=[qk_in, qk_in, v_in, *qk_conv, v_conv, qk_weight, qk_weight, v_weight, *gates],
+        out_specs=out_specs,
         out_shape=[
-            y_shape,
+            jax.ShapeDtypeStruct((b, t, n, dv), dt),
             jax.ShapeDtypeStruct((b, t + 1, w - 1, nk * hd), conv_state.dtype),
             jax.ShapeDtypeStruct((b, t + 1, w - 1, nk * hd), conv_state.dtype),
             jax.ShapeDtypeStruct((b, t + 1, w - 1, n * dv), conv_state.dtype),
-            s_shape,
+            jax.ShapeDtypeStruct((b, t + 1, n, hd, dv), jnp.float32),
         ],
-        **params,
-    )(q_raw, k_raw, v_raw, conv_state, conv_state, conv_state, *conv_weights, *gate_args)  # fmt: skip
+        interpret=interpret,
+        name="kda_verify_layer",
+        **triton_params(interpret, num_warps, 1),
+    )(
+        q_raw, k_raw, v_raw, conv_state, conv_state, conv_state, *conv_weights, f, a_log.reshape(n, 1),
+        dt_bias.reshape(n, -1), b_logits.reshape(b, t, n), valid.astype(jnp.int32), state.astype(jnp.float32),
+    )  # fmt: skip
+    y = gated_rms_norm(o, z.reshape(b, t, n, dv), norm_weight, eps, dt, gate)
     return y, jnp.concatenate([cq, ck, cv], axis=-1), s

@@ -1,4 +1,4 @@
-"""Tuned values of the KDA chunked-prefill kernels (read by `chunked.py`).
+"""Tuned values of the KDA chunked-prefill kernels (read by `chunked.py`) and of the verify-layer kernel.
 
 Chosen from timings on a Hopper GPU of a 32K-token x 32-head bfloat16 prefill, each kernel alone and the whole
 prefill; the measurements are in docs/performance.md (section "KDA prefill")."""
@@ -15,3 +15,7 @@ STATE_STAGES = 3
 # pass asks for more shared memory than an sm_90 block may have (232,448 bytes) at Kimi-Linear and
 # hybrid_small widths, so it runs unpipelined.
 WIDE_STATE_STAGES = 1
+
+# Value columns per program of the verify-layer kernel (`layer_decode.verify_layer_pallas`): a head's [K, V]
+# float32 state in one program ran on 32 programs at Kimi's batch 1 (docs/performance.md, "Speculative decoding").
+VERIFY_BLOCK_V = 32
