@@ -10,8 +10,9 @@ rounding differs from a decode step's and random weights' logits nearly tie (and
 expert), so the runs part within a few tokens (the "same tokens" note says whether they did; `--dtype float32
 --precision highest` keeps them together). `--own-replay RUNS` replays the speculative run's own greedy output
 instead (`own_replay`: a fixed point, found in RUNS runs at most), so that every draft is the target's own
-choice, or every n-th one wrong; it replaces the replay of plain greedy. The tokens per verify step are always
-measured, never assumed.
+choice, or every n-th one wrong; it replaces the replay of plain greedy. Its drafts cost nothing to make: those
+rows measure the verify loop at a chosen acceptance, not a drafter. The tokens per verify step (the accepted
+drafts and the target's own token after them) are always measured, never assumed.
 
 With --mtp the model carries one multi-token-prediction module (random weights, the preset's sparse or dense
 MLA layer + MoE), and the table adds `draft="mtp"` and the cost of one MTP drafting call (k drafts) beside a
@@ -69,20 +70,31 @@ def own_replay(model, ids, reference, new: int, k: int, wrong_every, max_runs: i
 
     In bf16 a verify block ranks near-tied tokens differently from a decode step, so a replay of plain greedy is
     rejected where the two part and replays the wrong continuation from there on. Each run agrees with the last
-    up to the first position where they part, and there the new run's token is the one its own block computes,
-    which the next run (same blocks up to there) accepts: the agreement grows every run until the output
-    replays itself, every draft the target's own choice except the every-n-th wrong ones.
-    -> (median ms of the generate call at the fixed point, its output, runs made, whether it was reached)."""
-    fn = jax.jit(lambda m, ref: generate(m, ids, max_new_tokens=new, draft=replay_drafter(ref, wrong_every),
-                                         num_draft=k))  # fmt: skip
-    ref, runs, fixed = jnp.asarray(reference, jnp.int32), 0, False
-    while runs < max_runs and not fixed:
-        out = fn(model, ref)
+    up to the first position where their drafts part, and there the new run's token is the one its own block
+    computes, which the next run (same blocks up to there) accepts: the agreement grows by at least one token a
+    run, so a fixed point comes within `new` runs, every draft the target's own choice except the every-n-th
+    wrong ones. This assumes a block's logits at a position do not depend on the tokens after it in the block
+    (causal layers; the MoE's rows computed alike whatever the other rows route to) and that runs are
+    deterministic (d92094e made the MoE reference so). The drafts cost nothing to make: the rows measure the
+    verify loop at a chosen acceptance, not a drafter.
+    -> (median ms of generate on the drafts of the last run made, that run's output, runs made, whether it
+    replayed its own drafts). The timed calls must reproduce that output (a SystemExit otherwise)."""
+    fn = jax.jit(lambda m, i, ref: generate(m, i, max_new_tokens=new, draft=replay_drafter(ref, wrong_every),
+                                            num_draft=k))  # fmt: skip
+    ref, runs = jnp.asarray(reference, jnp.int32), 0
+    while True:
+        out = fn(model, ids, ref)
         runs += 1
         nxt = jnp.concatenate([ids, out.tokens], axis=1)
         fixed = bool(jnp.array_equal(nxt, ref))
+        if fixed or runs >= max_runs:
+            break
         ref = nxt
-    return median_ms(lambda: fn(model, ref), warmup=0, iters=reps), out, runs, fixed
+    timed = []
+    ms = median_ms(lambda: timed.append(fn(model, ids, ref)) or timed[-1], warmup=0, iters=reps)
+    if any(not np.array_equal(np.asarray(t.tokens), np.asarray(out.tokens)) for t in timed):
+        raise SystemExit("speculative: a timed own-replay call emitted other tokens than the run it times")
+    return ms, out, runs, fixed
 
 
 def measure(model, batch: int, args, emit) -> None:
@@ -112,11 +124,15 @@ def measure(model, batch: int, args, emit) -> None:
     if cfg.mtp_layers:
         drafters["mtp (random weights)"] = "mtp"
 
-    def row(label, ms, out, note=""):
+    def row(label, ms, out, note="", own=False):
         same = bool(np.array_equal(np.asarray(out.tokens), np.asarray(plain.tokens)))
         steps = np.asarray(out.drafted).sum() / k
-        per_step = (np.asarray(out.lengths).sum() - batch) / steps  # tokens emitted per verify step and row
-        note = ("same tokens as plain greedy" if same else "TOKENS DIFFER from plain greedy") + note
+        # tokens emitted per verify step and row: the accepted drafts and the target's own token after them
+        per_step = (np.asarray(out.lengths).sum() - batch) / steps
+        if own:  # its own greedy by construction: plain greedy's only where blocks and decode steps agree
+            note = ("plain greedy's tokens" if same else "own greedy, not plain greedy's") + note
+        else:
+            note = ("same tokens as plain greedy" if same else "TOKENS DIFFER from plain greedy") + note
         emit(dict(base, case=f"speculative k={k}", drafter=label, ms=ms, tok_s=tokens / ms * 1e3,
                   speedup=decode_ms / ms, per_step=per_step, note=note))  # fmt: skip
 
@@ -128,7 +144,8 @@ def measure(model, batch: int, args, emit) -> None:
     for n in [None, *args.wrong_every] if args.own_replay else []:
         ms, out, iters, fixed = own_replay(model, ids, reference, new, k, n, args.own_replay, args.reps)
         label = "replay of its own greedy" + (f", every {n}-th wrong" if n else "")
-        row(label, ms - prefill_ms, out, f"; {'fixed point' if fixed else 'NO fixed point'} after {iters} runs")
+        note = f"; {'fixed point' if fixed else 'NO fixed point'} after {iters} runs"
+        row(label, ms - prefill_ms, out, note, own=True)
 
     # one verify step (k + 1 tokens, keep 1) against one decode step, each its own dispatch
     page = cfg.page_size

@@ -238,7 +238,8 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
     profile_stage.main()
     out = capsys.readouterr().out
     assert "verify stage (layer 0), B=1" in out and len(filled) == 2
-    assert "while" in (tmp_path / "out" / "verify_b1.hlo.txt").read_text()
+    hlo = (tmp_path / "out" / "verify_b1.hlo.txt").read_text()
+    assert "s32[1,4]" in hlo and "s32[1,4]" not in (tmp_path / "out" / "step_b1.hlo.txt").read_text()  # the block
 
 
 def test_profile_stage_compares_a_chunked_prefill_with_one_call(tmp_path, monkeypatch, capsys):
@@ -700,6 +701,10 @@ def test_speculative_own_replay_reaches_a_self_replaying_output():
     # every 2nd draft wrong: still a fixed point, and the wrong drafts are rejected
     _, out2, _, fixed2 = speculative.own_replay(model, ids, reference, new, k, 2, 32, 1)
     assert fixed2 and int(np.asarray(out2.accepted).sum()) < int(np.asarray(out2.drafted).sum())
+    # out of runs: not a fixed point, and the output is that of the drafts last run (and timed): the wrong ones
+    _, out3, runs3, fixed3 = speculative.own_replay(model, ids, reference, new, k, None, 1, 1)
+    assert runs3 == 1 and not fixed3
+    np.testing.assert_array_equal(np.asarray(out3.accepted), [0, 0])
 
 
 @pytest.mark.slow

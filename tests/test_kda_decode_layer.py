@@ -57,34 +57,41 @@ def test_decode_layer_kernel_matches_reference(b, n, hd, w, scalar, lower_bound,
     assert not np.array_equal(np.asarray(conv[0], np.float32), np.asarray(args[3][0], np.float32))
 
 
-def _block(seed, b, t, n, hd, w, scalar, dtype, nk=None):
-    """`kda_verify_layer`'s inputs: a block of t tokens per row (row 1 all padding, row 2 only its first two
-    tokens real), Kimi's layout or Qwen's grouped one with nk q / k heads."""
-    nk = nk or n
-    (_, _, _, conv_state, (wq, wk, wv), _, a_log, dt_bias, _, _, norm_weight, state, _, _) = _inputs(
+def _block(seed, b, t, n, hd, w, scalar, dtype, nk=None, dv=None):
+    """`kda_verify_layer`'s inputs: a block of t tokens per row (row 1 all padding, row 2's third token padding
+    between real ones and none after its fourth), Kimi's layout or Qwen's grouped one with nk q / k heads and
+    value heads of dv."""
+    nk, dv = nk or n, dv or hd
+    (_, _, _, conv_state, (wq, wk, _), _, a_log, dt_bias, _, _, _, state, _, _) = _inputs(
         seed, b, n, hd, w, scalar, dtype
     )
-    ks = iter(jax.random.split(jax.random.key(seed + 1), 8))
+    ks = iter(jax.random.split(jax.random.key(seed + 1), 12))
     qk = [jax.random.normal(next(ks), (b, t, nk * hd), dtype) for _ in range(2)]
-    v, z = (jax.random.normal(next(ks), (b, t, n * hd), dtype) for _ in range(2))
+    v, z = (jax.random.normal(next(ks), (b, t, n * dv), dtype) for _ in range(2))
     f = jax.random.normal(next(ks), (b, t, n if scalar else n * hd), dtype)
     b_logits = jax.random.normal(next(ks), (b, t, n), dtype)
-    valid = jnp.ones((b, t), bool).at[1].set(False).at[2, 2:].set(False)
-    conv_state = jnp.concatenate([conv_state[..., : 2 * nk * hd], conv_state[..., -n * hd :]], axis=-1)
+    valid = jnp.ones((b, t), bool).at[1].set(False).at[2, 2].set(False).at[2, 4:].set(False)
+    conv_v = jax.random.normal(next(ks), (b, w - 1, n * dv), dtype)
+    conv_state = jnp.concatenate([conv_state[..., : 2 * nk * hd], conv_v], axis=-1)
+    wv = jax.random.normal(next(ks), (w, n * dv)) * 0.5
+    norm_weight = 1.0 + 0.1 * jax.random.normal(next(ks), (dv,))
+    state = jax.random.normal(next(ks), (b, n, hd, dv)) if dv != hd else state
     weights = (wq[:, : nk * hd], wk[:, : nk * hd], wv)
     return (*qk, v, conv_state, weights, f, a_log, dt_bias, b_logits, z, norm_weight, state, valid)
 
 
 @pytest.mark.parametrize(
-    "t,n,nk,hd,scalar,lower_bound,dtype,block_v",
+    "t,n,nk,hd,dv,scalar,lower_bound,gate,dtype,block_v",
     [
-        (5, 2, None, 16, False, None, jnp.float32, None),
-        (3, 3, None, 32, True, None, jnp.float32, 16),  # two value blocks per head
-        (4, 4, 2, 32, False, -5.0, jnp.float32, 16),  # Qwen's grouped layout, two value blocks
-        (5, 2, None, 64, False, None, jnp.bfloat16, None),
+        (5, 2, None, 16, None, False, None, "sigmoid", jnp.float32, None),
+        (3, 3, None, 32, None, True, None, "sigmoid", jnp.float32, 16),  # two value blocks per head
+        (4, 4, 2, 32, None, False, -5.0, "sigmoid", jnp.float32, 16),  # grouped q / k heads, two value blocks
+        (5, 4, 2, 16, 32, True, None, "silu", jnp.float32, 16),  # Qwen's Gated DeltaNet: V = 2K, SiLU gate
+        (5, 2, None, 64, None, False, None, "sigmoid", jnp.bfloat16, None),
     ],
 )
-def test_verify_layer_kernel_matches_reference_and_decode_steps(t, n, nk, hd, scalar, lower_bound, dtype, block_v):
+def test_verify_layer_kernel_matches_reference_and_decode_steps(t, n, nk, hd, dv, scalar, lower_bound, gate, dtype,
+                                                                block_v):  # fmt: skip
     """The block kernel (interpret mode) against the reference (T decode-layer references, every state kept),
     and against T calls of the decode-layer kernel: a verify block computes what decode does (the conv tails bit
     for bit; the states, whose value blocks reduce in their own order, and the output norm, after the kernel,
@@ -92,19 +99,26 @@ def test_verify_layer_kernel_matches_reference_and_decode_steps(t, n, nk, hd, sc
     from pallas_kernels.linear_attention import kda_verify_layer
 
     b = 3
-    args = _block(t * 10 + n, b, t, n, hd, 4, scalar, dtype, nk)
-    kw = dict(num_heads=n, head_dim=hd, scalar_decay=scalar, lower_bound=lower_bound, eps=1e-5, num_k_heads=nk)
+    args = _block(t * 10 + n, b, t, n, hd, 4, scalar, dtype, nk, dv)
+    kw = dict(num_heads=n, head_dim=hd, scalar_decay=scalar, lower_bound=lower_bound, eps=1e-5, num_k_heads=nk,
+              v_head_dim=dv, gate=gate)  # fmt: skip
+    dv = dv or hd
     y_ref, conv_ref, s_ref = kda_verify_layer(*args, impl="reference", **kw)
     y, conv, s = kda_verify_layer(*args, impl="pallas", interpret=True, block_v=block_v, **kw)
     channels = args[3].shape[-1]
-    assert y.shape == (b, t, n, hd) and conv.shape == (b, t + 1, 3, channels) and s.shape == (b, t + 1, n, hd, hd)
+    assert y.shape == (b, t, n, dv) and conv.shape == (b, t + 1, 3, channels) and s.shape == (b, t + 1, n, hd, dv)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert rel_err(y, y_ref) < tol and rel_err(s, s_ref) < max(tol, 1e-4)
     np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(conv_ref, np.float32))
-    # snapshot 0 is the state passed in; the padded row never moves; row 2 stops after its 2 real tokens
+    # snapshot 0 is the state passed in; the padded row never moves; row 2 stands still over its padded third
+    # token and after its fourth, and moves on its fourth
     np.testing.assert_array_equal(np.asarray(s[:, 0]), np.asarray(args[11], np.float32))
     np.testing.assert_array_equal(np.asarray(s[1, -1]), np.asarray(args[11][1], np.float32))
-    np.testing.assert_array_equal(np.asarray(s[2, 2]), np.asarray(s[2, -1]))
+    np.testing.assert_array_equal(np.asarray(s[2, 2]), np.asarray(s[2, 3]))
+    np.testing.assert_array_equal(np.asarray(conv[2, 2]), np.asarray(conv[2, 3]))
+    if t >= 4:  # (jax indexing clamps: snapshot 4 exists from 4 tokens on)
+        assert not np.array_equal(np.asarray(s[2, 3]), np.asarray(s[2, 4]))
+        np.testing.assert_array_equal(np.asarray(s[2, 4]), np.asarray(s[2, -1]))
     assert not np.array_equal(np.asarray(s[0, 1]), np.asarray(s[0, 2]))
     # the decode-layer kernel token by token
     q, k, v, conv_state, weights, f, a_log, dt_bias, b_logits, z, nw, state, valid = args
@@ -119,25 +133,35 @@ def test_verify_layer_kernel_matches_reference_and_decode_steps(t, n, nk, hd, sc
         assert rel_err(s[:, j + 1], s_j) < 1e-6  # float32 states: the V blocks sum in their own orders
 
 
-def test_verify_layer_rejects_bad_shapes():
+def test_verify_layer_rejects_bad_input():
+    """Each a one-line ValueError naming the value."""
     from pallas_kernels.linear_attention import kda_verify_layer
 
     args = list(_block(0, 2, 3, 2, 16, 4, False, jnp.float32))
     kw = dict(num_heads=2, head_dim=16)
-    with pytest.raises(ValueError, match=r"q_raw.shape=\(2, 32\)"):
-        kda_verify_layer(args[0][:, 0], *args[1:], **kw)
-    bad = list(args)
-    bad[12] = args[12][:, :2]
-    with pytest.raises(ValueError, match=r"must all start with \(2, 3\)"):
-        kda_verify_layer(*bad, **kw)
-    bad = list(args)
-    bad[3] = args[3][..., :-1]
-    with pytest.raises(ValueError, match="kda_verify_layer: conv_state.shape="):
-        kda_verify_layer(*bad, **kw)
+
+    def bad(i, value, match, **extra):
+        a = list(args)
+        a[i] = value
+        with pytest.raises(ValueError, match=match):
+            kda_verify_layer(*a, **{**kw, **extra})
+
+    bad(0, args[0][:, 0], r"q_raw.shape=\(2, 32\)")
+    bad(12, args[12][:, :2], r"valid \(2, 2\) bool must be bool \[2, 3\]")
+    bad(12, args[12].astype(jnp.float32), "valid .* float32 must be bool")
+    bad(3, args[3][..., :-1], "kda_verify_layer: conv_state.shape=")
+    bad(5, args[5][..., :-1], r"f \(2, 3, 31\).* must be \(2, 3, 32\)")  # the block's shapes, T included
+    bad(1, args[1][:, :2], r"q/k/v/z \[\(2, 3, 32\), \(2, 2, 32\)")
+    bad(2, args[2].astype(jnp.bfloat16), "dtypes .* must be one")
+    bad(10, args[10][:8], r"norm_weight.shape=\(8,\) must be \(16,\)")
+    bad(11, args[11][:, :1], r"state \(2, 1, 16, 16\)")
     with pytest.raises(ValueError, match="kda_verify_layer: gate='relu'"):
-        kda_verify_layer(*args, gate="relu", **kw)
-    with pytest.raises(ValueError, match="block_v=24"):
-        kda_verify_layer(*args, impl="pallas", interpret=True, block_v=24, **kw)
+        kda_verify_layer(*args, **kw, gate="relu")
+    for block_v in (24, 32.0, 8):
+        with pytest.raises(ValueError, match=f"block_v={block_v!r}"):
+            kda_verify_layer(*args, **kw, impl="reference", block_v=block_v)
+    with pytest.raises(ValueError, match="num_heads=0"):
+        kda_verify_layer(*args, num_heads=0, head_dim=16)
 
 
 def _split_k(seed, values, splits, offset, dtype):

@@ -80,7 +80,6 @@ def test_reference_sums_each_tokens_pairs_in_a_fixed_order():
             want[t] += f64(w[t, j]) * ((g / (1 + np.exp(-g)) * u) @ f64(down[e]))
     assert rel_err(got, want) < 1e-5
     jaxpr = str(jax.make_jaxpr(moe_experts_reference)(x, idx, w, gate, up, down))
-    assert "i32[9] = scatter-add" in jaxpr  # the pair counts per expert: integers, exact in any order
     assert not re.search(r"(f16|bf16|f32|f64)\[[\d,]*\] = scatter-add", jaxpr)
 
 

@@ -403,21 +403,27 @@ def decode_layer_uses_kernel(head_dim: int, v_head_dim: int | None = None, qk_ch
     return registry.resolve("kda_decode_layer", **facts).impl != "reference"
 
 
-def _check_layer(name, q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, state,
-                 num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate):  # fmt: skip
-    """The one-token shapes of `kda_decode_layer` (a ValueError naming the value) -> (N_k, V, N_k·K)."""
+def _check_layer(name, q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, norm_weight,
+                 state, num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate):  # fmt: skip
+    """The shapes of `kda_decode_layer` (per-token inputs [B, ...]) or of `kda_verify_layer` ([B, T, ...]): a
+    ValueError naming the value -> (N_k, V, N_k·K)."""
     if gate not in ("sigmoid", "silu"):
         raise ValueError(f"{name}: gate={gate!r} must be 'sigmoid' or 'silu'")
+    if num_heads < 1 or head_dim < 1:
+        raise ValueError(f"{name}: num_heads={num_heads} and head_dim={head_dim} must be >= 1")
     nk, dv = num_k_heads or num_heads, v_head_dim or head_dim
-    if num_heads % nk:
-        raise ValueError(f"{name}: num_k_heads={nk} must divide num_heads={num_heads}")
-    b, c = q_raw.shape
+    if nk < 1 or dv < 1 or num_heads % nk:
+        raise ValueError(f"{name}: num_k_heads={nk} must divide num_heads={num_heads} (v_head_dim={dv})")
+    lead, c = q_raw.shape[:-1], q_raw.shape[-1]
+    b = lead[0]
     cv = num_heads * dv
-    if c != nk * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != (b, cv) or z.shape != (b, cv):
+    if c != nk * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != (*lead, cv) or z.shape != (*lead, cv):
         raise ValueError(
             f"{name}: q/k/v/z {[x.shape for x in (q_raw, k_raw, v_raw, z)]} must be "
-            f"[B, {nk} x {head_dim}] (q, k) and [B, {num_heads} x {dv}] (v, z)"
+            f"[{', '.join(map(str, lead))}, {nk} x {head_dim}] (q, k) and [..., {num_heads} x {dv}] (v, z)"
         )
+    if any(x.dtype != q_raw.dtype for x in (k_raw, v_raw, z)):
+        raise ValueError(f"{name}: q/k/v/z dtypes {[str(x.dtype) for x in (q_raw, k_raw, v_raw, z)]} must be one")
     channels = 2 * c + cv
     if conv_state.ndim != 3 or conv_state.shape[0] != b or conv_state.shape[2] != channels:
         raise ValueError(f"{name}: conv_state.shape={conv_state.shape} must be [{b}, W-1, {channels}]")
@@ -426,13 +432,18 @@ def _check_layer(name, q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, 
     if len(conv_weights) != 3 or any(w.shape != want for w, want in zip(conv_weights, widths, strict=True)):
         raise ValueError(f"{name}: conv weights {[w.shape for w in conv_weights]} must be {widths}")
     gates = num_heads if scalar_decay else num_heads * head_dim
-    if f.shape != (b, gates) or dt_bias.shape != (gates,) or a_log.shape != (num_heads,):
+    if f.shape != (*lead, gates) or dt_bias.shape != (gates,) or a_log.shape != (num_heads,):
         raise ValueError(
             f"{name}: f {f.shape}, dt_bias {dt_bias.shape}, A_log {a_log.shape} must be "
-            f"{(b, gates)}, {(gates,)}, {(num_heads,)}"
+            f"{(*lead, gates)}, {(gates,)}, {(num_heads,)}"
         )
-    if state.shape != (b, num_heads, head_dim, dv) or b_logits.shape != (b, num_heads):
-        raise ValueError(f"{name}: state {state.shape} / b_logits {b_logits.shape} do not match")
+    if state.shape != (b, num_heads, head_dim, dv) or b_logits.shape != (*lead, num_heads):
+        raise ValueError(
+            f"{name}: state {state.shape} / b_logits {b_logits.shape} must be {(b, num_heads, head_dim, dv)} / "
+            f"{(*lead, num_heads)}"
+        )
+    if norm_weight.shape != (dv,):
+        raise ValueError(f"{name}: norm_weight.shape={norm_weight.shape} must be ({dv},)")
     return nk, dv, c
 
 
@@ -467,8 +478,8 @@ def kda_decode_layer(
         dataclasses.replace(x, lead=(1,)) if isinstance(x, SplitK) else x for x in projected
     )
     nk, dv, c = _check_layer(
-        "kda_decode_layer", q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z, state,
-        num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate,
+        "kda_decode_layer", q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z,
+        norm_weight, state, num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate,
     )  # fmt: skip
     impl = registry.resolve("kda_decode_layer", impl, head_dim=head_dim, v_head_dim=dv, qk_channels=c).impl
     dtype = jnp.dtype(q_raw.dtype)
@@ -522,14 +533,13 @@ def kda_verify_layer(
     if q_raw.ndim != 3 or q_raw.shape[1] < 1:
         raise ValueError(f"kda_verify_layer: q_raw.shape={q_raw.shape} must be [B, T >= 1, N_k x K]")
     b, t = q_raw.shape[:2]
-    per_token = (q_raw, k_raw, v_raw, f, b_logits, z)
-    if any(x.ndim < 2 or x.shape[:2] != (b, t) for x in per_token) or valid.shape != (b, t):
-        shapes = [x.shape for x in (*per_token, valid)]
-        raise ValueError(f"kda_verify_layer: q, k, v, f, b_logits, z, valid {shapes} must all start with {(b, t)}")
-    one = lambda x: jax.ShapeDtypeStruct((b, *x.shape[2:]), x.dtype)  # noqa: E731
+    if valid.shape != (b, t) or valid.dtype != jnp.bool_:
+        raise ValueError(f"kda_verify_layer: valid {valid.shape} {valid.dtype} must be bool [{b}, {t}]")
+    if block_v is not None and (not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1)):
+        raise ValueError(f"kda_verify_layer: block_v={block_v!r} must be a power of two >= 16")
     nk, dv, c = _check_layer(
-        "kda_verify_layer", *(one(x) for x in (q_raw, k_raw, v_raw)), conv_state, conv_weights, one(f), a_log,
-        dt_bias, one(b_logits), one(z), state, num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate,
+        "kda_verify_layer", q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, dt_bias, b_logits, z,
+        norm_weight, state, num_heads, head_dim, scalar_decay, num_k_heads, v_head_dim, gate,
     )  # fmt: skip
     impl = registry.resolve("kda_decode_layer", impl, head_dim=head_dim, v_head_dim=dv, qk_channels=c).impl
     args = (q_raw, k_raw, v_raw, conv_state, tuple(conv_weights), f, a_log, dt_bias, b_logits, z, norm_weight, state,
@@ -543,8 +553,6 @@ def kda_verify_layer(
     why = registry.kda_layer_shape_problem(head_dim, dv, c)
     if why is not None:
         raise ValueError(f"kda_verify_layer(impl='pallas'): {why}")
-    if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
-        raise ValueError(f"kda_verify_layer: block_v={block_v} must be a power of two >= 16")
     return verify_layer_pallas(
         *args, num_heads=num_heads, scalar_decay=scalar_decay,
         lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps),

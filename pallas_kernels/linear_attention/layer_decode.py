@@ -17,6 +17,11 @@ caller joins. Every intermediate rounds where the model's unfused path rounds (q
 dtype), so the two agree to float32 summation order. Generic Pallas: Triton lowering on GPU, interpret mode on
 CPU (tests). K and V powers of two.
 
+`verify_layer_pallas` runs the same per-token arithmetic (`token_step`) over a speculative verify block of T
+tokens, one program per (sequence, head, block of value columns), the state block on chip across the block and
+written after every token (the snapshots a rollback picks from); the gated RMSNorm, which needs a head's whole
+value row, runs after it.
+
 Why one launch: at a batch-1 decode step XLA runs the work around the recurrence (the short-conv window, its
 split into q, k, v, the new conv state, the gates with their padding masks, the gated RMSNorm's reduction
 and multiply) as several small kernels per layer beside the state update; measurements in
