@@ -263,7 +263,8 @@ def test_no_limit_reference_is_plain_swiglu_bit_for_bit():
     g = jax.lax.ragged_dot(xs, gate, sizes, preferred_element_type=jnp.float32)
     u = jax.lax.ragged_dot(xs, up, sizes, preferred_element_type=jnp.float32)
     y = jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes, preferred_element_type=jnp.float32)
-    want = jnp.zeros_like(x).at[order // 3].add(y * w.reshape(-1)[order][:, None])
+    back = jnp.argsort(order)  # each pair's sorted row: every token's 3 rows summed in their own order
+    want = jnp.sum((y * w.reshape(-1)[order][:, None])[back].reshape(11, 3, -1), axis=1)
     got = moe_experts(x, idx, w, gate, up, down, impl="reference", swiglu_limit=None)
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
