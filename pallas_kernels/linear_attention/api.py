@@ -415,12 +415,12 @@ def _check_layer(name, q_raw, k_raw, v_raw, conv_state, conv_weights, f, a_log, 
     if nk < 1 or dv < 1 or num_heads % nk:
         raise ValueError(f"{name}: num_k_heads={nk} must divide num_heads={num_heads} (v_head_dim={dv})")
     lead, c = q_raw.shape[:-1], q_raw.shape[-1]
-    b = lead[0]
+    b, dims = lead[0], "B" if len(lead) == 1 else "B, T"
     cv = num_heads * dv
     if c != nk * head_dim or k_raw.shape != q_raw.shape or v_raw.shape != (*lead, cv) or z.shape != (*lead, cv):
         raise ValueError(
             f"{name}: q/k/v/z {[x.shape for x in (q_raw, k_raw, v_raw, z)]} must be "
-            f"[{', '.join(map(str, lead))}, {nk} x {head_dim}] (q, k) and [..., {num_heads} x {dv}] (v, z)"
+            f"[{dims}, {nk} x {head_dim}] (q, k) and [{dims}, {num_heads} x {dv}] (v, z)"
         )
     if any(x.dtype != q_raw.dtype for x in (k_raw, v_raw, z)):
         raise ValueError(f"{name}: q/k/v/z dtypes {[str(x.dtype) for x in (q_raw, k_raw, v_raw, z)]} must be one")
