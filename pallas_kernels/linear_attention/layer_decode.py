@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import sum_rows, triton_params
+from pallas_kernels.linear_attention.reference import gated_rms_norm
+from pallas_kernels.linear_attention.tuning import VERIFY_BLOCK_V
 from pallas_kernels.projection.api import SplitK
 
 
@@ -273,9 +275,6 @@ def verify_layer_pallas(
     the kernel (`reference.gated_rms_norm`). The state block stays on chip between tokens and is written once
     per snapshot. Why the V split: one program per head kept the [K, V] float32 state in registers of one SM
     (32 programs at Kimi's batch 1), slower than the five decode-layer launches it replaced."""
-    from pallas_kernels.linear_attention.reference import gated_rms_norm
-    from pallas_kernels.linear_attention.tuning import VERIFY_BLOCK_V
-
     b, t, _ = q_raw.shape
     n = num_heads
     dt = jnp.dtype(q_raw.dtype)
