@@ -127,6 +127,11 @@ def _row_peak_gib(fn, *args) -> float | None:
 # ---------------------------------------------------------------- floors counted from the model
 
 
+def _nbytes(x) -> int:
+    """Bytes of an array or of a ShapeDtypeStruct (the floors also count abstract models and caches)."""
+    return x.size * x.dtype.itemsize
+
+
 def _param_bytes(model):
     """(bytes of the weights every step reads, [(routed-expert bytes, experts) per MoE layer],
     matmul parameters a token uses outside the routed experts, [(routed params, experts) per layer])."""
@@ -134,17 +139,18 @@ def _param_bytes(model):
 
     fixed_bytes, routed, dense_params, routed_params = 0, {}, 0, {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        x = var[...]
+        x = var.get_value()  # an array, or a ShapeDtypeStruct of an abstract model (`nnx.eval_shape`)
+        nbytes = _nbytes(x)
         names = [str(p) for p in path]
         if names[0] == "embed_tokens":
             continue  # a step reads B rows of the table, not the table
         if "experts" in names and "shared_experts" not in names:
             key = names[1]
             b, p = routed.get(key, (0, 0)), routed_params.get(key, (0, 0))
-            routed[key] = (b[0] + x.nbytes, x.shape[0])
+            routed[key] = (b[0] + nbytes, x.shape[0])
             routed_params[key] = (p[0] + x.size, x.shape[0])
             continue
-        fixed_bytes += x.nbytes
+        fixed_bytes += nbytes
         if x.ndim >= 2 and names[0] != "lm_head":
             dense_params += x.size
     return fixed_bytes, list(routed.values()), dense_params, list(routed_params.values())
@@ -155,25 +161,32 @@ def per_position(pool, page_size: int) -> float:
     the KPool indexer's, holds one row per k positions). 0 for no pool."""
     if pool is None:
         return 0.0
-    nbytes = pool.values.nbytes + (0 if pool.scales is None else pool.scales.nbytes)
+    nbytes = _nbytes(pool.values) + (0 if pool.scales is None else _nbytes(pool.scales))
     return nbytes / (pool.values.shape[0] * page_size)
 
 
-def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
+def decode_floor_bytes(model, cache, batch: int, context: int, tokens: int = 1) -> float:
     """Bytes one decode step must move: weights (routed experts: the expected number of distinct experts
-    that `batch` tokens choose under uniform routing), KDA states read + written, cache rows read."""
+    that the step's tokens choose under uniform routing), KDA states read + written, cache rows read.
+
+    tokens: positions each of the `batch` rows runs in the step (a speculative verify block: k drafts + 1).
+    Its batch x tokens tokens choose the experts; each row's KDA state is still read and written once, and its
+    cached rows are read once (the block's positions can share the reads), a sparse layer's at most
+    min(context, tokens x top-k) of them."""
     from hybrid_jax.cache import AttnState, KDAState, MLAState
 
+    if batch < 1 or tokens < 1:
+        raise ValueError(f"decode_floor_bytes: batch={batch} and tokens={tokens} must be >= 1")
     cfg = model.config
     fixed, routed, _, _ = _param_bytes(model)
     k = cfg.num_experts_per_tok
     total = float(fixed)
     for nbytes, e in routed:
-        touched = e * (1 - (1 - k / e) ** batch)
+        touched = e * (1 - (1 - k / e) ** (batch * tokens))
         total += nbytes * touched / e
     for kind, state in zip(cfg.layer_types, cache.layers, strict=True):
         if isinstance(state, KDAState):
-            total += 2 * (state.recurrent.nbytes + state.conv.nbytes)
+            total += 2 * (_nbytes(state.recurrent) + _nbytes(state.conv))
         elif isinstance(state, AttnState):  # gated GQA: every cached key and value
             total += batch * context * (per_position(state.k, cache.page_size) + per_position(state.v, cache.page_size))
         elif isinstance(state, MLAState):
@@ -181,9 +194,9 @@ def decode_floor_bytes(model, cache, batch: int, context: int) -> float:
             if kind == "sparse":
                 # the indexer reads every cached key (a KPool indexer: one pooled key per index_kpool positions,
                 # plus its incomplete pool's raw keys); a shared layer reads none
-                tail = 0 if state.index_tail is None else state.index_tail.nbytes
+                tail = 0 if state.index_tail is None else _nbytes(state.index_tail)
                 total += batch * context * per_position(state.index_k, cache.page_size) + tail
-                total += batch * min(cfg.index_topk, context) * row
+                total += batch * min(tokens * cfg.index_topk, context) * row
             else:
                 total += batch * context * row
     return total

@@ -19,12 +19,18 @@ MLA layer + MoE), and the table adds `draft="mtp"` and the cost of one MTP draft
 decode step: with random weights its drafts are rarely accepted, so that row measures the drafting overhead a
 trained module's acceptance has to repay, not a speedup.
 
+"vs plain at byte floors" bounds each speculative row's speedup: its tokens per verify step over the verify
+step's byte floor in decode steps' (`e2e.decode_floor_bytes` with k + 1 tokens a row, whose tokens choose more
+distinct experts than one token; the verify row's note gives that ratio). At B = 1 both steps are bound by the
+weights they read, so no verify kernel brings a row past its bound (drafting counted free).
+
 The prompt is repetitive (a 64-token pattern repeated: code-like). Decode time = a generate call's time minus
 that of a generate call making one token (the same prefill), medians of --reps calls after a compile.
 
     python -m benchmarks.speculative [--preset kimi_linear_48b] [--layers 8] [--experts 32] [--batches 1 16]
         [--context 2048] [--new 256] [--num-draft 4] [--wrong-every 3] [--own-replay RUNS] [--dtype bfloat16]
         [--precision highest] [--mtp] [--no-record]
+    python -m benchmarks.speculative --floors [--layers 99 --experts 999]   # the bounds only, counted on the CPU
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import jit_module, median_ms, report
+from benchmarks.e2e import decode_floor_bytes
 from benchmarks.gpu_parity import cut_config
 from hybrid_jax import PRESETS, HybridLM, generate
 from hybrid_jax.speculative import mtp_draft, replay_drafter
@@ -109,6 +116,14 @@ def measure(model, batch: int, args, emit) -> None:
         jax.block_until_ready(out)
         return median_ms(lambda: gen(model, ids, **kw), warmup=0, iters=args.reps), out
 
+    # The byte floors of a verify step (k + 1 tokens a row) and of a decode step: at B = 1 both steps are bound by
+    # the bytes they read, mostly weights, and a block's tokens route to more experts than one token does, so
+    # tokens per step x decode floor / verify floor bounds the speedup (steps at their floors, drafts free).
+    floor_cache = model.init_cache(batch, -(-(ctx + k + 1) // cfg.page_size) * cfg.page_size)
+    floor_ratio = decode_floor_bytes(model, floor_cache, batch, ctx, k + 1) / decode_floor_bytes(
+        model, floor_cache, batch, ctx
+    )
+    del floor_cache
     prefill_ms, _ = timed(max_new_tokens=1)
     plain_ms, plain = timed(max_new_tokens=new)
     decode_ms = plain_ms - prefill_ms
@@ -134,7 +149,7 @@ def measure(model, batch: int, args, emit) -> None:
         else:
             note = ("same tokens as plain greedy" if same else "TOKENS DIFFER from plain greedy") + note
         emit(dict(base, case=f"speculative k={k}", drafter=label, ms=ms, tok_s=tokens / ms * 1e3,
-                  speedup=decode_ms / ms, per_step=per_step, note=note))  # fmt: skip
+                  speedup=decode_ms / ms, per_step=per_step, bound=per_step / floor_ratio, note=note))  # fmt: skip
 
     for label, draft in drafters.items():
         ms, out = timed(max_new_tokens=new, draft=draft, num_draft=k)
@@ -159,7 +174,7 @@ def measure(model, batch: int, args, emit) -> None:
     v_ms = step_ms(verify, cache, (block, keep), args.steps)
     emit(dict(base, case="decode step", drafter="", ms=d_ms, note="one dispatch a call"))
     emit(dict(base, case=f"verify step, {k + 1} tokens + commit", drafter="", ms=v_ms,
-              note=f"{v_ms / d_ms:.2f}x a decode step"))  # fmt: skip
+              note=f"{v_ms / d_ms:.2f}x a decode step; byte floor {floor_ratio:.2f}x a decode step's"))  # fmt: skip
     if cfg.mtp_layers:  # one drafting call: a pending row, then k - 1 one-row steps and the rollback
         mcache = model.init_mtp_cache(batch, cache.max_len)
         hidden = jnp.zeros((batch, ctx, cfg.hidden_size), model.dtypes.compute)
@@ -176,6 +191,30 @@ def measure(model, batch: int, args, emit) -> None:
         m_ms = step_ms(draft_fn, mcache, (pend_ids, pend_h), args.steps)
         emit(dict(base, case=f"mtp drafting call, {k} drafts", drafter="", ms=m_ms,
                   note=f"{m_ms / d_ms:.2f}x a decode step"))  # fmt: skip
+
+
+def floor_table(cfg, dtype, batches, context: int, k: int) -> list[dict]:
+    """The verify step's byte floor in decode steps' for blocks of 2 .. k + 1 tokens a row, at each batch size,
+    and the speedup it allows at full acceptance (every draft accepted: a block's tokens a step). Counted on an
+    abstract model and cache (`nnx.eval_shape`): no weights are made, so full-size presets take a second."""
+    model = nnx.eval_shape(lambda: HybridLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    rows = []
+    for b in batches:
+        cache = jax.eval_shape(lambda b=b: model.init_cache(b, -(-(context + k + 1) // cfg.page_size) * cfg.page_size))
+        one = decode_floor_bytes(model, cache, b, context)
+        for t in range(2, k + 2):
+            ratio = decode_floor_bytes(model, cache, b, context, t) / one
+            rows.append(
+                {
+                    "batch": b,
+                    "context": context,
+                    "tokens a row": t,
+                    "decode step floor MB": f"{one / 1e6:,.0f}",
+                    "verify / decode floor": f"{ratio:.2f}",
+                    "speedup bound at full acceptance": f"{t / ratio:.2f}",
+                }
+            )
+    return rows
 
 
 def main() -> None:
@@ -201,6 +240,11 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--mtp", action="store_true", help="give the model one random MTP module and time draft='mtp'")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument(
+        "--floors", action="store_true",
+        help="print the verify step's byte floor against a decode step's for blocks of 2 .. k + 1 tokens (counted, "
+        "nothing run or recorded; pass --layers / --experts past the preset's for the full model)",
+    )  # fmt: skip
     args = p.parse_args()
     for name, v in (("--new", args.new), ("--num-draft", args.num_draft), ("--context", args.context)):
         if v < (2 if name == "--new" else 1):
@@ -217,6 +261,13 @@ def main() -> None:
             attn_res_block_size=None,
         )  # fmt: skip
     dtype = jnp.dtype(args.dtype)
+    if args.floors:
+        title = (f"Speculative decoding, byte floors ({args.preset} widths, {cfg.num_layers} layers, "
+                 f"{cfg.num_experts} experts, {args.dtype}; uniform routing; counted, not measured)")  # fmt: skip
+        report(
+            "speculative.py", title, floor_table(cfg, dtype, args.batches, args.context, args.num_draft), record=False
+        )
+        return
     model = HybridLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     rows = []
 
@@ -235,8 +286,9 @@ def main() -> None:
     if args.mtp:
         shape += f", one random {cfg.mtp_layer_type} MLA + {cfg.mtp_mlp_type} MTP module, no AttnRes"
     title = f"Speculative decoding ({shape}); repetitive prompt, {args.new} new tokens"
-    columns = ("batch", "context", "case", "drafter", "per_step", "ms", "tok_s", "speedup", "note")
-    names = {"per_step": "tokens per verify step", "tok_s": "tokens/s", "speedup": "vs plain"}
+    columns = ("batch", "context", "case", "drafter", "per_step", "ms", "tok_s", "speedup", "bound", "note")
+    names = {"per_step": "tokens per verify step", "tok_s": "tokens/s", "speedup": "vs plain",
+             "bound": "vs plain at byte floors"}  # fmt: skip
     table = [{names.get(c, c): _fmt(r.get(c)) for c in columns} for r in rows]
     report("speculative.py", title, table, record=not args.no_record)
 

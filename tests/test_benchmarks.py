@@ -1,5 +1,6 @@
 """The end-to-end benchmark scripts run on the CPU with the tiny model (the GPU numbers are in BENCHMARKS.md)."""
 
+import re
 import sys
 
 import pytest
@@ -112,6 +113,13 @@ def test_e2e_floors_count_what_a_step_moves(tiny_model):
     one, many = decode_floor_bytes(tiny_model, cache, 1, 32), decode_floor_bytes(tiny_model, cache, 64, 32)
     assert many > one > 0  # more tokens touch more experts and read more cache rows
     assert prefill_flops(tiny_model, 256) > 2 * prefill_flops(tiny_model, 128) > 0  # attention grows faster
+    # a verify block: its 5 tokens route like 5 rows' tokens; with no cached rows to read, nothing else differs
+    # (each row's KDA state is read and written once either way)
+    block = decode_floor_bytes(tiny_model, cache, 1, 0, tokens=5)
+    assert block == decode_floor_bytes(tiny_model, cache, 5, 0) > decode_floor_bytes(tiny_model, cache, 1, 0)
+    assert decode_floor_bytes(tiny_model, cache, 1, 32, tokens=1) == one
+    with pytest.raises(ValueError, match="tokens=0"):
+        decode_floor_bytes(tiny_model, cache, 1, 32, tokens=0)
 
 
 def test_e2e_decode_floor_reads_one_pooled_key_per_kpool_positions():
@@ -664,7 +672,33 @@ def test_speculative_benchmark_runs_on_cpu(monkeypatch, capsys):
     assert "| 2 | 40 | speculative k=2 | replay of plain greedy | 2.50 |" in out  # 10 tokens after the first: 3+3+3+1
     assert out.count("| same tokens as plain greedy |") == 3, out[-2000:]  # ngram, replay, mtp
     assert "| speculative k=2 | mtp (random weights) |" in out and "| mtp drafting call, 2 drafts |" in out
-    assert "verify step, 3 tokens + commit" in out and "x a decode step" in out
+    assert "verify step, 3 tokens + commit" in out and "x a decode step; byte floor " in out
+    assert "| vs plain at byte floors |" in out
+    # the replay's bound: its 2.50 tokens a step over the verify step's byte floor in decode steps' (> 1: its
+    # 3 tokens a row route to more experts than one)
+    ratio = float(re.search(r"byte floor ([0-9.]+)x a decode step's", out).group(1))
+    bound = re.search(r"\| replay of plain greedy \| 2\.50 \|[^|]*\|[^|]*\|[^|]*\| ([0-9.]+) \|", out).group(1)
+    assert ratio > 1 and abs(float(bound) - 2.5 / ratio) < 0.02, (ratio, bound)
+
+
+def test_speculative_floors_bound_the_speedup(monkeypatch, capsys, results_dir):
+    """--floors counts, on an abstract model, the verify step's bytes in decode steps' for blocks of 2 .. k + 1
+    tokens: at B = 1 more tokens route to more experts (the ratio grows, and the bound is tokens / ratio); at a
+    batch whose tokens already touch every expert only the sparse layer's top-k rows grow. Nothing is recorded."""
+    from benchmarks import speculative
+
+    argv = ["speculative", "--preset", "tiny", "--batches", "1", "64", "--context", "40", "--num-draft", "3",
+            "--floors"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    speculative.main()
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) \| 40 \| (\d) \| [\d,]+ \| ([0-9.]+) \| ([0-9.]+) \|$", out, re.M)
+    assert [(b, t) for b, t, _, _ in rows] == [(b, t) for b in ("1", "64") for t in "234"], out
+    ratios = {(int(b), int(t)): float(r) for b, t, r, _ in rows}
+    assert 1 < ratios[1, 2] < ratios[1, 3] < ratios[1, 4] < 4, ratios
+    assert all(1 < ratios[64, t] < ratios[1, t] for t in (2, 3, 4)), ratios  # every expert read already
+    assert all(abs(float(bound) - int(t) / float(r)) < 0.02 for _, t, r, bound in rows), rows
+    assert not list(results_dir.glob("*.jsonl"))
 
 
 @pytest.mark.slow
