@@ -13,7 +13,10 @@ float32 state read and written once (2·B·N·K·V·4) plus q, k, v, g, beta, o.
 fla (`fla-core`, Triton, PyTorch) runs in the same process when importable: carry its wheel and einops to
 the GPU machine (`pip download --no-deps fla-core einops`).
 
-    python -m benchmarks.linear_attention [--only decode|layer|prefill] [--no-record]
+    python -m benchmarks.linear_attention [--only decode|layer|prefill] [--mosaic] [--no-record]
+
+`--mosaic`: also the prefill with its state pass in Mosaic GPU (`kda(impl="mosaic")`, Hopper only); with
+`--phases` the state pass's share is the whole prefill less phase 1 alone, for both state passes.
 
 `--only layer`: a KDA layer's decode token between its projections and o_proj (`kda_decode_layer`'s fused
 kernel against the model's unfused step), B in {1, 16, 64}.
@@ -253,7 +256,8 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
     return bv, nw, prec or "tf32", solve or "neumann"
 
 
-def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,)) -> list[dict]:
+def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False) -> list[dict]:
+    """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products)."""
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for n, t in ((n, t) for n in heads for t in lengths):
@@ -280,6 +284,12 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,)
             ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
             label += f", {solve}" if solve != "neumann" else ""
+            rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
+        if mosaic:
+            fn = jax.jit(functools.partial(kda, impl="mosaic"))
+            err = rel_err(jax.block_until_ready(fn(q, k, v, g, beta))[0], ref_o)
+            ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
+            label = "pallas chunked, Mosaic GPU state pass, bf16 products"
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
         if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
             for parts, label in PHASE_PARTS:
@@ -347,6 +357,9 @@ def main() -> None:
         "64x4:bf16:substitution",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
+    p.add_argument(
+        "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
+    )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
@@ -359,7 +372,7 @@ def main() -> None:
         rows += layer_rows(bw, rate)
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
-        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads)
+        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic)
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0])
     title = (

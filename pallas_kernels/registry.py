@@ -313,8 +313,8 @@ _SLOWER = "measured slower than XLA's fused kernels (docs/performance.md); opt-i
 TABLE: dict[str, Op] = {
     op.name: op
     for op in (
-        Op("kda_prefill", "linear_attention.kda", ("pallas",), True,
-           "chunked Pallas prefill (intra-chunk kernels + state pass)",
+        Op("kda_prefill", "linear_attention.kda", ("pallas", "mosaic"), True,
+           "chunked Pallas prefill (intra-chunk kernels + state pass); the Mosaic GPU state pass is opt-in",
            _kda_prefill_unsupported,
            reference_form=lambda tokens, **_: "recurrent" if tokens == 1 else "chunked"),
         Op("kda_decode", "linear_attention.kda_decode_step", ("pallas",), True,

@@ -67,7 +67,9 @@ def kda(
     impl (see `pallas_kernels.registry`): "reference" (jnp; `form` "chunked": the WY/UT chunked form over
     chunks of `chunk_size`, the default for more than one token, or "recurrent": the token scan, the default
     for one), "pallas" (the kernels of `chunked.kda_chunked_pallas`: the intra-chunk work parallel over chunks
-    of 64, then the state pass) or "auto" (`registry.resolve("kda_prefill", ...)`).
+    of 64, then the state pass), "mosaic" (the same, the state pass in Pallas Mosaic GPU:
+    `state_mosaic.kda_state_pass_mosaic`; Hopper, or its interpreter with `interpret`; bfloat16 inputs and
+    products, K <= 128; opt-in, not timed yet) or "auto" (`registry.resolve("kda_prefill", ...)`).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32"; "bf16":
     operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; "ieee"; default: "bf16" for
     bfloat16 inputs, "tf32" otherwise), `num_warps` per program, `interpret` (default: on a CPU), `solve`: how
@@ -87,8 +89,8 @@ def kda(
     registry.check_impl("kda_prefill", impl)
     if form not in (None, *FORMS):
         raise ValueError(f"kda: form={form!r} must be one of {FORMS}")
-    if form is not None and impl == "pallas":
-        raise ValueError(f"kda: form={form!r} names a reference algorithm; impl='pallas' has one")
+    if form is not None and impl in ("pallas", "mosaic"):
+        raise ValueError(f"kda: form={form!r} names a reference algorithm; impl={impl!r} has one")
     if q.ndim != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
         raise ValueError(f"kda: inconsistent shapes q={q.shape} k={k.shape} v={v.shape} beta={beta.shape}")
     if g.shape not in (q.shape, q.shape[:3]):
@@ -111,6 +113,8 @@ def kda(
                  interpret=interpret, solve=solve),
         )  # fmt: skip
     if cu_seqlens is not None:
+        if impl == "mosaic":
+            raise ValueError("kda: impl='mosaic' does not take cu_seqlens (packed sequences: impl='pallas')")
         if impl == "pallas":
             return _varlen_packed(
                 q, k, v, g, beta, cu_seqlens, initial_state,
@@ -121,10 +125,11 @@ def kda(
             q, k, v, g, beta, cu_seqlens, initial_state,
             dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl="reference", form=form, chunk_size=chunk_size),
         )  # fmt: skip
-    if impl == "pallas":
+    if impl in ("pallas", "mosaic"):
         return _kda_pallas(
             q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
             precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps, solve=solve,
+            state_impl="mosaic" if impl == "mosaic" else "triton",
         )  # fmt: skip
     form = form or ("recurrent" if q.shape[1] == 1 else "chunked")
     kw = dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
@@ -146,11 +151,12 @@ def _with_states(q, k, v, g, beta, every, cu_seqlens, kw):
     if count == 0:  # no boundary inside: the plain call and no states
         o, s = kda(q, k, v, g, beta, **kw)
         return o, s, jnp.zeros((b, 0, n, dk, dv), jnp.float32)
-    if impl == "pallas" and every % CHUNK == 0:
+    if impl in ("pallas", "mosaic") and every % CHUNK == 0:
         opts = {x: kw[x] for x in ("block_v", "num_warps", "solve")}
         return _kda_pallas(
             q, k, v, g, beta, kw["initial_state"], scale=kw["scale"], use_qk_l2norm=kw["use_qk_l2norm"],
-            precision=_pallas_precision(kw["precision"], q), interpret=kw["interpret"], state_every=every, **opts,
+            precision=_pallas_precision(kw["precision"], q), interpret=kw["interpret"], state_every=every,
+            state_impl="mosaic" if impl == "mosaic" else "triton", **opts,
         )  # fmt: skip
     # segments of `every` tokens (the last zero-padded: g = 0, beta = 0 change no state), one call each
     segs = -(-t // every)
@@ -240,9 +246,10 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
 
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
-    solve="neumann", seq_chunks=None, state_every=None,
+    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton",
 ):  # fmt: skip
-    """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16), runs, unpads.
+    """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16, >= 64 for the Mosaic GPU
+    state pass, `state_impl="mosaic"`), runs, unpads.
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged.
     seq_chunks: (first chunk, chunk count) per chunk-aligned packed sequence; initial_state then [S,N,K,V].
     state_every (a multiple of 64): the states after every state_every tokens come back third."""
@@ -253,7 +260,11 @@ def _kda_pallas(
     scale = dk**-0.5 if scale is None else float(scale)
     if g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], q.shape)
-    pk, pv = max(16, pow2(dk)), max(16, pow2(dv))
+    interpret = registry.interpret_default(interpret)
+    if state_impl == "mosaic" and not interpret and not registry.is_sm90():
+        raise ValueError("kda: impl='mosaic' needs a Hopper (sm_90) GPU, or interpret=True (Mosaic GPU's interpreter)")
+    least = 64 if state_impl == "mosaic" else 16  # the Mosaic kernel's tiles are 64 bf16 columns wide
+    pk, pv = max(least, pow2(dk)), max(least, pow2(dv))
     tp = -(-t // CHUNK) * CHUNK
     pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, tp - t), *[(0, p) for p in w]])  # noqa: E731
     q, k, g = pad(q, 0, pk - dk), pad(k, 0, pk - dk), pad(g.astype(jnp.float32), 0, pk - dk)
@@ -268,7 +279,7 @@ def _kda_pallas(
     out = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
-        interpret=registry.interpret_default(interpret), num_warps=num_warps, solve=solve, **extra,
+        interpret=interpret, num_warps=num_warps, solve=solve, state_impl=state_impl, **extra,
     )  # fmt: skip
     o, s = out[0][:, :t, :, :dv], out[1][:, :, :dk, :dv]
     if state_every is None:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
+from pallas_kernels.linear_attention import state_mosaic
 from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
@@ -344,11 +345,13 @@ def _gate_spec(nc, dk):
         "solve",
         "parts",
         "state_every",
+        "state_impl",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
+    state_impl="triton",
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -362,7 +365,13 @@ def kda_chunked_pallas(
     leave the state as it is); s0 is then [S, N, K, V] and the final states come back per sequence — a
     sequence with no chunk keeps its s0 (the final states alias s0's buffer). The intra-chunk phase runs
     over all chunks at once; the state pass is one program per (sequence, head, V-block), each walking only
-    its own sequence's chunks (the sequences' recurrences side by side, not one after another)."""
+    its own sequence's chunks (the sequences' recurrences side by side, not one after another).
+
+    state_impl: "triton" (`_state_kernel`) or "mosaic" (`state_mosaic.kda_state_pass_mosaic`: Hopper, or
+    Mosaic GPU's interpreter with `interpret`; bf16 intermediates, K 64 or 128, V a multiple of 64, sequences
+    not packed; block_v, num_warps and num_stages are the Triton kernel's and do not apply to it)."""
+    if state_impl not in ("triton", "mosaic"):
+        raise ValueError(f"kda_chunked_pallas: state_impl={state_impl!r} must be 'triton' or 'mosaic'")
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
@@ -372,6 +381,19 @@ def kda_chunked_pallas(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
         parts=parts,
     )  # fmt: skip
+    if state_impl == "mosaic":
+        inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
+        why = state_mosaic.unsupported(dk, dv, t, inter, packed, q.dtype)
+        if why is not None:
+            raise ValueError(f"kda_chunked_pallas: the Mosaic GPU state pass needs {why}")
+        out = state_mosaic.kda_state_pass_mosaic(
+            w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret
+        )
+        if state_every is None:
+            return out
+        o, s, snaps = out
+        count = t // state_every
+        return o, s, jnp.moveaxis(snaps.reshape(b, n, count, dk, dv), 2, 1)
     state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     if packed:
         n_seq = s0.shape[0]

@@ -1,0 +1,198 @@
+"""The chunked KDA prefill's state pass (phase 2 of `chunked.py`) in Pallas Mosaic GPU, for Hopper (sm_90).
+
+Per chunk of C = 64 tokens, with the phase-1 intermediates W, U, q_g, k_g [C, K], A_qk [C, C] and the
+per-channel chunk decay exp(G_C) [K] (all as `chunked._state_kernel` reads them):
+
+    V' = U − W S;   o = q_g S + A_qk V';   S ← Diag(exp(G_C)) S + k_gᵀ V'
+
+Grid (B, N, V / 64): one warpgroup per (row, head, 64 value columns) walks the chunks in order with S
+[K, 64] float32 in registers (the WGMMA accumulator layout). Every product is one `wgmma` from shared
+memory: S and V' are written there in bfloat16 for it (the rounding `precision="bf16"` gives the Triton
+kernel: bf16 operands, float32 sums), and k_gᵀ is the transposed view of k_g's tile. The chunk's inputs
+arrive by TMA through `plgpu.emit_pipeline`, `STAGES` chunks ahead of the products, so that the only
+latency left per chunk is the chain S -> W S -> V' -> (o, S), with q_g S issued beside W S and k_gᵀ V' beside
+A_qk V' (each product a wgmma group waited for only where its result is read); o goes out by TMA from two
+shared-memory slots.
+
+Why: the state pass is a chain of 512 dependent chunk steps at 32K tokens, one program per (head, V-block);
+the Triton kernel spends ~2.5 us a step (latency of small products and their layout changes), the whole
+pass ~1.3 ms of a 4.2 ms prefill (docs/performance.md#kda-prefill).
+
+Constraints: bfloat16 intermediates (`precision="bf16"`), K of 64 or 128 (shared memory: two stages of the
+five input tiles plus S, V', the two o slots and a float32 [K, 64] buffer fit sm_90's 227 KiB at K = 128),
+V a multiple of 64, T a multiple of 64. Packed sequences (`seq_start`) stay with the Triton kernel.
+On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+CHUNK = 64
+BLOCK_V = 64  # value columns per warpgroup: one 128-byte swizzled bf16 tile wide
+TILE = 64  # bf16 columns of one 128-byte swizzled tile
+STAGES = 2  # chunks of inputs in flight; 3 would exceed shared memory at K = 128
+HEAD_DIMS = (64, 128)  # K the kernel takes
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def unsupported(dk: int, dv: int, t: int, inter_dtype, packed: bool, out_dtype=jnp.bfloat16) -> str | None:
+    """Why the Mosaic state pass cannot take this call (None: it can): out_dtype is the output's (it writes
+    bfloat16)."""
+    if packed:
+        return "sequences not packed (packed sequences run the Triton state pass)"
+    if jnp.dtype(inter_dtype) != jnp.bfloat16:
+        return f'bfloat16 intermediates (precision="bf16"; got {jnp.dtype(inter_dtype).name})'
+    if jnp.dtype(out_dtype) != jnp.bfloat16:
+        return f"bfloat16 inputs (it writes o in bfloat16; got {jnp.dtype(out_dtype).name})"
+    if dk not in HEAD_DIMS:
+        return f"K in {HEAD_DIMS} (got {dk})"
+    if dv % BLOCK_V:
+        return f"V a multiple of {BLOCK_V} (got {dv})"
+    if t % CHUNK:
+        return f"T a multiple of {CHUNK} (got {t})"
+    return None
+
+
+def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *rest, nc, every):
+    plgpu = _plgpu()
+    snap_ref, (s16, vn, o_slots, f32, bar) = (rest[0], rest[1:]) if every else (None, rest)
+    wgmma_layout = plgpu.Layout.WGMMA
+    b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
+    cols = pl.ds(j * BLOCK_V, BLOCK_V)
+    dk = s0_ref.shape[2]
+
+    plgpu.copy_gmem_to_smem(s0_ref.at[b, h, :, cols], f32, bar)
+    plgpu.barrier_wait(bar)
+    s_init = plgpu.load(f32, layout=wgmma_layout)
+
+    def body(idx, w_s, u_s, qg_s, kg_s, aqk_s, gl_s, s):
+        (c,) = idx
+        s16[...] = s.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+
+        # Four wgmma groups, each waited for only where its result is needed: q_g S runs while V' is formed,
+        # k_gᵀ V' while o is stored. The k_gᵀ V' product goes to a fresh accumulator added to the decayed S
+        # (an accumulator initialised from registers is not taken by Mosaic GPU's interpreter).
+        def chunk(acc_v, acc_o, acc_s):
+            plgpu.wgmma(acc_v, w_s, s16)
+            plgpu.wgmma(acc_o, qg_s, s16)
+            w_state = plgpu.wgmma_accumulator_load(acc_v, wait_n=1)  # W S done; q_g S may still run
+            v_new = plgpu.load(u_s, layout=wgmma_layout).astype(jnp.float32) - w_state
+            vn[...] = v_new.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_o, aqk_s, vn)  # o = q_g S + A_qk V'
+            plgpu.wgmma(acc_s, kg_s.transpose((1, 0)), vn)
+            o = plgpu.wgmma_accumulator_load(acc_o, wait_n=1)  # k_gᵀ V' may still run
+            slot = o_slots.at[c % 2]
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's copy of two chunks ago has read it
+            slot[...] = o.astype(slot.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(slot, o_ref.at[b, pl.ds(c * CHUNK, CHUNK), h, cols])
+            return plgpu.wgmma_accumulator_load(acc_s, wait_n=0)
+
+        update = pl.run_scoped(
+            chunk,
+            plgpu.ACC((CHUNK, BLOCK_V), jnp.float32),
+            plgpu.ACC((CHUNK, BLOCK_V), jnp.float32),
+            plgpu.ACC((dk, BLOCK_V), jnp.float32),
+        )
+        decay = plgpu.load(gl_s, layout=wgmma_layout.reduce(1))  # S ← Diag(exp(G_C)) S + k_gᵀ V'
+        s = s * lax.broadcast_in_dim(decay, s.shape, [0]) + update
+        if every:
+
+            @pl.when((c + 1) % every == 0)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last snapshot's copy out of `f32`
+                f32[...] = s
+                plgpu.commit_smem()
+                snap = (c + 1) // every - 1
+                plgpu.copy_smem_to_gmem(f32, snap_ref.at[b, h, pl.ds(snap * dk, dk), cols])
+
+        return s
+
+    tiled = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
+    tile = lambda width: plgpu.BlockSpec((CHUNK, width), lambda c: (c, 0), transforms=tiled)  # noqa: E731
+    gate = plgpu.BlockSpec((None, dk), lambda c: (c, 0))  # exp(G_C) of the chunk [K]
+    s_end = plgpu.emit_pipeline(
+        body,
+        grid=(nc,),
+        in_specs=[tile(dk), tile(BLOCK_V), tile(dk), tile(dk), tile(CHUNK), gate],
+        max_concurrent_steps=STAGES,
+        init_carry=s_init,
+    )(
+        w_ref.at[b, :, h, :],
+        u_ref.at[b, :, h, cols],
+        qg_ref.at[b, :, h, :],
+        kg_ref.at[b, :, h, :],
+        aqk_ref.at[b, :, h, :],
+        gl_ref.at[b, :, h, :],
+    )
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    f32[...] = s_end
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(f32, s_ref.at[b, h, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("state_every", "interpret"))
+def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret: bool = False):
+    """The state pass over phase 1's intermediates: w, qg, kg [B, T, N, K], u [B, T, N, V], aqk [B, T, N, 64]
+    (bfloat16); gl [B, T / 64, N, K, 1] float32 (exp(G_C) per chunk); s0 [B, N, K, V] float32 ->
+    (o [B, T, N, V] bfloat16, final state [B, N, K, V] float32), and with state_every (a multiple of 64) the
+    states after every state_every tokens [B, N, (T // state_every)·K, V] float32 (snapshot j in rows
+    [j·K, (j+1)·K), the layout of `chunked.kda_chunked_pallas`'s state kernel).
+    `unsupported` lists the constraints; a call outside them is a ValueError naming the value."""
+    plgpu = _plgpu()
+    b, t, n, dk = w.shape
+    dv = u.shape[-1]
+    why = unsupported(dk, dv, t, w.dtype, packed=False)
+    shapes_ok = (
+        u.shape == (b, t, n, dv)
+        and qg.shape == kg.shape == w.shape
+        and aqk.shape == (b, t, n, CHUNK)
+        and gl.shape == (b, t // CHUNK, n, dk, 1)
+        and s0.shape == (b, n, dk, dv)
+    )
+    dtypes_ok = all(x.dtype == jnp.bfloat16 for x in (u, qg, kg, aqk)) and gl.dtype == s0.dtype == jnp.float32
+    if why is None and not shapes_ok:
+        why = f"consistent shapes (w {w.shape}, u {u.shape}, aqk {aqk.shape}, gl {gl.shape}, s0 {s0.shape})"
+    if why is None and not dtypes_ok:
+        why = "bfloat16 w, u, qg, kg, aqk and float32 gl, s0"
+    if why is None and state_every is not None and (state_every <= 0 or state_every % CHUNK):
+        why = f"state_every a positive multiple of {CHUNK} (got {state_every})"
+    if why is not None:
+        raise ValueError(f"kda_state_pass_mosaic: needs {why}")
+    nc = t // CHUNK
+    every = 0 if state_every is None else state_every // CHUNK
+    count = 0 if state_every is None else t // state_every
+    tiled = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
+    scratch = (
+        plgpu.SMEM((dk, BLOCK_V), jnp.bfloat16, transforms=tiled),  # S in bf16: the products' operand
+        plgpu.SMEM((CHUNK, BLOCK_V), jnp.bfloat16, transforms=tiled),  # V' in bf16
+        plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=tiled),  # o, two slots copied out by TMA
+        plgpu.SMEM((dk, BLOCK_V), jnp.float32),  # S in float32: in (s0), out (snapshots, final state)
+        plgpu.Barrier(num_arrivals=1),
+    )
+    out_type = [jax.ShapeDtypeStruct(u.shape, jnp.bfloat16), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
+    if every:
+        out_type.append(jax.ShapeDtypeStruct((b, n, count * dk, dv), jnp.float32))
+    kernel = functools.partial(_kernel, nc=nc, every=every)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch)
+
+    kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    return plgpu.kernel(entry, out_type=tuple(out_type), grid=(b, n, dv // BLOCK_V), grid_names=("b", "h", "j"), **kw)(
+        w, u, qg, kg, aqk, gl.reshape(b, t // CHUNK, n, dk), s0
+    )

@@ -1,0 +1,123 @@
+"""The Mosaic GPU state pass of the chunked KDA prefill (`kda(impl="mosaic")`): in Mosaic GPU's interpreter on
+the CPU against the Triton state pass and the float32 reference, its sm_90 lowering where the CUDA plugin's
+Python files are, and its refusals."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import registry
+from pallas_kernels.linear_attention import kda
+from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
+from pallas_kernels.linear_attention.state_mosaic import kda_state_pass_mosaic, unsupported
+from tests.conftest import rel_err
+from tests.test_kda_kernels import _prefill_inputs
+
+
+@pytest.mark.parametrize(
+    "seed, b, t, n, dk, dv, scalar, with_state",
+    [
+        (0, 1, 130, 2, 128, 128, False, True),  # three chunks (the last padded), two value blocks
+        (1, 2, 70, 3, 100, 40, True, False),  # K padded to 128, V to 64; scalar decay; no initial state
+        (2, 1, 64, 1, 32, 192, False, True),  # K padded to 64; V 192 padded to 256 (four value blocks)
+    ],
+)
+def test_mosaic_state_pass_matches_triton_and_reference(seed, b, t, n, dk, dv, scalar, with_state):
+    """bf16 inputs (bf16 products): the Mosaic state pass takes the same bf16 operands as the Triton one (S and
+    V' rounded to bf16 for the products, float32 sums), so the two agree up to the order of float32 sums; both
+    against the float32 recurrence within bf16 rounding."""
+    args, s0 = _prefill_inputs(seed, b, t, n, dk, dv, scalar, jnp.bfloat16, with_state)
+    ref_o, ref_s = kda(*args, initial_state=s0, impl="reference", form="recurrent")
+    o_t, s_t = kda(*args, initial_state=s0, impl="pallas", interpret=True)
+    o, s = kda(*args, initial_state=s0, impl="mosaic", interpret=True)
+    assert o.shape == ref_o.shape and o.dtype == jnp.bfloat16 and s.shape == ref_s.shape and s.dtype == jnp.float32
+    assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(s)).all()
+    assert rel_err(o, o_t) < 2e-3 and rel_err(s, s_t) < 1e-4
+    assert rel_err(o, ref_o) < 2e-2 and rel_err(s, ref_s) < 2e-2
+
+
+def test_mosaic_state_pass_snapshots():
+    """state_every=128 over 320 tokens: the kernel stores its on-chip state after chunks 2 and 4, each equal to
+    the Triton state pass's snapshot; outputs and final state as without snapshots, bit for bit."""
+    args, s0 = _prefill_inputs(4, 1, 320, 2, 128, 64, False, jnp.bfloat16, True)
+    kw = dict(initial_state=s0, interpret=True)
+    o, s, states = kda(*args, impl="mosaic", state_every=128, **kw)
+    plain_o, plain_s = kda(*args, impl="mosaic", **kw)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(plain_o, np.float32))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(plain_s))
+    _, _, want = kda(*args, impl="pallas", state_every=128, **kw)
+    assert states.shape == want.shape == (1, 2, 2, 128, 64)
+    assert rel_err(states, want) < 1e-4
+    assert rel_err(states[:, 1], states[:, 0]) > 0.1  # two different states, not one written twice
+
+
+def test_mosaic_state_pass_refusals_name_the_value():
+    args, s0 = _prefill_inputs(0, 1, 64, 1, 16, 16, False, jnp.bfloat16, False)
+    f32 = tuple(x.astype(jnp.float32) for x in args)
+    with pytest.raises(ValueError, match="bfloat16 inputs .*float32"):
+        kda(*f32, impl="mosaic", precision="bf16", interpret=True)
+    with pytest.raises(ValueError, match=r"bfloat16 intermediates .*float32"):
+        kda(*args, impl="mosaic", precision="tf32", interpret=True)
+    wide = _prefill_inputs(0, 1, 64, 1, 256, 16, False, jnp.bfloat16, False)[0]
+    with pytest.raises(ValueError, match=r"K in \(64, 128\) \(got 256\)"):
+        kda(*wide, impl="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="impl='mosaic' does not take cu_seqlens"):
+        kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], interpret=True)
+    if not registry.is_sm90():
+        with pytest.raises(ValueError, match="needs a Hopper"):
+            kda(*args, impl="mosaic", interpret=False)
+    with pytest.raises(ValueError, match="state_impl='cutlass'"):
+        kda_chunked_pallas(*args, s0, scale=1.0, l2norm=True, block_v=16, interpret=True, state_impl="cutlass")
+    assert unsupported(128, 128, 64, jnp.bfloat16, True).startswith("sequences not packed")
+    assert unsupported(128, 96, 64, jnp.bfloat16, False) == "V a multiple of 64 (got 96)"
+    assert unsupported(128, 128, 64, jnp.bfloat16, False) is None
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    ok = (s((1, 128, 1, 64), bf), s((1, 128, 1, 64), bf), s((1, 128, 1, 64), bf), s((1, 128, 1, 64), bf),
+          s((1, 128, 1, 64), bf), s((1, 2, 1, 64, 1), jnp.float32), s((1, 1, 64, 64), jnp.float32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"consistent shapes .*gl \(1, 3, 1, 64, 1\)"):
+        jax.eval_shape(kda_state_pass_mosaic, *ok[:5], s((1, 3, 1, 64, 1), jnp.float32), ok[6])
+    with pytest.raises(ValueError, match="state_every a positive multiple of 64 .got 96"):
+        jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a, state_every=96), *ok)
+
+
+def test_auto_never_picks_the_mosaic_state_pass():
+    """Opt-in until timed on the H200: "auto" on a Hopper GPU keeps the Triton kernels."""
+    with registry.assume_device("gpu", "9.0"):
+        assert registry.resolve("kda_prefill", tokens=4096).impl == "pallas"
+    assert registry.resolve("kda_prefill", "mosaic", tokens=4096).impl == "mosaic"
+
+
+_LOWER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp
+from pallas_kernels.linear_attention.state_mosaic import kda_state_pass_mosaic
+S = jax.ShapeDtypeStruct
+bf = jnp.bfloat16
+for t, n, dk, dv, every in ((32768, 32, 128, 128, None), (4096, 4, 64, 192, 1024)):
+    args = (S((1, t, n, dk), bf), S((1, t, n, dv), bf), S((1, t, n, dk), bf), S((1, t, n, dk), bf),
+            S((1, t, n, 64), bf), S((1, t // 64, n, dk, 1), jnp.float32), S((1, n, dk, dv), jnp.float32))
+    lowered = kda_state_pass_mosaic.trace(*args, state_every=every).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+print("lowered")
+"""
+
+
+def test_mosaic_state_pass_lowers_for_sm90():
+    """Python-side lowering for sm_90 (layouts, the TMA pipeline, shared memory) on a machine without a GPU:
+    needs the jax-cuda13-plugin wheel's files unpacked at $HYBRID_JAX_CUDA_PLUGIN_DIR (the README's test
+    commands; CI sets it)."""
+    where = os.environ.get("HYBRID_JAX_CUDA_PLUGIN_DIR")
+    if not where or not os.path.isdir(os.path.join(where, "jax_cuda13_plugin")):
+        pytest.skip("HYBRID_JAX_CUDA_PLUGIN_DIR does not hold an unpacked jax-cuda13-plugin wheel")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+    res = subprocess.run(
+        [sys.executable, "-c", _LOWER, where], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert res.returncode == 0 and "lowered" in res.stdout, res.stderr[-3000:]
