@@ -171,8 +171,8 @@ def decode_floor_bytes(model, cache, batch: int, context: int, tokens: int = 1) 
 
     tokens: positions each of the `batch` rows runs in the step (a speculative verify block: k drafts + 1).
     Its batch x tokens tokens choose the experts; each row's KDA state is still read and written once, and its
-    cached rows are read once (the block's positions can share the reads), a sparse layer's at most
-    min(context, tokens x top-k) of them."""
+    cached rows are read once (the block's positions can share the reads): a sparse layer's top-k rows count
+    once, as if the block's positions selected the same rows (the least they can read)."""
     from hybrid_jax.cache import AttnState, KDAState, MLAState
 
     if batch < 1 or tokens < 1:
@@ -196,7 +196,7 @@ def decode_floor_bytes(model, cache, batch: int, context: int, tokens: int = 1) 
                 # plus its incomplete pool's raw keys); a shared layer reads none
                 tail = 0 if state.index_tail is None else _nbytes(state.index_tail)
                 total += batch * context * per_position(state.index_k, cache.page_size) + tail
-                total += batch * min(tokens * cfg.index_topk, context) * row
+                total += batch * min(cfg.index_topk, context) * row
             else:
                 total += batch * context * row
     return total

@@ -19,10 +19,12 @@ MLA layer + MoE), and the table adds `draft="mtp"` and the cost of one MTP draft
 decode step: with random weights its drafts are rarely accepted, so that row measures the drafting overhead a
 trained module's acceptance has to repay, not a speedup.
 
-"vs plain at byte floors" bounds each speculative row's speedup: its tokens per verify step over the verify
+"vs plain at byte floors" is each speculative row's speedup if the verify and decode steps both ran at their
+byte floors (or at the same fraction of them), drafting free: its tokens per verify step over the verify
 step's byte floor in decode steps' (`e2e.decode_floor_bytes` with k + 1 tokens a row, whose tokens choose more
-distinct experts than one token; the verify row's note gives that ratio). At B = 1 both steps are bound by the
-weights they read, so no verify kernel brings a row past its bound (drafting counted free).
+distinct experts than one token under uniform routing; the verify row's note gives that ratio). At B = 1 both
+steps are bound by the weights they read; a row beats this figure only with a verify step nearer its floor
+than the decode step is to its own.
 
 The prompt is repetitive (a 64-token pattern repeated: code-like). Decode time = a generate call's time minus
 that of a generate call making one token (the same prefill), medians of --reps calls after a compile.
@@ -30,7 +32,7 @@ that of a generate call making one token (the same prefill), medians of --reps c
     python -m benchmarks.speculative [--preset kimi_linear_48b] [--layers 8] [--experts 32] [--batches 1 16]
         [--context 2048] [--new 256] [--num-draft 4] [--wrong-every 3] [--own-replay RUNS] [--dtype bfloat16]
         [--precision highest] [--mtp] [--no-record]
-    python -m benchmarks.speculative --floors [--layers 99 --experts 999]   # the bounds only, counted on the CPU
+    python -m benchmarks.speculative --floors [--layers 99 --experts 999]   # the floors only, counted on the CPU
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def measure(model, batch: int, args, emit) -> None:
 
     # The byte floors of a verify step (k + 1 tokens a row) and of a decode step: at B = 1 both steps are bound by
     # the bytes they read, mostly weights, and a block's tokens route to more experts than one token does, so
-    # tokens per step x decode floor / verify floor bounds the speedup (steps at their floors, drafts free).
+    # tokens per step x decode floor / verify floor is the speedup with both steps equally near their floors.
     floor_cache = model.init_cache(batch, -(-(ctx + k + 1) // cfg.page_size) * cfg.page_size)
     floor_ratio = decode_floor_bytes(model, floor_cache, batch, ctx, k + 1) / decode_floor_bytes(
         model, floor_cache, batch, ctx
@@ -195,8 +197,9 @@ def measure(model, batch: int, args, emit) -> None:
 
 def floor_table(cfg, dtype, batches, context: int, k: int) -> list[dict]:
     """The verify step's byte floor in decode steps' for blocks of 2 .. k + 1 tokens a row, at each batch size,
-    and the speedup it allows at full acceptance (every draft accepted: a block's tokens a step). Counted on an
-    abstract model and cache (`nnx.eval_shape`): no weights are made, so full-size presets take a second."""
+    and the speedup with both steps at their floors when every draft is accepted (a block's tokens a step).
+    Counted on an abstract model and cache (`nnx.eval_shape`): no weights are made, so full-size presets take
+    a second."""
     model = nnx.eval_shape(lambda: HybridLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
     rows = []
     for b in batches:
@@ -211,7 +214,7 @@ def floor_table(cfg, dtype, batches, context: int, k: int) -> list[dict]:
                     "tokens a row": t,
                     "decode step floor MB": f"{one / 1e6:,.0f}",
                     "verify / decode floor": f"{ratio:.2f}",
-                    "speedup bound at full acceptance": f"{t / ratio:.2f}",
+                    "speedup at the floors, every draft accepted": f"{t / ratio:.2f}",
                 }
             )
     return rows

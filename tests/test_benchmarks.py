@@ -117,6 +117,7 @@ def test_e2e_floors_count_what_a_step_moves(tiny_model):
     # (each row's KDA state is read and written once either way)
     block = decode_floor_bytes(tiny_model, cache, 1, 0, tokens=5)
     assert block == decode_floor_bytes(tiny_model, cache, 5, 0) > decode_floor_bytes(tiny_model, cache, 1, 0)
+    assert decode_floor_bytes(tiny_model, cache, 2, 0, tokens=3) == decode_floor_bytes(tiny_model, cache, 6, 0)
     assert decode_floor_bytes(tiny_model, cache, 1, 32, tokens=1) == one
     with pytest.raises(ValueError, match="tokens=0"):
         decode_floor_bytes(tiny_model, cache, 1, 32, tokens=0)
@@ -684,7 +685,7 @@ def test_speculative_benchmark_runs_on_cpu(monkeypatch, capsys):
 def test_speculative_floors_bound_the_speedup(monkeypatch, capsys, results_dir):
     """--floors counts, on an abstract model, the verify step's bytes in decode steps' for blocks of 2 .. k + 1
     tokens: at B = 1 more tokens route to more experts (the ratio grows, and the bound is tokens / ratio); at a
-    batch whose tokens already touch every expert only the sparse layer's top-k rows grow. Nothing is recorded."""
+    batch whose tokens already touch every expert the ratio stays near 1. Nothing is recorded."""
     from benchmarks import speculative
 
     argv = ["speculative", "--preset", "tiny", "--batches", "1", "64", "--context", "40", "--num-draft", "3",
@@ -696,7 +697,7 @@ def test_speculative_floors_bound_the_speedup(monkeypatch, capsys, results_dir):
     assert [(b, t) for b, t, _, _ in rows] == [(b, t) for b in ("1", "64") for t in "234"], out
     ratios = {(int(b), int(t)): float(r) for b, t, r, _ in rows}
     assert 1 < ratios[1, 2] < ratios[1, 3] < ratios[1, 4] < 4, ratios
-    assert all(1 < ratios[64, t] < ratios[1, t] for t in (2, 3, 4)), ratios  # every expert read already
+    assert all(1 <= ratios[64, t] < 1.05 for t in (2, 3, 4)), ratios  # every expert read already
     assert all(abs(float(bound) - int(t) / float(r)) < 0.02 for _, t, r, bound in rows), rows
     assert not list(results_dir.glob("*.jsonl"))
 

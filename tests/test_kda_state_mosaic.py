@@ -19,6 +19,12 @@ from tests.conftest import rel_err
 from tests.test_kda_kernels import _prefill_inputs
 
 
+def _runs_mosaic_state_pass(*args, **kw) -> bool:
+    """Whether kda(impl="mosaic") traces the Mosaic GPU state pass (its wgmma products) and not the Triton one."""
+    text = str(jax.make_jaxpr(lambda *a: kda(*a, impl="mosaic", interpret=True, **kw))(*args))
+    return "wgmma" in text and "kda_chunk_state" not in text
+
+
 @pytest.mark.parametrize(
     "seed, b, t, n, dk, dv, scalar, with_state",
     [
@@ -32,6 +38,7 @@ def test_mosaic_state_pass_matches_triton_and_reference(seed, b, t, n, dk, dv, s
     V' rounded to bf16 for the products, float32 sums), so the two agree up to the order of float32 sums; both
     against the float32 recurrence within bf16 rounding."""
     args, s0 = _prefill_inputs(seed, b, t, n, dk, dv, scalar, jnp.bfloat16, with_state)
+    assert _runs_mosaic_state_pass(*args, initial_state=s0)
     ref_o, ref_s = kda(*args, initial_state=s0, impl="reference", form="recurrent")
     o_t, s_t = kda(*args, initial_state=s0, impl="pallas", interpret=True)
     o, s = kda(*args, initial_state=s0, impl="mosaic", interpret=True)
@@ -56,21 +63,40 @@ def test_mosaic_state_pass_snapshots():
     assert rel_err(states[:, 1], states[:, 0]) > 0.1  # two different states, not one written twice
 
 
+def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
+    """The interpreter's happens-before race detector over the TMA pipeline, the o slots and the snapshot buffer
+    (4 chunks, a snapshot every 2): none found. It models the TMA engine and the warpgroup as separate threads,
+    not the warps inside the warpgroup."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.linear_attention.chunked import _intra
+
+    args, s0 = _prefill_inputs(6, 1, 256, 1, 128, 64, False, jnp.bfloat16, True)
+    aqk, w, u, qg, kg, gl = _intra(*args, scale=0.1, l2norm=True, precision="bf16", interpret=True)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    o, s, snaps = kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, state_every=128, interpret=params)
+    jax.block_until_ready((o, s, snaps))
+    assert not get_races().races_found
+
+
 def test_mosaic_state_pass_refusals_name_the_value():
     args, s0 = _prefill_inputs(0, 1, 64, 1, 16, 16, False, jnp.bfloat16, False)
     f32 = tuple(x.astype(jnp.float32) for x in args)
-    with pytest.raises(ValueError, match="bfloat16 inputs .*float32"):
+    with pytest.raises(ValueError, match=r"bfloat16 inputs \(got float32\)"):
         kda(*f32, impl="mosaic", precision="bf16", interpret=True)
-    with pytest.raises(ValueError, match=r"bfloat16 intermediates .*float32"):
+    with pytest.raises(ValueError, match=r"bf16 products \(got precision='tf32'\)"):
         kda(*args, impl="mosaic", precision="tf32", interpret=True)
-    wide = _prefill_inputs(0, 1, 64, 1, 256, 16, False, jnp.bfloat16, False)[0]
-    with pytest.raises(ValueError, match=r"K in \(64, 128\) \(got 256\)"):
+    wide = _prefill_inputs(0, 1, 64, 1, 200, 16, False, jnp.bfloat16, False)[0]
+    with pytest.raises(ValueError, match=r"K <= 128 \(got 200\)"):
         kda(*wide, impl="mosaic", interpret=True)
     with pytest.raises(ValueError, match="impl='mosaic' does not take cu_seqlens"):
         kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], interpret=True)
     if not registry.is_sm90():
         with pytest.raises(ValueError, match="needs a Hopper"):
             kda(*args, impl="mosaic", interpret=False)
+    with pytest.raises(ValueError, match=r"bfloat16 intermediates \(precision=\"bf16\"; got float32\)"):
+        kda_chunked_pallas(*args, s0, scale=1.0, l2norm=True, block_v=16, precision="tf32", state_impl="mosaic")
     with pytest.raises(ValueError, match="state_impl='cutlass'"):
         kda_chunked_pallas(*args, s0, scale=1.0, l2norm=True, block_v=16, interpret=True, state_impl="cutlass")
     assert unsupported(128, 128, 64, jnp.bfloat16, True).startswith("sequences not packed")
@@ -82,6 +108,8 @@ def test_mosaic_state_pass_refusals_name_the_value():
           s((1, 128, 1, 64), bf), s((1, 2, 1, 64, 1), jnp.float32), s((1, 1, 64, 64), jnp.float32))  # fmt: skip
     with pytest.raises(ValueError, match=r"consistent shapes .*gl \(1, 3, 1, 64, 1\)"):
         jax.eval_shape(kda_state_pass_mosaic, *ok[:5], s((1, 3, 1, 64, 1), jnp.float32), ok[6])
+    with pytest.raises(ValueError, match=r"float32 gl, s0 \(got .*s0 bfloat16\)"):
+        jax.eval_shape(kda_state_pass_mosaic, *ok[:6], s((1, 1, 64, 64), bf))
     with pytest.raises(ValueError, match="state_every a positive multiple of 64 .got 96"):
         jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a, state_every=96), *ok)
 

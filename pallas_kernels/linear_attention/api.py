@@ -11,6 +11,7 @@ import numpy as np
 
 from pallas_kernels import registry
 from pallas_kernels._pallas import pow2
+from pallas_kernels.linear_attention import state_mosaic
 from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.layer_decode import decode_layer_pallas, verify_layer_pallas
@@ -244,6 +245,22 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     return o[0, token_slot][None], s
 
 
+def _check_mosaic(q, dk: int, precision: str, interpret) -> None:
+    """impl="mosaic"'s one-line refusals, naming what the call has (the kernel re-checks the padded shapes)."""
+    if jnp.dtype(q.dtype) != jnp.bfloat16:
+        raise ValueError(f"kda: impl='mosaic' takes bfloat16 inputs (got {jnp.dtype(q.dtype).name})")
+    if precision != "bf16":
+        raise ValueError(f"kda: impl='mosaic' runs bf16 products (got precision={precision!r})")
+    if dk > max(state_mosaic.HEAD_DIMS):
+        raise ValueError(f"kda: impl='mosaic' takes K <= {max(state_mosaic.HEAD_DIMS)} (got {dk})")
+    if not interpret and not registry.is_sm90():
+        dev = jax.devices()[0]
+        raise ValueError(
+            f"kda: impl='mosaic' needs a Hopper (sm_90) GPU or interpret=True (found {dev.platform} "
+            f"{getattr(dev, 'compute_capability', '') or dev.device_kind})"
+        )
+
+
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
     solve="neumann", seq_chunks=None, state_every=None, state_impl="triton",
@@ -261,8 +278,8 @@ def _kda_pallas(
     if g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], q.shape)
     interpret = registry.interpret_default(interpret)
-    if state_impl == "mosaic" and not interpret and not registry.is_sm90():
-        raise ValueError("kda: impl='mosaic' needs a Hopper (sm_90) GPU, or interpret=True (Mosaic GPU's interpreter)")
+    if state_impl == "mosaic":
+        _check_mosaic(q, dk, precision, interpret)
     least = 64 if state_impl == "mosaic" else 16  # the Mosaic kernel's tiles are 64 bf16 columns wide
     pk, pv = max(least, pow2(dk)), max(least, pow2(dv))
     tp = -(-t // CHUNK) * CHUNK

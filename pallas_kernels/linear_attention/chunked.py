@@ -377,15 +377,16 @@ def kda_chunked_pallas(
     nc = t // CHUNK
     packed = seq_start is not None
     params = triton_params(interpret, num_warps, num_stages or state_stages(precision))
-    aqk, w, u, qg, kg, gl = _intra(
-        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
-        parts=parts,
-    )  # fmt: skip
     if state_impl == "mosaic":
         inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
         why = state_mosaic.unsupported(dk, dv, t, inter, packed, q.dtype)
         if why is not None:
             raise ValueError(f"kda_chunked_pallas: the Mosaic GPU state pass needs {why}")
+    aqk, w, u, qg, kg, gl = _intra(
+        q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
+        parts=parts,
+    )  # fmt: skip
+    if state_impl == "mosaic":
         out = state_mosaic.kda_state_pass_mosaic(
             w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret
         )

@@ -9,10 +9,10 @@ Grid (B, N, V / 64): one warpgroup per (row, head, 64 value columns) walks the c
 [K, 64] float32 in registers (the WGMMA accumulator layout). Every product is one `wgmma` from shared
 memory: S and V' are written there in bfloat16 for it (the rounding `precision="bf16"` gives the Triton
 kernel: bf16 operands, float32 sums), and k_gᵀ is the transposed view of k_g's tile. The chunk's inputs
-arrive by TMA through `plgpu.emit_pipeline`, `STAGES` chunks ahead of the products, so that the only
-latency left per chunk is the chain S -> W S -> V' -> (o, S), with q_g S issued beside W S and k_gᵀ V' beside
-A_qk V' (each product a wgmma group waited for only where its result is read); o goes out by TMA from two
-shared-memory slots.
+arrive by TMA through `plgpu.emit_pipeline` in `STAGES` slots (the next chunk's load overlaps this chunk's
+products), so that the only latency left per chunk is the chain S -> W S -> V' -> (o, S), with q_g S issued
+beside W S and k_gᵀ V' beside A_qk V' (each product a wgmma group waited for only where its result is read);
+o goes out by TMA from two shared-memory slots.
 
 Why: the state pass is a chain of 512 dependent chunk steps at 32K tokens, one program per (head, V-block);
 the Triton kernel spends ~2.5 us a step (latency of small products and their layout changes), the whole
@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 CHUNK = 64
 BLOCK_V = 64  # value columns per warpgroup: one 128-byte swizzled bf16 tile wide
 TILE = 64  # bf16 columns of one 128-byte swizzled tile
-STAGES = 2  # chunks of inputs in flight; 3 would exceed shared memory at K = 128
+STAGES = 2  # pipeline slots of chunk inputs; 3 would exceed shared memory at K = 128
 HEAD_DIMS = (64, 128)  # K the kernel takes
 
 
@@ -78,6 +78,9 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref,
 
     def body(idx, w_s, u_s, qg_s, kg_s, aqk_s, gl_s, s):
         (c,) = idx
+        # read before the first barrier below: the pipeline refills this chunk's input slots once the body
+        # returns, and the barriers order every warp's reads of them before that
+        decay = plgpu.load(gl_s, layout=wgmma_layout.reduce(1))
         s16[...] = s.astype(jnp.bfloat16)
         plgpu.commit_smem()
 
@@ -107,8 +110,7 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref,
             plgpu.ACC((CHUNK, BLOCK_V), jnp.float32),
             plgpu.ACC((dk, BLOCK_V), jnp.float32),
         )
-        decay = plgpu.load(gl_s, layout=wgmma_layout.reduce(1))  # S ← Diag(exp(G_C)) S + k_gᵀ V'
-        s = s * lax.broadcast_in_dim(decay, s.shape, [0]) + update
+        s = s * lax.broadcast_in_dim(decay, s.shape, [0]) + update  # S ← Diag(exp(G_C)) S + k_gᵀ V'
         if every:
 
             @pl.when((c + 1) % every == 0)
@@ -146,13 +148,15 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("state_every", "interpret"))
-def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret: bool = False):
+def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False):
     """The state pass over phase 1's intermediates: w, qg, kg [B, T, N, K], u [B, T, N, V], aqk [B, T, N, 64]
     (bfloat16); gl [B, T / 64, N, K, 1] float32 (exp(G_C) per chunk); s0 [B, N, K, V] float32 ->
     (o [B, T, N, V] bfloat16, final state [B, N, K, V] float32), and with state_every (a multiple of 64) the
     states after every state_every tokens [B, N, (T // state_every)·K, V] float32 (snapshot j in rows
     [j·K, (j+1)·K), the layout of `chunked.kda_chunked_pallas`'s state kernel).
-    `unsupported` lists the constraints; a call outside them is a ValueError naming the value."""
+    `unsupported` lists the constraints; a call outside them is a ValueError naming the value.
+    interpret: False (compile for the GPU), True (Mosaic GPU's interpreter) or a `plgpu.InterpretGPUParams`
+    (the interpreter with those settings, e.g. its race detector)."""
     plgpu = _plgpu()
     b, t, n, dk = w.shape
     dv = u.shape[-1]
@@ -166,9 +170,12 @@ def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None 
     )
     dtypes_ok = all(x.dtype == jnp.bfloat16 for x in (u, qg, kg, aqk)) and gl.dtype == s0.dtype == jnp.float32
     if why is None and not shapes_ok:
-        why = f"consistent shapes (w {w.shape}, u {u.shape}, aqk {aqk.shape}, gl {gl.shape}, s0 {s0.shape})"
+        why = (f"consistent shapes (w {w.shape}, u {u.shape}, qg {qg.shape}, kg {kg.shape}, aqk {aqk.shape}, "
+               f"gl {gl.shape}, s0 {s0.shape})")  # fmt: skip
     if why is None and not dtypes_ok:
-        why = "bfloat16 w, u, qg, kg, aqk and float32 gl, s0"
+        named = {"w": w, "u": u, "qg": qg, "kg": kg, "aqk": aqk, "gl": gl, "s0": s0}
+        got = ", ".join(f"{name} {x.dtype}" for name, x in named.items())
+        why = f"bfloat16 w, u, qg, kg, aqk and float32 gl, s0 (got {got})"
     if why is None and state_every is not None and (state_every <= 0 or state_every % CHUNK):
         why = f"state_every a positive multiple of {CHUNK} (got {state_every})"
     if why is not None:
@@ -192,7 +199,9 @@ def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None 
     def entry(*refs):
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch)
 
-    kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    kw = dict(interpret=interpret) if interpret else {}
     return plgpu.kernel(entry, out_type=tuple(out_type), grid=(b, n, dv // BLOCK_V), grid_names=("b", "h", "j"), **kw)(
         w, u, qg, kg, aqk, gl.reshape(b, t // CHUNK, n, dk), s0
     )
