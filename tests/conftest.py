@@ -47,6 +47,24 @@ def examples(n: int) -> int:
     return min(n, 2) if QUICK else n
 
 
+def lower_for_sm90_in_subprocess(script: str) -> None:
+    """Run `script` (it lowers Mosaic GPU kernels for sm_90 and prints "lowered") in a CPU-only subprocess with
+    the CUDA plugin's Python files first on sys.path (argv[1]); skip where $HYBRID_JAX_CUDA_PLUGIN_DIR does not
+    hold an unpacked jax-cuda13-plugin wheel (`pip download --no-deps jax-cuda13-plugin==<jax version>` and
+    unzip: the README's test commands; CI sets it)."""
+    import subprocess
+    import sys
+
+    where = os.environ.get("HYBRID_JAX_CUDA_PLUGIN_DIR")
+    if not where or not os.path.isdir(os.path.join(where, "jax_cuda13_plugin")):
+        pytest.skip("HYBRID_JAX_CUDA_PLUGIN_DIR does not hold an unpacked jax-cuda13-plugin wheel")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+    res = subprocess.run(
+        [sys.executable, "-c", script, where], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert res.returncode == 0 and "lowered" in res.stdout, res.stderr[-3000:]
+
+
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a test subprocess on `devices` fake CPU devices."""
     return f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"

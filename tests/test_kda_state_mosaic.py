@@ -2,10 +2,6 @@
 the CPU against the Triton state pass and the float32 reference, its sm_90 lowering where the CUDA plugin's
 Python files are, and its refusals."""
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +11,7 @@ from pallas_kernels import registry
 from pallas_kernels.linear_attention import kda
 from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
 from pallas_kernels.linear_attention.state_mosaic import kda_state_pass_mosaic, unsupported
-from tests.conftest import rel_err
+from tests.conftest import lower_for_sm90_in_subprocess, rel_err
 from tests.test_kda_kernels import _prefill_inputs
 
 
@@ -141,11 +137,4 @@ def test_mosaic_state_pass_lowers_for_sm90():
     """Python-side lowering for sm_90 (layouts, the TMA pipeline, shared memory) on a machine without a GPU:
     needs the jax-cuda13-plugin wheel's files unpacked at $HYBRID_JAX_CUDA_PLUGIN_DIR (the README's test
     commands; CI sets it)."""
-    where = os.environ.get("HYBRID_JAX_CUDA_PLUGIN_DIR")
-    if not where or not os.path.isdir(os.path.join(where, "jax_cuda13_plugin")):
-        pytest.skip("HYBRID_JAX_CUDA_PLUGIN_DIR does not hold an unpacked jax-cuda13-plugin wheel")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
-    res = subprocess.run(
-        [sys.executable, "-c", _LOWER, where], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert res.returncode == 0 and "lowered" in res.stdout, res.stderr[-3000:]
+    lower_for_sm90_in_subprocess(_LOWER)

@@ -1,10 +1,6 @@
 """The Mosaic GPU (sm_90) sparse MLA kernel, `impl="mosaic"`: against the reference on an sm_90 GPU, its
 lowering for sm_90 on any machine that has the CUDA plugin's Python files, and its clear refusals everywhere."""
 
-import os
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +9,7 @@ from hybrid_jax.quant.formats import quantize_kv_fp8
 from pallas_kernels import registry
 from pallas_kernels.registry import is_sm90, mosaic_sparse_unsupported
 from pallas_kernels.sparse_attention import sparse_mla
-from tests.conftest import rel_err
+from tests.conftest import lower_for_sm90_in_subprocess, rel_err
 from tests.test_sparse_kernels import _case
 
 on_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm_90 GPU (run on the H200)")
@@ -125,11 +121,4 @@ def test_mosaic_kernel_lowers_for_sm90():
     """Python-side lowering of the Mosaic GPU kernel (layouts, shared memory budget, inline cp.async) for an
     sm_90 target, on a machine without a GPU: needs the jax-cuda13-plugin wheel's files, unpacked, at
     $HYBRID_JAX_CUDA_PLUGIN_DIR (`pip download --no-deps jax-cuda13-plugin==<jax version>` and unzip)."""
-    where = os.environ.get("HYBRID_JAX_CUDA_PLUGIN_DIR")
-    if not where or not os.path.isdir(os.path.join(where, "jax_cuda13_plugin")):
-        pytest.skip("HYBRID_JAX_CUDA_PLUGIN_DIR does not hold an unpacked jax-cuda13-plugin wheel")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
-    res = subprocess.run(
-        [sys.executable, "-c", _LOWER, where], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert res.returncode == 0 and "lowered" in res.stdout, res.stderr[-3000:]
+    lower_for_sm90_in_subprocess(_LOWER)
