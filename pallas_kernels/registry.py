@@ -170,6 +170,20 @@ def _kda_prefill_unsupported(tokens: int, **_) -> str | None:
     return "one token: the recurrence" if tokens == 1 else None
 
 
+def _kda_prefill_pick(mosaic_why_not: str | None = "not asked", forced: bool = False, **_) -> Choice:
+    """The Triton kernels, or their state pass in Mosaic GPU where `linear_attention/tuning.py` turns it on, on
+    sm_90, for a call it takes (`mosaic_why_not` None)."""
+    from pallas_kernels.linear_attention import tuning as kda_tuning
+
+    if forced:
+        return Choice("pallas", None, "use_pallas()")
+    if not kda_tuning.MOSAIC_STATE_PASS:
+        return Choice("pallas", None, "Triton kernels (the Mosaic GPU state pass is off in tuning.py: not timed)")
+    if mosaic_why_not is None and is_sm90():
+        return Choice("mosaic", None, "sm_90: Triton intra-chunk kernels, the state pass in Mosaic GPU")
+    return Choice("pallas", None, f"Triton kernels (Mosaic GPU state pass: {mosaic_why_not or 'not sm_90'})")
+
+
 def kda_layer_shape_problem(head_dim: int, v_head_dim: int | None = None, qk_channels: int | None = None) -> str | None:
     """Why the fused KDA decode-layer kernel cannot take these head shapes (None: it can). qk_channels: N_k·K of
     Qwen's grouped layout, whose v channels start at 2·N_k·K, read in V-wide blocks."""
@@ -315,7 +329,7 @@ TABLE: dict[str, Op] = {
     for op in (
         Op("kda_prefill", "linear_attention.kda", ("pallas", "mosaic"), True,
            "chunked Pallas prefill (intra-chunk kernels + state pass); the Mosaic GPU state pass is opt-in",
-           _kda_prefill_unsupported,
+           _kda_prefill_unsupported, _kda_prefill_pick,
            reference_form=lambda tokens, **_: "recurrent" if tokens == 1 else "chunked"),
         Op("kda_decode", "linear_attention.kda_decode_step", ("pallas",), True,
            "one pass over the float32 state, updated in place"),

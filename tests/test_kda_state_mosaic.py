@@ -110,11 +110,31 @@ def test_mosaic_state_pass_refusals_name_the_value():
         jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a, state_every=96), *ok)
 
 
-def test_auto_never_picks_the_mosaic_state_pass():
-    """Opt-in until timed on the H200: "auto" on a Hopper GPU keeps the Triton kernels."""
+def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypatch):
+    """Off in `linear_attention/tuning.py` until timed on the H200: "auto" on a Hopper GPU keeps the Triton
+    kernels. Turned on, it runs the Mosaic GPU state pass on sm_90 for the calls it takes and the Triton one for
+    the rest (packed sequences, float32 inputs, K > 128, another GPU)."""
+    from pallas_kernels.linear_attention import tuning
+    from pallas_kernels.linear_attention.api import _mosaic_why_not
+
+    args, _ = _prefill_inputs(0, 1, 64, 1, 64, 64, False, jnp.bfloat16, False)
+    q = args[0]
     with registry.assume_device("gpu", "9.0"):
-        assert registry.resolve("kda_prefill", tokens=4096).impl == "pallas"
+        assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=None).impl == "pallas"
     assert registry.resolve("kda_prefill", "mosaic", tokens=4096).impl == "mosaic"
+    monkeypatch.setattr(tuning, "MOSAIC_STATE_PASS", True)
+    assert _mosaic_why_not(q, None, None) is None
+    assert _mosaic_why_not(q, None, [0, 64]) == "packed sequences (cu_seqlens)"
+    assert _mosaic_why_not(q.astype(jnp.float32), None, None) == "float32 inputs"
+    assert _mosaic_why_not(q, "tf32", None) == "precision='tf32'"
+    assert _mosaic_why_not(jnp.zeros((1, 64, 1, 200), jnp.bfloat16), None, None) == "K 200 > 128"
+    for device, why_not, want in [(("gpu", "9.0"), None, "mosaic"), (("gpu", "9.0"), "float32 inputs", "pallas"),
+                                  (("gpu", "8.0"), None, "pallas"), (("cpu", None), None, "reference")]:  # fmt: skip
+        with registry.assume_device(*device):
+            assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=why_not).impl == want, device
+    with registry.assume_device("gpu", "9.0"):  # the whole call: kda(impl="auto") traces the Mosaic kernel
+        text = str(jax.make_jaxpr(lambda *a: kda(*a, interpret=True))(*args))
+    assert "wgmma" in text and "kda_chunk_state" not in text
 
 
 _LOWER = """

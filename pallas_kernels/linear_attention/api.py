@@ -70,7 +70,8 @@ def kda(
     for one), "pallas" (the kernels of `chunked.kda_chunked_pallas`: the intra-chunk work parallel over chunks
     of 64, then the state pass), "mosaic" (the same, the state pass in Pallas Mosaic GPU:
     `state_mosaic.kda_state_pass_mosaic`; Hopper, or its interpreter with `interpret`; bfloat16 inputs and
-    products, K <= 128; opt-in, not timed yet) or "auto" (`registry.resolve("kda_prefill", ...)`).
+    products, K <= 128; not timed yet: "auto" takes it only where `tuning.MOSAIC_STATE_PASS` is on) or "auto"
+    (`registry.resolve("kda_prefill", ...)`).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32"; "bf16":
     operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; "ieee"; default: "bf16" for
     bfloat16 inputs, "tf32" otherwise), `num_warps` per program, `interpret` (default: on a CPU), `solve`: how
@@ -103,7 +104,8 @@ def kda(
     if precision not in (None, "tf32", "bf16", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
     if impl == "auto" and form is None:
-        impl = registry.resolve("kda_prefill", impl, tokens=q.shape[1]).impl
+        why_not = _mosaic_why_not(q, precision, cu_seqlens)
+        impl = registry.resolve("kda_prefill", impl, tokens=q.shape[1], mosaic_why_not=why_not).impl
     elif impl == "auto":  # a reference form asked for
         impl = "reference"
     if state_every is not None:
@@ -243,6 +245,19 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     )  # fmt: skip
     token_slot = np.nonzero(src >= 0)[0]  # packed slots in token order (src rises within and across sequences)
     return o[0, token_slot][None], s
+
+
+def _mosaic_why_not(q, precision, cu_seqlens) -> str | None:
+    """Why impl="mosaic" cannot take this call (None: it can), for "auto" (`registry._kda_prefill_pick`)."""
+    if cu_seqlens is not None:
+        return "packed sequences (cu_seqlens)"
+    if jnp.dtype(q.dtype) != jnp.bfloat16:
+        return f"{jnp.dtype(q.dtype).name} inputs"
+    if _pallas_precision(precision, q) != "bf16":
+        return f"precision={precision!r}"
+    if q.shape[-1] > max(state_mosaic.HEAD_DIMS):
+        return f"K {q.shape[-1]} > {max(state_mosaic.HEAD_DIMS)}"
+    return None
 
 
 def _check_mosaic(q, dk: int, precision: str, interpret) -> None:

@@ -19,3 +19,8 @@ WIDE_STATE_STAGES = 1
 # Value columns per program of the verify-layer kernel (`layer_decode.verify_layer_pallas`): a head's [K, V]
 # float32 state in one program ran on 32 programs at Kimi's batch 1 (docs/performance.md, "Speculative decoding").
 VERIFY_BLOCK_V = 32
+
+# Whether "auto" runs the state pass in Mosaic GPU (`state_mosaic.py`) on a Hopper GPU where it takes the call
+# (bf16 inputs and products, K <= 128, no packed sequences). Off until it is timed against the Triton state
+# pass (`python -m benchmarks.linear_attention --only prefill --mosaic`; docs/performance.md, "KDA prefill").
+MOSAIC_STATE_PASS = False
