@@ -181,7 +181,7 @@ def _kda_prefill_pick(mosaic_why_not: str | None = "not asked", forced: bool = F
         return Choice("pallas", None, "Triton kernels (the Mosaic GPU state pass is off in tuning.py: not timed)")
     if mosaic_why_not is None and is_sm90():
         return Choice("mosaic", None, "sm_90: Triton intra-chunk kernels, the state pass in Mosaic GPU")
-    return Choice("pallas", None, f"Triton kernels (Mosaic GPU state pass: {mosaic_why_not or 'not sm_90'})")
+    return Choice("pallas", None, f"Triton kernels (the Mosaic GPU state pass needs {mosaic_why_not or 'sm_90'})")
 
 
 def kda_layer_shape_problem(head_dim: int, v_head_dim: int | None = None, qk_channels: int | None = None) -> str | None:

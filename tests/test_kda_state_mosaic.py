@@ -124,11 +124,12 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
     assert registry.resolve("kda_prefill", "mosaic", tokens=4096).impl == "mosaic"
     monkeypatch.setattr(tuning, "MOSAIC_STATE_PASS", True)
     assert _mosaic_why_not(q, None, None) is None
-    assert _mosaic_why_not(q, None, [0, 64]) == "packed sequences (cu_seqlens)"
-    assert _mosaic_why_not(q.astype(jnp.float32), None, None) == "float32 inputs"
-    assert _mosaic_why_not(q, "tf32", None) == "precision='tf32'"
-    assert _mosaic_why_not(jnp.zeros((1, 64, 1, 200), jnp.bfloat16), None, None) == "K 200 > 128"
-    for device, why_not, want in [(("gpu", "9.0"), None, "mosaic"), (("gpu", "9.0"), "float32 inputs", "pallas"),
+    assert _mosaic_why_not(q, None, [0, 64]) == "sequences not packed (got cu_seqlens)"
+    assert _mosaic_why_not(q.astype(jnp.float32), None, None) == "bfloat16 inputs (got float32)"
+    assert _mosaic_why_not(q, "tf32", None) == "bf16 products (got precision='tf32')"
+    assert _mosaic_why_not(jnp.zeros((1, 64, 1, 200), jnp.bfloat16), None, None) == "K <= 128 (got 200)"
+    f32 = "bfloat16 inputs (got float32)"
+    for device, why_not, want in [(("gpu", "9.0"), None, "mosaic"), (("gpu", "9.0"), f32, "pallas"),
                                   (("gpu", "8.0"), None, "pallas"), (("cpu", None), None, "reference")]:  # fmt: skip
         with registry.assume_device(*device):
             assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=why_not).impl == want, device

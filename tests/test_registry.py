@@ -96,7 +96,7 @@ def test_record_collects_auto_decisions_of_traced_code():
         jax.eval_shape(lambda: kda(x, x, x, -x, beta))
         jax.eval_shape(lambda: kda(x, x, x, -x, beta, impl="reference"))  # explicit: not a decision
     assert [(op, c.impl) for op, c, _ in records] == [("kda_prefill", "pallas")]
-    assert records[0][2] == {"tokens": 5, "mosaic_why_not": "float32 inputs"}  # the facts the rule read
+    assert records[0][2] == {"tokens": 5, "mosaic_why_not": "bfloat16 inputs (got float32)"}  # the facts the rule read
 
 
 def _cli(*args):

@@ -248,26 +248,25 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
 
 
 def _mosaic_why_not(q, precision, cu_seqlens) -> str | None:
-    """Why impl="mosaic" cannot take this call (None: it can), for "auto" (`registry._kda_prefill_pick`)."""
+    """What impl="mosaic" needs that this call lacks (None: it can take it): for "auto"
+    (`registry._kda_prefill_pick`) and, as a ValueError, for impl="mosaic" (`_check_mosaic`)."""
+    kmax = max(state_mosaic.HEAD_DIMS)
     if cu_seqlens is not None:
-        return "packed sequences (cu_seqlens)"
+        return "sequences not packed (got cu_seqlens)"
     if jnp.dtype(q.dtype) != jnp.bfloat16:
-        return f"{jnp.dtype(q.dtype).name} inputs"
+        return f"bfloat16 inputs (got {jnp.dtype(q.dtype).name})"
     if _pallas_precision(precision, q) != "bf16":
-        return f"precision={precision!r}"
-    if q.shape[-1] > max(state_mosaic.HEAD_DIMS):
-        return f"K {q.shape[-1]} > {max(state_mosaic.HEAD_DIMS)}"
+        return f"bf16 products (got precision={precision!r})"
+    if q.shape[-1] > kmax:
+        return f"K <= {kmax} (got {q.shape[-1]})"
     return None
 
 
-def _check_mosaic(q, dk: int, precision: str, interpret) -> None:
+def _check_mosaic(q, precision: str, interpret) -> None:
     """impl="mosaic"'s one-line refusals, naming what the call has (the kernel re-checks the padded shapes)."""
-    if jnp.dtype(q.dtype) != jnp.bfloat16:
-        raise ValueError(f"kda: impl='mosaic' takes bfloat16 inputs (got {jnp.dtype(q.dtype).name})")
-    if precision != "bf16":
-        raise ValueError(f"kda: impl='mosaic' runs bf16 products (got precision={precision!r})")
-    if dk > max(state_mosaic.HEAD_DIMS):
-        raise ValueError(f"kda: impl='mosaic' takes K <= {max(state_mosaic.HEAD_DIMS)} (got {dk})")
+    why = _mosaic_why_not(q, precision, None)
+    if why is not None:
+        raise ValueError(f"kda: impl='mosaic' needs {why}")
     if not interpret and not registry.is_sm90():
         dev = jax.devices()[0]
         raise ValueError(
@@ -294,7 +293,7 @@ def _kda_pallas(
         g = jnp.broadcast_to(g[..., None], q.shape)
     interpret = registry.interpret_default(interpret)
     if state_impl == "mosaic":
-        _check_mosaic(q, dk, precision, interpret)
+        _check_mosaic(q, precision, interpret)
     least = 64 if state_impl == "mosaic" else 16  # the Mosaic kernel's tiles are 64 bf16 columns wide
     pk, pv = max(least, pow2(dk)), max(least, pow2(dv))
     tp = -(-t // CHUNK) * CHUNK
