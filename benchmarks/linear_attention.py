@@ -290,12 +290,13 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,)
             label = "Mosaic GPU state pass (Triton phase 1), bf16 products"  # not in the goal rows until adopted
             try:  # not run on a GPU before: a failure to compile or run is a row, and the other rows stay
                 err = rel_err(jax.block_until_ready(fn(q, k, v, g, beta))[0], ref_o)
-            except Exception as e:  # noqa: BLE001
-                print(f"  (T={t} {label}: did not run: {type(e).__name__}: {str(e).splitlines()[0]})", flush=True)
-                rows.append(roofline_row("prefill", shape, label, float("nan"), flops, nbytes, bw, rate,
-                                         "did not run (see log)"))  # fmt: skip
-            else:
                 ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
+            except Exception as e:  # noqa: BLE001
+                first = (str(e).splitlines() or [""])[0]
+                print(f"  (T={t} {label}: did not run: {type(e).__name__}: {first})", flush=True)
+                rows.append(roofline_row("prefill", shape, label, float("nan"), flops, nbytes, bw, rate,
+                                         f"did not run: {type(e).__name__} (see log)"))  # fmt: skip
+            else:
                 rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
         if phases:  # the intra-chunk phase alone (same inputs as the first variant): what the state pass costs
             for parts, label in PHASE_PARTS:

@@ -170,18 +170,33 @@ def _kda_prefill_unsupported(tokens: int, **_) -> str | None:
     return "one token: the recurrence" if tokens == 1 else None
 
 
-def _kda_prefill_pick(mosaic_why_not: str | None = "not asked", forced: bool = False, **_) -> Choice:
+_NO_FACT = "the call's facts (mosaic_why_not) not given"
+
+
+def _device_text() -> str:
+    """The first device as the decisions see it: the assumed one (`assume_device`) or the real one."""
+    assumed = _ASSUMED_DEVICE.get()
+    if assumed is not None:
+        return f"{assumed[0]} {assumed[1] or ''}".strip() + " (assumed)"
+    dev = jax.devices()[0]
+    return f"{dev.platform} {getattr(dev, 'compute_capability', '') or dev.device_kind}"
+
+
+def _kda_prefill_pick(mosaic_why_not: str | None = _NO_FACT, **_) -> Choice:
     """The Triton kernels, or their state pass in Mosaic GPU where `linear_attention/tuning.py` turns it on, on
-    sm_90, for a call it takes (`mosaic_why_not` None)."""
+    sm_90, for a call it takes (`mosaic_why_not` None). Inside `use_pallas()` the same (as `_sparse_pick`): a
+    CPU is never sm_90, so it interprets the Triton kernels there."""
     from pallas_kernels.linear_attention import tuning as kda_tuning
 
-    if forced:
-        return Choice("pallas", None, "use_pallas()")
     if not kda_tuning.MOSAIC_STATE_PASS:
         return Choice("pallas", None, "Triton kernels (the Mosaic GPU state pass is off in tuning.py: not timed)")
     if mosaic_why_not is None and is_sm90():
         return Choice("mosaic", None, "sm_90: Triton intra-chunk kernels, the state pass in Mosaic GPU")
-    return Choice("pallas", None, f"Triton kernels (the Mosaic GPU state pass needs {mosaic_why_not or 'sm_90'})")
+    if mosaic_why_not == _NO_FACT:
+        why = _NO_FACT
+    else:
+        why = f"needs {mosaic_why_not or f'an sm_90 GPU (found {_device_text()})'}"
+    return Choice("pallas", None, f"Triton kernels (Mosaic GPU state pass: {why})")
 
 
 def kda_layer_shape_problem(head_dim: int, v_head_dim: int | None = None, qk_channels: int | None = None) -> str | None:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from pallas_kernels import registry
 from pallas_kernels.linear_attention import kda
 from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
@@ -110,32 +111,48 @@ def test_mosaic_state_pass_refusals_name_the_value():
         jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a, state_every=96), *ok)
 
 
+def _state_pass_traced(*args, **kw) -> str:
+    """Which state pass kda(impl="auto") traces on an assumed Hopper GPU: "mosaic", "triton" or "neither"."""
+    with registry.assume_device("gpu", "9.0"):
+        text = str(jax.make_jaxpr(lambda *a: kda(*a, interpret=True, **kw))(*args))
+    if "wgmma" in text and "kda_chunk_state" not in text:
+        return "mosaic"
+    return "triton" if "kda_chunk_state" in text and "wgmma" not in text else "neither"
+
+
 def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypatch):
     """Off in `linear_attention/tuning.py` until timed on the H200: "auto" on a Hopper GPU keeps the Triton
-    kernels. Turned on, it runs the Mosaic GPU state pass on sm_90 for the calls it takes and the Triton one for
-    the rest (packed sequences, float32 inputs, K > 128, another GPU)."""
+    kernels. Turned on, it runs the Mosaic GPU state pass on sm_90 for the calls it takes (inside `use_pallas()`
+    too) and the Triton one for the rest (packed sequences, float32 inputs, K > 128, another GPU)."""
     from pallas_kernels.linear_attention import tuning
     from pallas_kernels.linear_attention.api import _mosaic_why_not
 
     args, _ = _prefill_inputs(0, 1, 64, 1, 64, 64, False, jnp.bfloat16, False)
     q = args[0]
-    with registry.assume_device("gpu", "9.0"):
-        assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=None).impl == "pallas"
+    monkeypatch.setattr(tuning, "MOSAIC_STATE_PASS", False)
+    assert _state_pass_traced(*args) == "triton"
     assert registry.resolve("kda_prefill", "mosaic", tokens=4096).impl == "mosaic"
     monkeypatch.setattr(tuning, "MOSAIC_STATE_PASS", True)
     assert _mosaic_why_not(q, None, None) is None
-    assert _mosaic_why_not(q, None, [0, 64]) == "sequences not packed (got cu_seqlens)"
+    assert _mosaic_why_not(q, None, [0, 30, 64]) == "sequences not packed (got cu_seqlens of 2 sequences)"
     assert _mosaic_why_not(q.astype(jnp.float32), None, None) == "bfloat16 inputs (got float32)"
     assert _mosaic_why_not(q, "tf32", None) == "bf16 products (got precision='tf32')"
     assert _mosaic_why_not(jnp.zeros((1, 64, 1, 200), jnp.bfloat16), None, None) == "K <= 128 (got 200)"
     f32 = "bfloat16 inputs (got float32)"
-    for device, why_not, want in [(("gpu", "9.0"), None, "mosaic"), (("gpu", "9.0"), f32, "pallas"),
-                                  (("gpu", "8.0"), None, "pallas"), (("cpu", None), None, "reference")]:  # fmt: skip
+    for device, why_not, want, reason in [
+        (("gpu", "9.0"), None, "mosaic", "sm_90"),
+        (("gpu", "9.0"), f32, "pallas", f"needs {f32}"),
+        (("gpu", "8.0"), None, "pallas", "needs an sm_90 GPU (found gpu 8.0 (assumed))"),
+    ]:
         with registry.assume_device(*device):
-            assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=why_not).impl == want, device
-    with registry.assume_device("gpu", "9.0"):  # the whole call: kda(impl="auto") traces the Mosaic kernel
-        text = str(jax.make_jaxpr(lambda *a: kda(*a, interpret=True))(*args))
-    assert "wgmma" in text and "kda_chunk_state" not in text
+            got = registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=why_not)
+        assert got.impl == want and reason in got.reason, (device, got)
+    with registry.assume_device("gpu", "9.0"), pallas_kernels.use_pallas():
+        assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=None).impl == "mosaic"
+    # whole calls: the Mosaic pass where it takes the call, the Triton one for packed sequences or float32 inputs
+    assert _state_pass_traced(*args) == "mosaic"
+    assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "triton"
+    assert _state_pass_traced(*(x.astype(jnp.float32) for x in args)) == "triton"
 
 
 _LOWER = """

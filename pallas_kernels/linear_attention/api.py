@@ -252,7 +252,7 @@ def _mosaic_why_not(q, precision, cu_seqlens) -> str | None:
     (`registry._kda_prefill_pick`) and, as a ValueError, for impl="mosaic" (`_check_mosaic`)."""
     kmax = max(state_mosaic.HEAD_DIMS)
     if cu_seqlens is not None:
-        return "sequences not packed (got cu_seqlens)"
+        return f"sequences not packed (got cu_seqlens of {len(cu_seqlens) - 1} sequences)"
     if jnp.dtype(q.dtype) != jnp.bfloat16:
         return f"bfloat16 inputs (got {jnp.dtype(q.dtype).name})"
     if _pallas_precision(precision, q) != "bf16":
