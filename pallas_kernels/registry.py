@@ -173,7 +173,7 @@ def _kda_prefill_unsupported(tokens: int, **_) -> str | None:
 _NO_FACT = "the call's facts (mosaic_why_not) not given"
 
 
-def _device_text() -> str:
+def device_text() -> str:
     """The first device as the decisions see it: the assumed one (`assume_device`) or the real one."""
     assumed = _ASSUMED_DEVICE.get()
     if assumed is not None:
@@ -195,7 +195,7 @@ def _kda_prefill_pick(mosaic_why_not: str | None = _NO_FACT, **_) -> Choice:
     if mosaic_why_not == _NO_FACT:
         why = _NO_FACT
     else:
-        why = f"needs {mosaic_why_not or f'an sm_90 GPU (found {_device_text()})'}"
+        why = f"needs {mosaic_why_not or f'an sm_90 GPU (found {device_text()})'}"
     return Choice("pallas", None, f"Triton kernels (Mosaic GPU state pass: {why})")
 
 

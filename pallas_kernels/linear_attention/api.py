@@ -268,10 +268,8 @@ def _check_mosaic(q, precision: str, interpret) -> None:
     if why is not None:
         raise ValueError(f"kda: impl='mosaic' needs {why}")
     if not interpret and not registry.is_sm90():
-        dev = jax.devices()[0]
         raise ValueError(
-            f"kda: impl='mosaic' needs a Hopper (sm_90) GPU or interpret=True (found {dev.platform} "
-            f"{getattr(dev, 'compute_capability', '') or dev.device_kind})"
+            f"kda: impl='mosaic' needs a Hopper (sm_90) GPU or interpret=True (found {registry.device_text()})"
         )
 
 

@@ -46,6 +46,12 @@ def _plgpu():
     return plgpu
 
 
+def _tiled():
+    """The 128-byte swizzled (8, 64) bf16 tiles `wgmma` reads its shared-memory operands from."""
+    plgpu = _plgpu()
+    return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
+
+
 def unsupported(dk: int, dv: int, t: int, inter_dtype, packed: bool, out_dtype=jnp.bfloat16) -> str | None:
     """Why the Mosaic state pass cannot take this call (None: it can): out_dtype is the output's (it writes
     bfloat16)."""
@@ -123,7 +129,7 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref,
 
         return s
 
-    tiled = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
+    tiled = _tiled()
     tile = lambda width: plgpu.BlockSpec((CHUNK, width), lambda c: (c, 0), transforms=tiled)  # noqa: E731
     gate = plgpu.BlockSpec((None, dk), lambda c: (c, 0))  # exp(G_C) of the chunk [K]
     s_end = plgpu.emit_pipeline(
@@ -183,7 +189,7 @@ def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None 
     nc = t // CHUNK
     every = 0 if state_every is None else state_every // CHUNK
     count = 0 if state_every is None else t // state_every
-    tiled = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
+    tiled = _tiled()
     scratch = (
         plgpu.SMEM((dk, BLOCK_V), jnp.bfloat16, transforms=tiled),  # S in bf16: the products' operand
         plgpu.SMEM((CHUNK, BLOCK_V), jnp.bfloat16, transforms=tiled),  # V' in bf16
