@@ -3,10 +3,14 @@
 Chosen from timings on a Hopper GPU of a 32K-token x 32-head bfloat16 prefill, each kernel alone and the whole
 prefill; the measurements are in docs/performance.md (section "KDA prefill")."""
 
-# Warps of the intra-chunk phase's (A kernel, solve kernel); the chunk cumsum takes the first. The A kernel
+# Warps of the intra-chunk phase's (A kernel, solve kernel); the chunk cumsum, where it runs, takes the first. The A kernel
 # keeps several [64, K] float32 tiles live at once and spills registers with fewer warps; the solve kernel's
 # chain of dependent [64, 64] products runs best at fewer.
 INTRA_WARPS = (8, 4)
+
+# Whether G, the chunk's running sum of log decays, comes from its own kernel through HBM (True) or is summed
+# inside the A kernel from the decays themselves (False). Measured side by side with `--phases`.
+CUMSUM_KERNEL = False
 
 # Software-pipelining stages of the state pass with bfloat16 intermediates: its loads of the next chunk's
 # tiles overlap this chunk's products.
