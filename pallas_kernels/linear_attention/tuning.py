@@ -10,7 +10,7 @@ INTRA_WARPS = (8, 4)
 
 # Whether G, the chunk's running sum of log decays, comes from its own kernel through HBM (True) or is summed
 # inside the A kernel from the decays themselves (False). Measured side by side with `--phases`.
-CUMSUM_KERNEL = False
+CUMSUM_KERNEL = True
 
 # Software-pipelining stages of the state pass with bfloat16 intermediates: its loads of the next chunk's
 # tiles overlap this chunk's products.
