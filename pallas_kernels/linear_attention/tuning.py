@@ -25,6 +25,6 @@ WIDE_STATE_STAGES = 1
 VERIFY_BLOCK_V = 32
 
 # Whether "auto" runs the state pass in Mosaic GPU (`state_mosaic.py`) on a Hopper GPU where it takes the call
-# (bf16 inputs and products, K <= 128, no packed sequences). Off until it is timed against the Triton state
-# pass (`python -m benchmarks.linear_attention --only prefill --mosaic`; docs/performance.md, "KDA prefill").
-MOSAIC_STATE_PASS = False
+# (bf16 inputs and products, K <= 128, no packed sequences). On: the whole 32K prefill ran 1.4% / 15% / 12.5%
+# faster than with the Triton state pass at 32 / 64 / 96 heads (docs/performance.md, "KDA prefill").
+MOSAIC_STATE_PASS = True
