@@ -226,19 +226,16 @@ PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 def _intra_phase(q, k, v, g, beta, *, parts=None):
     """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
-    its parts (`chunked.PARTS`; the others replaced by zeros / the identity); parts="cumsum": only the chunk
-    cumsum kernel; parts="cumsum kernel": the whole phase with G from that kernel through HBM, and
-    parts="summed in A": with G summed inside the A kernel (`tuning.CUMSUM_KERNEL` picks one of the two)."""
+    its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
+    chunk cumsum that precedes it."""
     from pallas_kernels._pallas import triton_params
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
     interpret = jax.default_backend() == "cpu"
     if parts == "cumsum":
         return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, INTRA_WARPS[0], 2))
-    kw = dict(scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret)
-    if parts in ("cumsum kernel", "summed in A"):
-        return _intra(q, k, v, g, beta, **kw, cumsum_kernel=parts == "cumsum kernel")
-    return _intra(q, k, v, g, beta, **kw, parts=PARTS if parts is None else frozenset(parts))
+    return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret,
+                  parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
 
 
 # --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
@@ -247,8 +244,6 @@ PHASE_PARTS = (
     (("solve",), "phase 1 without the decayed products of A"),
     (("levels",), "phase 1 without the inverse"),
     ((), "phase 1 loads + stores only"),
-    ("cumsum kernel", "phase 1, G from its own cumsum kernel"),
-    ("summed in A", "phase 1, G summed in the A kernel"),
     ("cumsum", "chunk cumsum kernel only"),
 )
 

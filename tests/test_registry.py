@@ -112,7 +112,7 @@ def test_cli_prints_the_dispatch_table_of_a_preset():
     assert any("sparse_mla" in r and "rope 8" in r for r in lines)  # the reason a kernel is not used
     table = "\n".join(lines[1:])
     for phase, function, runs in [
-        ("prefill B=2 T=70", "linear_attention.kda ", "pallas"),
+        ("prefill B=2 T=70", "linear_attention.kda ", "mosaic"),  # the Mosaic GPU state pass (bf16)
         ("prefill B=2 T=70", "indexer.indexer_topk", "pallas (split)"),
         ("prefill B=2 T=70", "sparse_attention.sparse_mla", "reference"),  # rope 8: below the kernel's 16
         ("prefill B=2 T=70", "moe.moe_experts", "pallas (grouped)"),

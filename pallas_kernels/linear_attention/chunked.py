@@ -1,12 +1,13 @@
 """Pallas kernels: chunked KDA prefill in two phases, the intra-chunk work parallel over all chunks and the
 inter-chunk recurrence sequential per (sequence, head, tile of V columns).
 
-Chunks of C = 64 tokens. With G the within-chunk running sum of the log decays (G ≤ 0, decreasing; float32
-and in base 2, G·log2(e), so that every exponential below is one exp2), q, k L2-normalised and q scaled:
+Chunks of C = 64 tokens. With G the within-chunk running sum of the log decays (G ≤ 0, decreasing), q, k
+L2-normalised and q scaled:
 
+Phase 0 (`_cumsum_kernel`): G, the running sum of the log decays within each chunk, float32 and in base 2
+(G·log2(e)), so that every exponential below is one exp2.
 Phase 1, grid (B, N, chunks), two kernels per chunk:
-  `_a_kernel` (`_a_levels`; it sums G from the decays itself, or with `tuning.CUMSUM_KERNEL` reads G written
-  to HBM first by `_cumsum_kernel`):
+  `_a_kernel` (`_a_levels`):
     A_qk[a, b] = Σ_k q_ak k_bk exp(G_ak − G_bk)  (a ≥ b),   A_kk[a, b] = β_a Σ_k k_ak k_bk exp(G_ak − G_bk)  (a > b)
   every pair a > b through tensor-core products: the pair is split by exactly one level of a binary
   hierarchy over the chunk, and with P the G row at that level's block middle, exp(G_a − G_b) =
@@ -37,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.tuning import CUMSUM_KERNEL, INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
+from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
 SUB = 16  # the Neumann chain's diagonal sub-blocks: the smallest tensor-core tile
@@ -187,53 +188,32 @@ def _normed_rows(q_ref, k_ref, start, n, *, scale, l2norm):
     return q * (_inv_norm(q, l2norm) * scale)[:, None], k * _inv_norm(k, l2norm)[:, None]
 
 
-def _level_exponents(g_ref, h, *, summed):
-    """[C, K]: log2 of the level-h factor of every row (≤ 0 for gates ≤ 0), |G_r − P| negated with P the G row
-    at the middle of the row's block of 2h (the last row of its lower half).
-
-    summed: g_ref holds G·log2(e) (`_chunk_cumsum`) and the factor is −|G_r − P|, P gathered row by row.
-    Otherwise g_ref holds the log decays themselves and the exponent is a sum of at most h of them, with no
-    cumulative sum of the chunk in HBM: on a row of the block's upper half, G_r − P = Σ_{P < j ≤ r} g_j, the
-    running sum within its segment of h rows; on a row of the lower half, P − G_r = Σ_{r < j ≤ P} g_j, the
-    segment's total less that running sum. Segments of h rows are the middle axis of a [C/h, h, K] view."""
-    if summed:
-        r = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-        middle = (r // (2 * h)) * (2 * h) + h - 1
-        return -jnp.abs(g_ref[...] - g_ref[middle, :])
-    upper = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0) % (2 * h) >= h
-    g = g_ref[...].astype(jnp.float32) * LOG2E
-    if h == 1:  # segments of one row: the running sum is the row, the lower half's exponent is zero
-        return jnp.where(upper, g, 0.0)
-    dk = g.shape[1]
-    seg = g.reshape(CHUNK // h, h, dk)
-    run = jnp.cumsum(seg, axis=1)
-    total = jnp.broadcast_to(jnp.sum(seg, axis=1, keepdims=True), seg.shape)
-    return jnp.where(upper, run.reshape(CHUNK, dk), (total - run).reshape(CHUNK, dk))
-
-
-def _a_levels(q, k, g_ref, *, precision, levels, summed):
+def _a_levels(q, k, g_ref, *, precision, levels):
     """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, g_ref
-    holding the chunk's log decays, or G·log2(e) with `summed`.
+    holding G·log2(e).
 
     A pair of rows a > b is split by exactly one level h ∈ {32, 16, ..., 1} of a binary hierarchy over the
     chunk: the level whose block of 2h rows holds both, a in its upper half and b in its lower half. With P
     the G row at that block's middle (the last row of its lower half), exp(G_a − G_b) = exp(G_a − P) ·
     exp(P − G_b), both factors ≤ 1 (G decreases): nothing overflows however strong the gates, and a factor
     that underflows bounds the exact value below it. One tile per level serves both sides, E = exp(−|G −
-    P(row)|) (the left factor on upper-half rows, the right one on lower-half rows; `_level_exponents`), and
-    each level is two masked [C, K] x [K, C] tensor-core products; the a = b terms of A_qk have no decay (one
-    more product): 13 products per chunk in all."""
+    P(row)|) (the left factor on upper-half rows, the right one on lower-half rows), and each level is two
+    masked [C, K] x [K, C] tensor-core products; the a = b terms of A_qk have no decay (one more product):
+    13 products per chunk in all."""
     dot = _products(precision)
     c = q.shape[0]
+    r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
     ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     a_qk = jnp.where(ra == rb, dot(q, k, CONTRACT_LAST), 0.0)
     a_kk = jnp.zeros((c, c), jnp.float32)
     if not levels:
         return a_qk, a_kk
+    g = g_ref[...]  # [C, K]
     h = c // 2
     while h:
-        e = jnp.exp2(_level_exponents(g_ref, h, summed=summed))
+        middle = (r // (2 * h)) * (2 * h) + h - 1  # [C] the middle row of each row's block of 2h
+        e = jnp.exp2(-jnp.abs(g - g_ref[middle, :]))
         qe, ke = q * e, k * e
         keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
         a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
@@ -244,35 +224,21 @@ def _a_levels(q, k, g_ref, *, precision, levels, summed):
 
 def _a_kernel(
     q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref, *, scale, l2norm, precision,
-    parts, summed,
+    parts,
 ):  # fmt: skip
     """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g, β exp(G) ⊙ k (W's right factor, for the solve
-    kernel) and exp(G_C) of one chunk (`_a_levels`). g_ref: the chunk's log decays, or G·log2(e) with
-    `summed`; without it G is summed here, 16 rows at a time."""
+    kernel) and exp(G_C) of one chunk (`_a_levels`)."""
     q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
-    a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels="levels" in parts, summed=summed)
+    a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels="levels" in parts)
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
     akk_ref[...] = a_kk * beta_ref[...].astype(jnp.float32)[:, None]
     # the gated tiles 16 rows at a time: the [C, K] tiles above are dead by now, nothing large stays live
-    def decays(s):  # rows [s, s + 16) of the decays in base 2 (without `summed`)
-        return g_ref[pl.ds(s, SUB), :].astype(jnp.float32) * LOG2E
-
-    if summed:
-        g_last = g_ref[CHUNK - 1, :]  # [K]
-    else:  # G's last row summed by the very operations the loop below repeats: G_C − G is 0 on the last row
-        carry = sum((jnp.sum(decays(s), axis=0) for s in range(SUB, CHUNK - SUB, SUB)), jnp.sum(decays(0), axis=0))
-        last = carry[None, :] + jnp.cumsum(decays(CHUNK - SUB), axis=0)
-        g_last = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0) == SUB - 1, last, 0.0), axis=0)
+    g_last = g_ref[CHUNK - 1, :]  # [K]
     gl_ref[...] = jnp.exp2(g_last)[:, None]
     for s in range(0, CHUNK, SUB):
         rows = pl.ds(s, SUB)
         q, k = _normed_rows(q_ref, k_ref, s, SUB, scale=scale, l2norm=l2norm)
-        if summed:
-            gs = g_ref[rows, :]
-        else:
-            block = decays(s)
-            gs = jnp.cumsum(block, axis=0) if s == 0 else carry[None, :] + jnp.cumsum(block, axis=0)
-            carry = jnp.sum(block, axis=0) if s == 0 else carry + jnp.sum(block, axis=0)
+        gs = g_ref[rows, :]
         eg = jnp.exp2(gs)
         qg_ref[rows, :] = (eg * q).astype(qg_ref.dtype)
         kg_ref[rows, :] = (jnp.exp2(g_last[None, :] - gs) * k).astype(kg_ref.dtype)
@@ -298,14 +264,14 @@ def _chunk_spec(width):
 _BETA_SPEC = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
 
 
-def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, summed=False):
-    """`_a_kernel` over every chunk; g the log decays, or G·log2(e) (`_chunk_cumsum`) with `summed` -> (A_qk,
-    β-scaled A_kk float32, q_g, k_g, β exp(G) ⊙ k, exp(G_C))."""
+def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts):
+    """`_a_kernel` over every chunk; g is G·log2(e) (`_chunk_cumsum`) -> (A_qk, β-scaled A_kk float32, q_g,
+    k_g, β exp(G) ⊙ k, exp(G_C))."""
     b, t, n, dk = q.shape
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     return pl.pallas_call(
-        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, summed=summed),
+        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
         grid=(b, n, nc),
         in_specs=[_chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk), _BETA_SPEC],
         out_specs=[
@@ -340,18 +306,15 @@ def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, sol
 
 
 def _intra(
-    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
-    cumsum_kernel=CUMSUM_KERNEL,
+    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann"
 ):  # fmt: skip
-    """Phase 1 over every chunk: `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
-    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps. cumsum_kernel: G from its own kernel
-    (`_chunk_cumsum`, taking the A kernel's warps) first, read by the A kernel, instead of summed inside it."""
+    """Phase 1 over every chunk: the cumsum, `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
+    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first)."""
     a_warps, solve_warps = num_warps
-    if cumsum_kernel:
-        g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
+    g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
     aqk, akk, qg, kg, kb, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
-        parts=parts, summed=cumsum_kernel,
+        parts=parts,
     )  # fmt: skip
     w, u = _solve_call(
         kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve

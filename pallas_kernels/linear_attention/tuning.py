@@ -3,14 +3,10 @@
 Chosen from timings on a Hopper GPU of a 32K-token x 32-head bfloat16 prefill, each kernel alone and the whole
 prefill; the measurements are in docs/performance.md (section "KDA prefill")."""
 
-# Warps of the intra-chunk phase's (A kernel, solve kernel); the chunk cumsum, where it runs, takes the first. The A kernel
+# Warps of the intra-chunk phase's (A kernel, solve kernel); the chunk cumsum takes the first. The A kernel
 # keeps several [64, K] float32 tiles live at once and spills registers with fewer warps; the solve kernel's
 # chain of dependent [64, 64] products runs best at fewer.
 INTRA_WARPS = (8, 4)
-
-# Whether G, the chunk's running sum of log decays, comes from its own kernel through HBM (True) or is summed
-# inside the A kernel from the decays themselves (False). Measured side by side with `--phases`.
-CUMSUM_KERNEL = True
 
 # Software-pipelining stages of the state pass with bfloat16 intermediates: its loads of the next chunk's
 # tiles overlap this chunk's products.
@@ -25,6 +21,6 @@ WIDE_STATE_STAGES = 1
 VERIFY_BLOCK_V = 32
 
 # Whether "auto" runs the state pass in Mosaic GPU (`state_mosaic.py`) on a Hopper GPU where it takes the call
-# (bf16 inputs and products, K <= 128, no packed sequences). On: the whole 32K prefill ran 1.4% / 15% / 12.5%
-# faster than with the Triton state pass at 32 / 64 / 96 heads (docs/performance.md, "KDA prefill").
+# (bf16 inputs and products, K <= 128, no packed sequences). On: the whole 32K prefill ran faster with it than with
+# the Triton state pass at 32, 64 and 96 heads (docs/performance.md, "KDA prefill").
 MOSAIC_STATE_PASS = True
