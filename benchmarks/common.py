@@ -312,7 +312,7 @@ VALUE_COLUMNS = frozenset({
     "min recall", "latent rel err", "output rel err", "mean KL (nats)", "max KL", "argmax agreement", "seconds",
     "per-device scores (x1e6)", "max / min", "max / mean", "checkpoint MB", "largest tensor MB",
     "RSS after imports MB", "peak RSS MB", "peak - imports - model MB", "load s", "speed-up vs first",
-    "check vs first", "vs one shot",
+    "check vs first", "vs one shot", "vs plain at byte floors",
 })  # fmt: skip
 # Identity columns that name the variant compared on one shape (implementation, engine, options...): the rest of
 # the identity is the shape, and a row of the same shape whose variant is a reference is its baseline.

@@ -303,7 +303,8 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,)
                 intra = jax.jit(functools.partial(_intra_phase, parts=parts))
                 jax.block_until_ready(intra(q, k, v, g, beta))
                 ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
-                rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate))
+                # a case of their own: parts of the prefill, not alternatives to it (the table's fastest)
+                rows.append(row("prefill parts", shape, label, ms, flops, nbytes, bw, rate))
         if fla is not None:
             torch, chunk_kda, _ = fla
             tq, tk, tv, tg, tb = _to_torch(q, k, v, g, beta)
