@@ -224,18 +224,20 @@ def layer_rows(bw, rate) -> list[dict]:
 PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 
-def _intra_phase(q, k, v, g, beta, *, parts=None):
+def _intra_phase(q, k, v, g, beta, *, parts=None, a_block_k=None):
     """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
     its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
-    chunk cumsum that precedes it."""
+    chunk cumsum that precedes it. a_block_k: the A kernel's products over K in blocks of that many columns
+    (`tuning.A_BLOCK_K`; None: its default)."""
     from pallas_kernels._pallas import triton_params
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
     interpret = jax.default_backend() == "cpu"
     if parts == "cumsum":
         return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, INTRA_WARPS[0], 2))
+    kw = {} if a_block_k is None else {"a_block_k": a_block_k}
     return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret,
-                  parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
+                  parts=PARTS if parts is None else frozenset(parts), **kw)  # fmt: skip
 
 
 # --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
@@ -256,8 +258,11 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
     return bv, nw, prec or "tf32", solve or "neumann"
 
 
-def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False) -> list[dict]:
-    """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products)."""
+def prefill_rows(
+    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_block_ks=()
+) -> list[dict]:  # fmt: skip
+    """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products).
+    a_block_ks (with phases): also phase 1 with the A kernel's products over K in blocks of each many columns."""
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for n, t in ((n, t) for n in heads for t in lengths):
@@ -305,6 +310,18 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,)
                 ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
                 # a case of their own: parts of the prefill, not alternatives to it (the table's fastest)
                 rows.append(row("prefill parts", shape, label, ms, flops, nbytes, bw, rate))
+            for bk in a_block_ks:
+                intra = jax.jit(functools.partial(_intra_phase, a_block_k=bk))
+                label = f"phase 1, A kernel over K in blocks of {bk}"
+                try:  # a variant not yet run on a GPU: a failure to compile is a row, the other rows stay
+                    jax.block_until_ready(intra(q, k, v, g, beta))
+                    ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  (T={t} {label}: did not run: {type(e).__name__}: {str(e)[:200]})", flush=True)
+                    rows.append(roofline_row("prefill parts", shape, label, float("nan"), flops, nbytes, bw, rate,
+                                             f"did not run: {type(e).__name__} (see log)"))  # fmt: skip
+                else:
+                    rows.append(row("prefill parts", shape, label, ms, flops, nbytes, bw, rate))
         if fla is not None:
             torch, chunk_kda, _ = fla
             tq, tk, tv, tg, tb = _to_torch(q, k, v, g, beta)
@@ -366,6 +383,10 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument(
+        "--a-block-k", type=int, nargs="*", default=[],
+        help="with --phases: also phase 1 with the A kernel's products over K in blocks of these many columns",
+    )  # fmt: skip
+    p.add_argument(
         "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
     )
     p.add_argument("--no-record", action="store_true")
@@ -380,7 +401,9 @@ def main() -> None:
         rows += layer_rows(bw, rate)
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
-        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic)
+        rows += prefill_rows(
+            bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic, args.a_block_k
+        )
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0])
     title = (

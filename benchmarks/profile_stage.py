@@ -5,8 +5,8 @@ explains a number, it is not one) and writes the optimized HLO beside the trace 
 Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step; `--stage verify` is a
 speculative verify step instead (`--num-draft` + 1 tokens through the caches, then `commit` keeping one).
 `--model kimi` is the Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing).
-`--stage kda_prefill` is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, the Pallas path with
-its defaults), what `benchmarks.linear_attention` times, split into its kernels. `--stage prefill` is the
+`--stage kda_prefill` is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, what `impl="auto"`
+runs), what `benchmarks.linear_attention` times, split into its kernels. `--stage prefill` is the
 whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row times), split into its kernels.
 `--stage indexer` is the indexer's decode Top-K alone (`indexer_topk`, 64 heads of 128, a BF16 pool of
 `--context` keys, `--topk`, unsorted as the model asks) with each selection of `--selects`, what
@@ -165,7 +165,7 @@ def print_table(title: str, times: dict[str, list[float]], calls: int, top: int,
 
 
 def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
-    """The KDA op at prefill, bf16 inputs, the Pallas path with its defaults."""
+    """The KDA op at prefill, bf16 inputs, what "auto" runs (on sm_90 the Mosaic GPU state pass)."""
     from benchmarks.linear_attention import DK, DV, N
     from pallas_kernels.linear_attention import kda
 
@@ -173,7 +173,7 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
     q, k, v = (jax.random.normal(x, (1, tokens, N, DK), jnp.bfloat16) for x in ks[:3])
     g = -jax.nn.softplus(jax.random.normal(ks[3], (1, tokens, N, DK))) * 0.1
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, tokens, N)))
-    fn = jax.jit(lambda *a: kda(*a, impl="pallas"))
+    fn = jax.jit(lambda *a: kda(*a))
     jax.block_until_ready(fn(q, k, v, g, beta))
     trace = out_dir / f"trace_kda_prefill_{tokens}"
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):

@@ -58,6 +58,24 @@ def test_kda_prefill_kernels_lower(solve, state_every):
     assert _lowered_for_h200(run, q, g, beta, s0).count("xla.gpu.triton") == 4  # cumsum, A, solve, state pass
 
 
+@pytest.mark.parametrize("block_k", [32, 64])
+def test_kda_a_kernel_over_column_blocks_lowers(block_k):
+    """The A kernel's products over K in blocks (`tuning.A_BLOCK_K`): a loop over column blocks of the refs,
+    the row gathers of G inside it."""
+    from pallas_kernels.linear_attention.chunked import _intra
+
+    t, n, dk = 128, 2, 128
+    q = jnp.ones((1, t, n, dk), jnp.bfloat16)
+    g = jnp.ones((1, t, n, dk), jnp.float32)
+    beta = jnp.ones((1, t, n), jnp.float32)
+
+    def run(q, g, beta):
+        return _intra(q, q, q, g, beta, scale=0.1, l2norm=True, precision="bf16", interpret=False, a_block_k=block_k)
+
+    text = _lowered_for_h200(run, q, g, beta)
+    assert text.count("xla.gpu.triton") == 3  # cumsum, A, solve
+
+
 @pytest.mark.parametrize("precision,stages", [("bf16", "3"), ("tf32", "1")])
 def test_kda_state_pass_stages_follow_the_products_precision(precision, stages):
     """float32 intermediates: the state pass unpipelined (3 stages asked sm_90 for 385,024 bytes of shared

@@ -146,19 +146,30 @@ def _exact_a(q, k, g, beta, scale):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gate_scale", [0.05, 1.0, 25.0])
-def test_a_kernel_levels_match_exact_decays(gate_scale):
+@pytest.mark.parametrize("gate_scale, block_k", [(0.05, None), (1.0, None), (25.0, None), (25.0, 16), (1.0, 8)])
+def test_a_kernel_levels_match_exact_decays(gate_scale, block_k):
     """`_a_kernel` (every decayed pair through one level of a binary split of the chunk, exp(G_a − G_b) as two
     factors ≤ 1) against each decay as one exponential, float64, from mild to strong gates (log decays down
     to about -40 per token: factors taken at the chunk start would overflow). Above the diagonal: zeros.
-    The gated tiles and exp(G_C) against float64 running sums too."""
+    The gated tiles and exp(G_C) against float64 running sums too. block_k: the products over K in blocks of
+    that many columns (two and four blocks of K = 32), the [C, C] sums carried."""
     from pallas_kernels.linear_attention.chunked import PARTS, _a_call, _chunk_cumsum
 
     (q, k, _, g, beta), _ = _prefill_inputs(13, 2, 128, 2, 32, 16, False, jnp.float32, False)
     g = g * gate_scale
     G = _chunk_cumsum(g, interpret=True, params={})
     aqk, akk, qg, kg, kb, gl = _a_call(
-        q, k, G, beta, scale=0.3, l2norm=True, precision="ieee", interpret=True, num_warps=8, parts=PARTS
+        q,
+        k,
+        G,
+        beta,
+        scale=0.3,
+        l2norm=True,
+        precision="ieee",
+        interpret=True,
+        num_warps=8,
+        parts=PARTS,
+        block_k=block_k,
     )
     ref_qk, ref_kk = _exact_a(q, k, g, beta, 0.3)
     assert np.isfinite(np.asarray(aqk)).all() and np.isfinite(np.asarray(akk)).all()

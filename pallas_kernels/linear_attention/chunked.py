@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
+from pallas_kernels.linear_attention.tuning import A_BLOCK_K, INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
 SUB = 16  # the Neumann chain's diagonal sub-blocks: the smallest tensor-core tile
@@ -188,9 +188,25 @@ def _normed_rows(q_ref, k_ref, start, n, *, scale, l2norm):
     return q * (_inv_norm(q, l2norm) * scale)[:, None], k * _inv_norm(k, l2norm)[:, None]
 
 
-def _a_levels(q, k, g_ref, *, precision, levels):
-    """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, g_ref
-    holding G·log2(e).
+def _level_masks(c):
+    """(row, column) iotas of a [C, C] tile and, per level h = C/2, C/4, ..., 1: (h, the middle row of each
+    row's block of 2h [C], the mask of the pairs that level splits)."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
+    ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    levels, h = [], c // 2
+    while h:
+        middle = (r // (2 * h)) * (2 * h) + h - 1
+        keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
+        levels.append((h, middle, keep))
+        h //= 2
+    return ra, rb, levels
+
+
+def _a_levels(q, k, g_ref, *, precision, levels, cols=slice(None)):
+    """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk, or their part from the K columns `cols`
+    (the products are sums over K: the parts of a split add up); q, k [C, K'] normalised float32 (those
+    columns), g_ref holding G·log2(e).
 
     A pair of rows a > b is split by exactly one level h ∈ {32, 16, ..., 1} of a binary hierarchy over the
     chunk: the level whose block of 2h rows holds both, a in its upper half and b in its lower half. With P
@@ -201,35 +217,53 @@ def _a_levels(q, k, g_ref, *, precision, levels):
     masked [C, K] x [K, C] tensor-core products; the a = b terms of A_qk have no decay (one more product):
     13 products per chunk in all."""
     dot = _products(precision)
-    c = q.shape[0]
-    r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
-    ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    ra, rb, hierarchy = _level_masks(q.shape[0])
     a_qk = jnp.where(ra == rb, dot(q, k, CONTRACT_LAST), 0.0)
-    a_kk = jnp.zeros((c, c), jnp.float32)
+    a_kk = jnp.zeros(a_qk.shape, jnp.float32)
     if not levels:
         return a_qk, a_kk
-    g = g_ref[...]  # [C, K]
-    h = c // 2
-    while h:
-        middle = (r // (2 * h)) * (2 * h) + h - 1  # [C] the middle row of each row's block of 2h
-        e = jnp.exp2(-jnp.abs(g - g_ref[middle, :]))
+    g = g_ref[:, cols]  # [C, K']
+    for _, middle, keep in hierarchy:
+        e = jnp.exp2(-jnp.abs(g - g_ref[middle, cols]))
         qe, ke = q * e, k * e
-        keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
         a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
         a_kk += jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0)
-        h //= 2
     return a_qk, a_kk
+
+
+def _a_levels_by_columns(q_ref, k_ref, g_ref, *, scale, l2norm, precision, levels, block_k):
+    """`_a_levels` as a loop over K in blocks of block_k columns, the [C, C] sums carried: the [C, K] tiles of
+    one step are [C, block_k], so fewer registers stay live (the whole-K form holds several [C, K] float32
+    tiles at once). The rows' L2 norms come first, from the whole rows."""
+    q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
+    iq, ik = _inv_norm(q, l2norm) * scale, _inv_norm(k, l2norm)
+    c, dk = q.shape
+
+    def step(j, acc):
+        cols = pl.ds(j * block_k, block_k)
+        qb = q_ref[:, cols].astype(jnp.float32) * iq[:, None]
+        kb = k_ref[:, cols].astype(jnp.float32) * ik[:, None]
+        a_qk, a_kk = _a_levels(qb, kb, g_ref, precision=precision, levels=levels, cols=cols)
+        return acc[0] + a_qk, acc[1] + a_kk
+
+    zero = jnp.zeros((c, c), jnp.float32)
+    return jax.lax.fori_loop(0, dk // block_k, step, (zero, zero))
 
 
 def _a_kernel(
     q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref, *, scale, l2norm, precision,
-    parts,
+    parts, block_k=None,
 ):  # fmt: skip
     """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g, β exp(G) ⊙ k (W's right factor, for the solve
-    kernel) and exp(G_C) of one chunk (`_a_levels`)."""
-    q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
-    a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels="levels" in parts)
+    kernel) and exp(G_C) of one chunk (`_a_levels`; with block_k below K, `_a_levels_by_columns`)."""
+    levels = "levels" in parts
+    if block_k is None or block_k >= q_ref.shape[-1]:
+        q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
+        a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels=levels)
+    else:
+        a_qk, a_kk = _a_levels_by_columns(
+            q_ref, k_ref, g_ref, scale=scale, l2norm=l2norm, precision=precision, levels=levels, block_k=block_k
+        )
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
     akk_ref[...] = a_kk * beta_ref[...].astype(jnp.float32)[:, None]
     # the gated tiles 16 rows at a time: the [C, K] tiles above are dead by now, nothing large stays live
@@ -264,14 +298,16 @@ def _chunk_spec(width):
 _BETA_SPEC = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
 
 
-def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts):
+def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, block_k=None):
     """`_a_kernel` over every chunk; g is G·log2(e) (`_chunk_cumsum`) -> (A_qk, β-scaled A_kk float32, q_g,
-    k_g, β exp(G) ⊙ k, exp(G_C))."""
+    k_g, β exp(G) ⊙ k, exp(G_C)). block_k: the A products over K in blocks of that many columns (None: whole)."""
     b, t, n, dk = q.shape
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     return pl.pallas_call(
-        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
+        functools.partial(
+            _a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, block_k=block_k
+        ),
         grid=(b, n, nc),
         in_specs=[_chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk), _BETA_SPEC],
         out_specs=[
@@ -306,15 +342,17 @@ def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, sol
 
 
 def _intra(
-    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann"
+    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
+    a_block_k=A_BLOCK_K,
 ):  # fmt: skip
     """Phase 1 over every chunk: the cumsum, `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
-    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first)."""
+    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first);
+    a_block_k: the A kernel's products over K in blocks of that many columns (None: whole K)."""
     a_warps, solve_warps = num_warps
     g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
     aqk, akk, qg, kg, kb, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
-        parts=parts,
+        parts=parts, block_k=a_block_k,
     )  # fmt: skip
     w, u = _solve_call(
         kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve
