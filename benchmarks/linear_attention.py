@@ -292,8 +292,8 @@ def prefill_rows(
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
         if mosaic:
             fn = jax.jit(functools.partial(kda, impl="mosaic"))
-            label = "Mosaic GPU state pass (Triton phase 1), bf16 products"  # not in the goal rows until adopted
-            try:  # not run on a GPU before: a failure to compile or run is a row, and the other rows stay
+            label = "Mosaic GPU state pass (Triton phase 1), bf16 products"  # "auto" on sm_90 (tuning.py)
+            try:  # a failure to compile or run is a row, and the other rows stay
                 err = rel_err(jax.block_until_ready(fn(q, k, v, g, beta))[0], ref_o)
                 ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
             except Exception as e:  # noqa: BLE001
@@ -391,6 +391,9 @@ def main() -> None:
     )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
+    bad = [bk for bk in args.a_block_k if bk < 16 or bk % 16]
+    if bad or (args.a_block_k and not args.phases):
+        p.error(f"--a-block-k {' '.join(map(str, args.a_block_k))}: needs --phases and multiples of 16")
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     fla = fla_ops()

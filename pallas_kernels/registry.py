@@ -189,7 +189,7 @@ def _kda_prefill_pick(mosaic_why_not: str | None = _NO_FACT, **_) -> Choice:
     from pallas_kernels.linear_attention import tuning as kda_tuning
 
     if not kda_tuning.MOSAIC_STATE_PASS:
-        return Choice("pallas", None, "Triton kernels (the Mosaic GPU state pass is off in tuning.py: not timed)")
+        return Choice("pallas", None, "Triton kernels (the Mosaic GPU state pass is off in tuning.py)")
     if mosaic_why_not is None and is_sm90():
         return Choice("mosaic", None, "sm_90: Triton intra-chunk kernels, the state pass in Mosaic GPU")
     if mosaic_why_not == _NO_FACT:

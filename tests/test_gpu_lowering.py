@@ -58,10 +58,11 @@ def test_kda_prefill_kernels_lower(solve, state_every):
     assert _lowered_for_h200(run, q, g, beta, s0).count("xla.gpu.triton") == 4  # cumsum, A, solve, state pass
 
 
-@pytest.mark.parametrize("block_k", [32, 64])
+@pytest.mark.parametrize("block_k", [None, 32, 64])
 def test_kda_a_kernel_over_column_blocks_lowers(block_k):
-    """The A kernel's products over K in blocks (`tuning.A_BLOCK_K`): a loop over column blocks of the refs,
-    the row gathers of G inside it."""
+    """The A kernel's products over K in blocks (`tuning.A_BLOCK_K`): one loop over column blocks of the refs
+    (the row gathers of G inside it) with the same 13 products; the whole-K form has no loop."""
+    from benchmarks.kernel_resources import triton_kernels
     from pallas_kernels.linear_attention.chunked import _intra
 
     t, n, dk = 128, 2, 128
@@ -72,8 +73,12 @@ def test_kda_a_kernel_over_column_blocks_lowers(block_k):
     def run(q, g, beta):
         return _intra(q, q, q, g, beta, scale=0.1, l2norm=True, precision="bf16", interpret=False, a_block_k=block_k)
 
-    text = _lowered_for_h200(run, q, g, beta)
-    assert text.count("xla.gpu.triton") == 3  # cumsum, A, solve
+    kernels = {k["name"]: k for k in triton_kernels(run, q, g, beta)}
+    assert set(kernels) == {"kda_chunk_cumsum", "kda_chunk_a", "kda_chunk_solve"}
+    ttir = kernels["kda_chunk_a"]["ttir"]
+    assert ttir.count("scf.for") == (0 if block_k is None else 1) and ttir.count("tt.dot") == 13
+    if block_k == 32:
+        assert "tensor<64x32xf32" in ttir  # the [C, block_k] tiles of one step
 
 
 @pytest.mark.parametrize("precision,stages", [("bf16", "3"), ("tf32", "1")])

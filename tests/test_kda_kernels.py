@@ -186,9 +186,10 @@ def test_a_kernel_levels_match_exact_decays(gate_scale, block_k):
     for got, want in [(qg, np.exp(run).reshape(q.shape) * qn), (kg, np.exp(total - run).reshape(q.shape) * kn),
                       (kb, b64 * np.exp(run).reshape(q.shape) * kn)]:  # fmt: skip
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
-    with pytest.raises(ValueError, match="block_k=24 must be a multiple of 16 that divides K=32"):
-        _a_call(q, k, G, beta, scale=0.3, l2norm=True, precision="ieee", interpret=True, num_warps=8, parts=PARTS,
-                block_k=24)  # fmt: skip
+    for bad in (24, 0, -32, 8):
+        with pytest.raises(ValueError, match=f"block_k={bad} must be a multiple of 16 that divides K=32"):
+            _a_call(q, k, G, beta, scale=0.3, l2norm=True, precision="ieee", interpret=True, num_warps=8,
+                    parts=PARTS, block_k=bad)  # fmt: skip
 
 
 @pytest.mark.slow

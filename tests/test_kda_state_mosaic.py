@@ -16,8 +16,10 @@ from tests.conftest import lower_for_sm90_in_subprocess, rel_err
 from tests.test_kda_kernels import _prefill_inputs
 
 # On the CPU both state passes run in their interpreters; on an sm_90 GPU (`pytest` on the H200) the same tests
-# run the compiled Triton and Mosaic GPU kernels for values.
+# run the compiled Triton and Mosaic GPU kernels for values. Another GPU has no Mosaic GPU kernel to run.
 NATIVE = jax.default_backend() == "gpu"
+if NATIVE and not registry.is_sm90():
+    pytest.skip("the Mosaic GPU state pass needs an sm_90 GPU", allow_module_level=True)
 
 
 def _runs_mosaic_state_pass(*args, **kw) -> bool:
@@ -125,9 +127,9 @@ def _state_pass_traced(*args, **kw) -> str:
 
 
 def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypatch):
-    """Off in `linear_attention/tuning.py` until timed on the H200: "auto" on a Hopper GPU keeps the Triton
-    kernels. Turned on, it runs the Mosaic GPU state pass on sm_90 for the calls it takes (inside `use_pallas()`
-    too) and the Triton one for the rest (packed sequences, float32 inputs, K > 128, another GPU)."""
+    """Off in `linear_attention/tuning.py`, "auto" on a Hopper GPU keeps the Triton kernels. On (the default),
+    it runs the Mosaic GPU state pass on sm_90 for the calls it takes (inside `use_pallas()` too) and the Triton
+    one for the rest (packed sequences, float32 inputs, K > 128, another GPU)."""
     from pallas_kernels.linear_attention import tuning
     from pallas_kernels.linear_attention.api import _mosaic_why_not
 

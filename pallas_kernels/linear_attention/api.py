@@ -70,7 +70,7 @@ def kda(
     for one), "pallas" (the kernels of `chunked.kda_chunked_pallas`: the intra-chunk work parallel over chunks
     of 64, then the state pass), "mosaic" (the same, the state pass in Pallas Mosaic GPU:
     `state_mosaic.kda_state_pass_mosaic`; Hopper, or its interpreter with `interpret`; bfloat16 inputs and
-    products, K <= 128; not timed yet: "auto" takes it only where `tuning.MOSAIC_STATE_PASS` is on) or "auto"
+    products, K <= 128; what "auto" runs on sm_90 where it applies, while `tuning.MOSAIC_STATE_PASS` is on) or "auto"
     (`registry.resolve("kda_prefill", ...)`).
     Pallas options: `block_v` state columns per program, `precision` of its matrix products ("tf32"; "bf16":
     operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; "ieee"; default: "bf16" for

@@ -302,8 +302,10 @@ def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, pa
     """`_a_kernel` over every chunk; g is G·log2(e) (`_chunk_cumsum`) -> (A_qk, β-scaled A_kk float32, q_g,
     k_g, β exp(G) ⊙ k, exp(G_C)). block_k: the A products over K in blocks of that many columns (None: whole)."""
     b, t, n, dk = q.shape
-    if block_k is not None and block_k < dk and (block_k % 16 or dk % block_k):
-        raise ValueError(f"A kernel: block_k={block_k} must be a multiple of 16 that divides K={dk} (or >= K)")
+    if block_k is not None and (
+        not isinstance(block_k, int) or block_k < 16 or (block_k < dk and (block_k % 16 or dk % block_k))
+    ):
+        raise ValueError(f"A kernel: block_k={block_k!r} must be a multiple of 16 that divides K={dk} (or >= K)")
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     return pl.pallas_call(

@@ -26,5 +26,5 @@ VERIFY_BLOCK_V = 32
 
 # Whether "auto" runs the state pass in Mosaic GPU (`state_mosaic.py`) on a Hopper GPU where it takes the call
 # (bf16 inputs and products, K <= 128, no packed sequences). On: the whole 32K prefill ran faster with it than with
-# the Triton state pass at 32, 64 and 96 heads (docs/performance.md, "KDA prefill").
+# the Triton state pass at 64 and 96 heads, and level at 32 (docs/performance.md, "KDA prefill").
 MOSAIC_STATE_PASS = True
