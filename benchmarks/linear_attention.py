@@ -228,8 +228,7 @@ def _intra_phase(q, k, v, g, beta, *, parts=None, a_block_k=None, a_warps=None):
     """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
     its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
     chunk cumsum that precedes it. a_block_k / a_warps: the A kernel's products over K in blocks of that many
-    columns / its warps
-    (`tuning.A_BLOCK_K`; None: its default)."""
+    columns (`tuning.A_BLOCK_K`) / its warps (and the cumsum kernel's); None: the defaults."""
     from pallas_kernels._pallas import triton_params
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 

@@ -343,7 +343,7 @@ TABLE: dict[str, Op] = {
     op.name: op
     for op in (
         Op("kda_prefill", "linear_attention.kda", ("pallas", "mosaic"), True,
-           "chunked Pallas prefill (intra-chunk kernels + state pass); the Mosaic GPU state pass is opt-in",
+           "chunked Pallas prefill (intra-chunk kernels + state pass); the state pass in Mosaic GPU on sm_90",
            _kda_prefill_unsupported, _kda_prefill_pick,
            reference_form=lambda tokens, **_: "recurrent" if tokens == 1 else "chunked"),
         Op("kda_decode", "linear_attention.kda_decode_step", ("pallas",), True,

@@ -189,8 +189,8 @@ def _normed_rows(q_ref, k_ref, start, n, *, scale, l2norm):
 
 
 def _level_masks(c):
-    """(row, column) iotas of a [C, C] tile and, per level h = C/2, C/4, ..., 1: (h, the middle row of each
-    row's block of 2h [C], the mask of the pairs that level splits)."""
+    """(row, column) iotas of a [C, C] tile and, per level h = C/2, C/4, ..., 1: (the middle row of each row's
+    block of 2h [C], the mask of the pairs that level splits)."""
     r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
     ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -198,7 +198,7 @@ def _level_masks(c):
     while h:
         middle = (r // (2 * h)) * (2 * h) + h - 1
         keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
-        levels.append((h, middle, keep))
+        levels.append((middle, keep))
         h //= 2
     return ra, rb, levels
 
@@ -223,7 +223,7 @@ def _a_levels(q, k, g_ref, *, precision, levels, cols=slice(None)):
     if not levels:
         return a_qk, a_kk
     g = g_ref[:, cols]  # [C, K']
-    for _, middle, keep in hierarchy:
+    for middle, keep in hierarchy:
         e = jnp.exp2(-jnp.abs(g - g_ref[middle, cols]))
         qe, ke = q * e, k * e
         a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
