@@ -224,11 +224,12 @@ def layer_rows(bw, rate) -> list[dict]:
 PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 
-def _intra_phase(q, k, v, g, beta, *, parts=None, a_block_k=None, a_warps=None):
+def _intra_phase(q, k, v, g, beta, *, parts=None, a_block_k=None, a_warps=None, a_stages=None):
     """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
     its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
-    chunk cumsum that precedes it. a_block_k / a_warps: the A kernel's products over K in blocks of that many
-    columns (`tuning.A_BLOCK_K`) / its warps (and the cumsum kernel's); None: the defaults."""
+    chunk cumsum that precedes it. a_block_k / a_warps / a_stages: the A kernel's products over K in blocks of
+    that many columns (`tuning.A_BLOCK_K`) / its warps (and the cumsum kernel's) / its Triton stages; None: the
+    defaults."""
     from pallas_kernels._pallas import triton_params
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
@@ -238,6 +239,8 @@ def _intra_phase(q, k, v, g, beta, *, parts=None, a_block_k=None, a_warps=None):
     kw = {} if a_block_k is None else {"a_block_k": a_block_k}
     if a_warps is not None:
         kw["num_warps"] = (a_warps, INTRA_WARPS[1])
+    if a_stages is not None:
+        kw["a_stages"] = a_stages
     return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret,
                   parts=PARTS if parts is None else frozenset(parts), **kw)  # fmt: skip
 
@@ -252,15 +255,19 @@ PHASE_PARTS = (
 )
 
 
-def parse_a_block(text: str) -> tuple[int, int | None] | None:
-    """--a-block-k text, "32" or "32:4" -> (block_k, warps or None); None where it is not one."""
+def parse_a_block(text: str) -> tuple[int, int | None, int | None] | None:
+    """--a-block-k text, "32", "32:4" or "16:8:1" -> (block_k, warps or None, stages or None); None where it is
+    not one."""
     parts = text.split(":")
-    if len(parts) > 2 or not all(x.isdigit() for x in parts):
+    if len(parts) > 3 or not all(x.isdigit() for x in parts):
         return None
-    bk, warps = int(parts[0]), (int(parts[1]) if len(parts) == 2 else None)
+    nums = [int(x) for x in parts] + [None, None]
+    bk, warps, stages = nums[:3]
     if bk < 16 or bk % 16 or (warps is not None and (warps < 1 or warps & (warps - 1))):
         return None
-    return bk, warps
+    if stages is not None and stages < 1:
+        return None
+    return bk, warps, stages
 
 
 def parse_variant(text: str) -> tuple[int, int, str, str]:
@@ -324,9 +331,10 @@ def prefill_rows(
                 ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
                 # a case of their own: parts of the prefill, not alternatives to it (the table's fastest)
                 rows.append(row("prefill parts", shape, label, ms, flops, nbytes, bw, rate))
-            for bk, warps in a_block_ks:
-                intra = jax.jit(functools.partial(_intra_phase, a_block_k=bk, a_warps=warps))
+            for bk, warps, stages in a_block_ks:
+                intra = jax.jit(functools.partial(_intra_phase, a_block_k=bk, a_warps=warps, a_stages=stages))
                 label = f"phase 1, A kernel over K in blocks of {bk}" + (f", {warps} warps" if warps else "")
+                label += f", {stages} stages" if stages else ""
                 try:  # a variant not yet run on a GPU: a failure to compile is a row, the other rows stay
                     jax.block_until_ready(intra(q, k, v, g, beta))
                     ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
@@ -399,7 +407,7 @@ def main() -> None:
     p.add_argument(
         "--a-block-k", nargs="*", default=[],
         help="with --phases: also phase 1 with the A kernel's products over K in blocks of columns, each as "
-        "block_k[:warps] (e.g. 32 or 32:4; the A kernel's default warps without :warps)",
+        "block_k[:warps[:stages]] (e.g. 32, 32:4 or 16:8:1; the A kernel's defaults where left out)",
     )  # fmt: skip
     p.add_argument(
         "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
@@ -408,8 +416,8 @@ def main() -> None:
     args = p.parse_args()
     a_block_ks = [parse_a_block(text) for text in args.a_block_k]
     if None in a_block_ks or (a_block_ks and not args.phases):
-        p.error(f"--a-block-k {' '.join(args.a_block_k)}: needs --phases and block_k[:warps], block_k a multiple of "
-                "16, warps a power of two")  # fmt: skip
+        p.error(f"--a-block-k {' '.join(args.a_block_k)}: needs --phases and block_k[:warps[:stages]], block_k a "
+                "multiple of 16, warps a power of two, stages >= 1")  # fmt: skip
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     fla = fla_ops()

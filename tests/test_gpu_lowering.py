@@ -60,8 +60,9 @@ def test_kda_prefill_kernels_lower(solve, state_every):
 
 @pytest.mark.parametrize("block_k", [None, 32, 64])
 def test_kda_a_kernel_over_column_blocks_lowers(block_k):
-    """The A kernel's products over K in blocks (`tuning.A_BLOCK_K`): one loop over column blocks of the refs
-    (the row gathers of G inside it) with the same 13 products; the whole-K form has no loop."""
+    """The A kernel's products over K in blocks (`tuning.A_BLOCK_K`): a loop over column blocks for the
+    undecayed diagonal, then one loop over (level, column block) pairs (the row gathers of G inside it), each
+    step two [C, block_k] x [block_k, C] products; the whole-K form has no loop and its 13 products unrolled."""
     from benchmarks.kernel_resources import triton_kernels
     from pallas_kernels.linear_attention.chunked import _intra
 
@@ -76,9 +77,12 @@ def test_kda_a_kernel_over_column_blocks_lowers(block_k):
     kernels = {k["name"]: k for k in triton_kernels(run, q, g, beta)}
     assert set(kernels) == {"kda_chunk_cumsum", "kda_chunk_a", "kda_chunk_solve"}
     ttir = kernels["kda_chunk_a"]["ttir"]
-    assert ttir.count("scf.for") == (0 if block_k is None else 1) and ttir.count("tt.dot") == 13
-    if block_k == 32:
-        assert "tensor<64x32xf32" in ttir  # the [C, block_k] tiles of one step
+    if block_k is None:
+        assert ttir.count("scf.for") == 0 and ttir.count("tt.dot") == 13
+    else:
+        assert ttir.count("scf.for") == 2 and ttir.count("tt.dot") == 3
+        dots = [line for line in ttir.splitlines() if "tt.dot" in line]
+        assert all(f"tensor<{block_k}x64xbf16>" in line for line in dots), dots  # [block_k, C] right operands
 
 
 @pytest.mark.parametrize("precision,stages", [("bf16", "3"), ("tf32", "1")])
