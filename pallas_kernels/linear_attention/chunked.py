@@ -203,10 +203,9 @@ def _level_masks(c):
     return ra, rb, levels
 
 
-def _a_levels(q, k, g_ref, *, precision, levels, cols=slice(None)):
-    """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk, or their part from the K columns `cols`
-    (the products are sums over K: the parts of a split add up); q, k [C, K'] normalised float32 (those
-    columns), g_ref holding G·log2(e).
+def _a_levels(q, k, g_ref, *, precision, levels):
+    """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, g_ref
+    holding G·log2(e).
 
     A pair of rows a > b is split by exactly one level h ∈ {32, 16, ..., 1} of a binary hierarchy over the
     chunk: the level whose block of 2h rows holds both, a in its upper half and b in its lower half. With P
@@ -222,9 +221,9 @@ def _a_levels(q, k, g_ref, *, precision, levels, cols=slice(None)):
     a_kk = jnp.zeros(a_qk.shape, jnp.float32)
     if not levels:
         return a_qk, a_kk
-    g = g_ref[:, cols]  # [C, K']
+    g = g_ref[...]  # [C, K]
     for middle, keep in hierarchy:
-        e = jnp.exp2(-jnp.abs(g - g_ref[middle, cols]))
+        e = jnp.exp2(-jnp.abs(g - g_ref[middle, :]))
         qe, ke = q * e, k * e
         a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
         a_kk += jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0)
