@@ -224,25 +224,18 @@ def layer_rows(bw, rate) -> list[dict]:
 PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 
-def _intra_phase(q, k, v, g, beta, *, parts=None, a_block_k=None, a_warps=None, a_stages=None):
+def _intra_phase(q, k, v, g, beta, *, parts=None):
     """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
     its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
-    chunk cumsum that precedes it. a_block_k / a_warps / a_stages: the A kernel's products over K in blocks of
-    that many columns (`tuning.A_BLOCK_K`) / its warps (and the cumsum kernel's) / its Triton stages; None: the
-    defaults."""
+    chunk cumsum that precedes it."""
     from pallas_kernels._pallas import triton_params
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
     interpret = jax.default_backend() == "cpu"
     if parts == "cumsum":
         return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, INTRA_WARPS[0], 2))
-    kw = {} if a_block_k is None else {"a_block_k": a_block_k}
-    if a_warps is not None:
-        kw["num_warps"] = (a_warps, INTRA_WARPS[1])
-    if a_stages is not None:
-        kw["a_stages"] = a_stages
     return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret,
-                  parts=PARTS if parts is None else frozenset(parts), **kw)  # fmt: skip
+                  parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
 
 
 # --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
@@ -255,21 +248,6 @@ PHASE_PARTS = (
 )
 
 
-def parse_a_block(text: str) -> tuple[int, int | None, int | None] | None:
-    """--a-block-k text, "32", "32:4" or "16:8:1" -> (block_k, warps or None, stages or None); None where it is
-    not one."""
-    parts = text.split(":")
-    if len(parts) > 3 or not all(x.isdigit() for x in parts):
-        return None
-    nums = [int(x) for x in parts] + [None, None]
-    bk, warps, stages = nums[:3]
-    if bk < 16 or bk % 16 or (warps is not None and (warps < 1 or warps & (warps - 1))):
-        return None
-    if stages is not None and stages < 1:
-        return None
-    return bk, warps, stages
-
-
 def parse_variant(text: str) -> tuple[int, int, str, str]:
     """Variant text, e.g. 64x4, 64x4:bf16 or 64x4:bf16:substitution -> (block_v, num_warps, precision,
     solve)."""
@@ -278,12 +256,8 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
     return bv, nw, prec or "tf32", solve or "neumann"
 
 
-def prefill_rows(
-    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_block_ks=()
-) -> list[dict]:  # fmt: skip
-    """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products).
-    a_block_ks (with phases): also phase 1 with the A kernel's products over K in blocks of columns, each
-    (block_k, warps or None for the default)."""
+def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False) -> list[dict]:
+    """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products)."""
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for n, t in ((n, t) for n in heads for t in lengths):
@@ -331,19 +305,6 @@ def prefill_rows(
                 ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
                 # a case of their own: parts of the prefill, not alternatives to it (the table's fastest)
                 rows.append(row("prefill parts", shape, label, ms, flops, nbytes, bw, rate))
-            for bk, warps, stages in a_block_ks:
-                intra = jax.jit(functools.partial(_intra_phase, a_block_k=bk, a_warps=warps, a_stages=stages))
-                label = f"phase 1, A kernel over K in blocks of {bk}" + (f", {warps} warps" if warps else "")
-                label += f", {stages} stages" if stages else ""
-                try:  # a variant not yet run on a GPU: a failure to compile is a row, the other rows stay
-                    jax.block_until_ready(intra(q, k, v, g, beta))
-                    ms = median_ms(functools.partial(intra, q, k, v, g, beta), warmup=1, iters=5)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  (T={t} {label}: did not run: {type(e).__name__}: {str(e)[:200]})", flush=True)
-                    rows.append(roofline_row("prefill parts", shape, label, float("nan"), flops, nbytes, bw, rate,
-                                             f"did not run: {type(e).__name__} (see log)"))  # fmt: skip
-                else:
-                    rows.append(row("prefill parts", shape, label, ms, flops, nbytes, bw, rate))
         if fla is not None:
             torch, chunk_kda, _ = fla
             tq, tk, tv, tg, tb = _to_torch(q, k, v, g, beta)
@@ -405,19 +366,10 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument(
-        "--a-block-k", nargs="*", default=[],
-        help="with --phases: also phase 1 with the A kernel's products over K in blocks of columns, each as "
-        "block_k[:warps[:stages]] (e.g. 32, 32:4 or 16:8:1; the A kernel's defaults where left out)",
-    )  # fmt: skip
-    p.add_argument(
         "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
     )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
-    a_block_ks = [parse_a_block(text) for text in args.a_block_k]
-    if None in a_block_ks or (a_block_ks and not args.phases):
-        p.error(f"--a-block-k {' '.join(args.a_block_k)}: needs --phases and block_k[:warps[:stages]], block_k a "
-                "multiple of 16, warps a power of two, stages >= 1")  # fmt: skip
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     fla = fla_ops()
@@ -428,9 +380,7 @@ def main() -> None:
         rows += layer_rows(bw, rate)
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
-        rows += prefill_rows(
-            bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic, a_block_ks
-        )
+        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic)
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0])
     title = (

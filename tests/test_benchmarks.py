@@ -781,14 +781,3 @@ def test_mla_decode_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     for ln in rows:  # every kernel and baseline row agrees with the float32 reference
         if "rel err" in ln:
             assert float(ln.split("rel err ")[1].split()[0]) < 2e-2, ln
-
-
-def test_a_block_option_parses_block_warps_stages_and_refuses_the_rest():
-    """`benchmarks.linear_attention --a-block-k`: block_k[:warps[:stages]], block_k a multiple of 16, warps a
-    power of two, stages >= 1; anything else is None (the CLI's one-line error)."""
-    from benchmarks.linear_attention import parse_a_block
-
-    assert parse_a_block("32") == (32, None, None) and parse_a_block("64:4") == (64, 4, None)
-    assert parse_a_block("16:8:1") == (16, 8, 1)
-    for bad in ("24", "0", "32:3", "32:0", "a", "32:4:0", "32:4:1:1", "-32", "", "16::1"):
-        assert parse_a_block(bad) is None, bad

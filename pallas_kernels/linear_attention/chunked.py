@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.tuning import A_BLOCK_K, A_STAGES, INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
+from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
 SUB = 16  # the Neumann chain's diagonal sub-blocks: the smallest tensor-core tile
@@ -230,68 +230,14 @@ def _a_levels(q, k, g_ref, *, precision, levels):
     return a_qk, a_kk
 
 
-def _a_levels_by_columns(q_ref, k_ref, g_ref, *, scale, l2norm, precision, levels, block_k):
-    """`_a_levels` as one loop over (level, block of block_k K columns) pairs, the two [C, C] sums carried:
-    each step loads its [C, block_k] column block of q, k, G and of G's middle rows and builds one level's
-    factor E on it, so a step's tiles are [C, block_k] and one step's are dead before the next (unrolled, as
-    in `_a_levels`, Triton keeps several levels' [C, K] tiles live at once and spills). The level is a loop
-    index here: h = C/2 >> level, its masks from iotas. Same products over the same terms as `_a_levels`
-    (each of its [C, K] x [K, C] products summed over K in pieces). The rows' L2 norms come first, from the
-    whole rows."""
-    q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
-    iq, ik = _inv_norm(q, l2norm) * scale, _inv_norm(k, l2norm)
-    c, dk = q.shape
-    blocks = dk // block_k
-    dot = _products(precision)
-    r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
-    ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-
-    def normed(j):
-        cols = pl.ds(j * block_k, block_k)
-        qb = q_ref[:, cols].astype(jnp.float32) * iq[:, None]
-        return cols, qb, k_ref[:, cols].astype(jnp.float32) * ik[:, None]
-
-    def diagonal(j, acc):  # the a = b terms of A_qk: no decay
-        _, qb, kb = normed(j)
-        return acc + dot(qb, kb, CONTRACT_LAST)
-
-    a_qk = jnp.where(ra == rb, jax.lax.fori_loop(0, blocks, diagonal, jnp.zeros((c, c), jnp.float32)), 0.0)
-    a_kk = jnp.zeros((c, c), jnp.float32)
-    if not levels:
-        return a_qk, a_kk
-
-    def step(i, acc):
-        # lax.div / lax.rem: `//` and `%` on a loop index lower to ops Pallas's Triton lowering rejects
-        level, j = jax.lax.div(i, blocks), jax.lax.rem(i, blocks)
-        h = jnp.right_shift(c // 2, level)
-        middle = (r // (2 * h)) * (2 * h) + h - 1
-        keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
-        cols, qb, kb = normed(j)
-        e = jnp.exp2(-jnp.abs(g_ref[:, cols] - g_ref[middle, cols]))
-        qe, ke = qb * e, kb * e
-        return (
-            acc[0] + jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0),
-            acc[1] + jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0),
-        )
-
-    return jax.lax.fori_loop(0, (c.bit_length() - 1) * blocks, step, (a_qk, a_kk))
-
-
 def _a_kernel(
     q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref, *, scale, l2norm, precision,
-    parts, block_k=None,
+    parts,
 ):  # fmt: skip
     """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g, β exp(G) ⊙ k (W's right factor, for the solve
-    kernel) and exp(G_C) of one chunk (`_a_levels`; with block_k below K, `_a_levels_by_columns`)."""
-    levels = "levels" in parts
-    if block_k is None or block_k >= q_ref.shape[-1]:
-        q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
-        a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels=levels)
-    else:
-        a_qk, a_kk = _a_levels_by_columns(
-            q_ref, k_ref, g_ref, scale=scale, l2norm=l2norm, precision=precision, levels=levels, block_k=block_k
-        )
+    kernel) and exp(G_C) of one chunk (`_a_levels`)."""
+    q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
+    a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels="levels" in parts)
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
     akk_ref[...] = a_kk * beta_ref[...].astype(jnp.float32)[:, None]
     # the gated tiles 16 rows at a time: the [C, K] tiles above are dead by now, nothing large stays live
@@ -326,21 +272,14 @@ def _chunk_spec(width):
 _BETA_SPEC = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
 
 
-def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, block_k=None, num_stages=2):
+def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts):
     """`_a_kernel` over every chunk; g is G·log2(e) (`_chunk_cumsum`) -> (A_qk, β-scaled A_kk float32, q_g,
-    k_g, β exp(G) ⊙ k, exp(G_C)). block_k: the A products over K in blocks of that many columns (None: whole);
-    num_stages: Triton's pipelining of the loads in that loop (the whole-K form has no loop)."""
+    k_g, β exp(G) ⊙ k, exp(G_C))."""
     b, t, n, dk = q.shape
-    if block_k is not None and (
-        not isinstance(block_k, int) or block_k < 16 or (block_k < dk and (block_k % 16 or dk % block_k))
-    ):
-        raise ValueError(f"A kernel: block_k={block_k!r} must be a multiple of 16 that divides K={dk} (or >= K)")
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     return pl.pallas_call(
-        functools.partial(
-            _a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, block_k=block_k
-        ),
+        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
         grid=(b, n, nc),
         in_specs=[_chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk), _BETA_SPEC],
         out_specs=[
@@ -353,7 +292,7 @@ def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, pa
         ],
         interpret=interpret,
         name="kda_chunk_a",
-        **triton_params(interpret, num_warps, num_stages),
+        **triton_params(interpret, num_warps, 2),
     )(q, k, g, beta)  # fmt: skip
 
 
@@ -375,18 +314,15 @@ def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, sol
 
 
 def _intra(
-    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
-    a_block_k=A_BLOCK_K, a_stages=A_STAGES,
+    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann"
 ):  # fmt: skip
     """Phase 1 over every chunk: the cumsum, `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
-    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first);
-    a_block_k / a_stages: the A kernel's products over K in blocks of that many columns (None: whole K) / its
-    Triton pipelining stages."""
+    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first)."""
     a_warps, solve_warps = num_warps
     g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
     aqk, akk, qg, kg, kb, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
-        parts=parts, block_k=a_block_k, num_stages=a_stages,
+        parts=parts,
     )  # fmt: skip
     w, u = _solve_call(
         kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve

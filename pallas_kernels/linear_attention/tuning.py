@@ -7,15 +7,6 @@ prefill; the measurements are in docs/performance.md (section "KDA prefill")."""
 # keeps several [64, K] float32 tiles live at once and spills registers with fewer warps; the solve kernel's
 # chain of dependent [64, 64] products runs best at fewer.
 INTRA_WARPS = (8, 4)
-# The A kernel's decayed products over K in blocks of this many columns (None: the whole K at once, the levels
-# unrolled). At K = 128 and 8 warps the whole-K form takes 255 registers a thread and spills 480 bytes (ptxas for
-# sm_90; Nsight Compute on the H200: one CTA per SM, 12.5% occupancy). The blocked form loops over (level,
-# column block) pairs: 16 columns at 1 stage compile to 116 registers, 32 columns to 171-193, no spills (8 warps;
-# docs/performance.md). Not timed yet, so off.
-A_BLOCK_K = None
-# Triton pipelining stages of the A kernel (its blocked form's loop; the whole-K form has no loop).
-A_STAGES = 2
-
 # Software-pipelining stages of the state pass with bfloat16 intermediates: its loads of the next chunk's
 # tiles overlap this chunk's products.
 STATE_STAGES = 3
