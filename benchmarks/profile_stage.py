@@ -10,10 +10,12 @@ runs), what `benchmarks.linear_attention` times, split into its kernels. `--stag
 whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row times), split into its kernels.
 `--stage indexer` is the indexer's decode Top-K alone (`indexer_topk`, 64 heads of 128, a BF16 pool of
 `--context` keys, `--topk`, unsorted as the model asks) with each selection of `--selects`, what
-`benchmarks.sparse_attention`'s decode rows time.
+`benchmarks.sparse_attention`'s decode rows time. `--stage topk` is the Top-K alone on [`--batch`, `--context`]
+float32 normal scores with each of `--selects` (split, split_ranked, kernel, top_k: `sparse_attention`'s
+`_selection`), what that script's `--topk-rows` rows time.
 
     python -m benchmarks.profile_stage [--model hybrid_small|kimi]
-        [--stage kda|sparse|moe|step|verify|kda_prefill|prefill|indexer] [--num-draft 4] [--selects split top_k]
+        [--stage kda|sparse|moe|step|verify|kda_prefill|prefill|indexer|topk] [--num-draft 4] [--selects split top_k]
         [--batch 1 16] [--context 2048] [--tokens 32768] [--quant none|hierarchical] [--out DIR]
 """
 
@@ -209,6 +211,29 @@ def profile_indexer(b: int, args, out_dir: Path) -> None:
         print_table(title, kernel_times(trace), args.calls, args.top)
 
 
+TOPK_SELECTS = {"split": ("split", False), "split_ranked": ("split", True), "kernel": ("kernel", False)}
+
+
+def profile_topk(rows: int, args, out_dir: Path) -> None:
+    """The Top-K alone of [rows, args.context] float32 normal scores, once per selection in `args.selects`
+    ("top_k": `lax.top_k`), each call a separate dispatch."""
+    from benchmarks.sparse_attention import _selection
+
+    s, k = args.context, args.topk
+    x = jax.random.normal(jax.random.key(rows + s), (rows, s), jnp.float32)
+    for select in args.selects:
+        fn = jax.jit(lambda x: jax.lax.top_k(x, k)) if select == "top_k" else _selection(*TOPK_SELECTS[select], s, k)
+        jax.block_until_ready(fn(x))
+        trace = out_dir / f"trace_topk_{select}_r{rows}"
+        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+            for _ in range(args.calls):
+                out = fn(x)
+            jax.block_until_ready(out)
+        print_table(
+            f"Top-{k} of [{rows}, {s}] float32 normal scores, {select}", kernel_times(trace), args.calls, args.top
+        )
+
+
 def profile_prefill(model, tokens: int, args, out_dir: Path) -> None:
     """The whole model's batch-1 prefill (cache allocation + prefill, last position's logits), as the e2e
     TTFT row times it; `args.calls` calls traced. With --prefill-chunk, the same prompt through
@@ -266,7 +291,7 @@ def main() -> None:
     p.add_argument("--model", default="hybrid_small", help="a preset, or kimi / glm5 (e2e's folders)")
     p.add_argument(
         "--stage", default="kda",
-        choices=["kda", "sparse", "moe", "step", "verify", "kda_prefill", "prefill", "indexer"],
+        choices=["kda", "sparse", "moe", "step", "verify", "kda_prefill", "prefill", "indexer", "topk"],
     )  # fmt: skip
     p.add_argument("--num-draft", type=int, default=4, help="verify only: a block of num_draft + 1 tokens")
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
@@ -277,8 +302,9 @@ def main() -> None:
     add_hf_args(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--topk", type=int, default=2048, help="indexer only")
-    p.add_argument("--selects", nargs="+", default=["split", "top_k"], help="indexer only: `indexer_topk` selects")
+    p.add_argument("--topk", type=int, default=2048, help="indexer and topk only")
+    p.add_argument("--selects", nargs="+", default=["split", "top_k"],
+                   help="indexer: `indexer_topk` selects; topk: split, split_ranked, kernel, top_k")  # fmt: skip
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=None, help="folder for traces and HLO (default: a temp folder)")
@@ -290,9 +316,12 @@ def main() -> None:
     if args.stage == "kda_prefill":
         profile_kda_prefill(args.tokens, args, out_dir)
         return
-    if args.stage == "indexer":
+    bad = [x for x in args.selects if x not in (*TOPK_SELECTS, "top_k")]
+    if args.stage == "topk" and bad:
+        p.error(f"--selects {' '.join(bad)}: the topk stage takes {', '.join([*TOPK_SELECTS, 'top_k'])}")
+    if args.stage in ("indexer", "topk"):
         for b in args.batch:
-            profile_indexer(b, args, out_dir)
+            (profile_indexer if args.stage == "indexer" else profile_topk)(b, args, out_dir)
         return
     # bf16 weights; --quant hierarchical: MXFP8 indexer keys and an FP8 latent cache as well
     if args.layers is not None and args.model not in HF_MODELS:

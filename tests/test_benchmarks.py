@@ -781,3 +781,33 @@ def test_mla_decode_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     for ln in rows:  # every kernel and baseline row agrees with the float32 reference
         if "rel err" in ln:
             assert float(ln.split("rel err ")[1].split()[0]) < 2e-2, ln
+
+
+def test_profile_stage_topk_runs_each_selection_and_refuses_others(tmp_path, monkeypatch, capsys):
+    """`profile_stage --stage topk`: the Top-K alone with each named selection, built by `sparse_attention.
+    _selection` (recorded here and run as `lax.top_k`: the kernels in interpret mode take minutes; the CPU has
+    no device kernels, so the tables are empty); a selection it does not know is a one-line CLI error."""
+    import jax
+
+    from benchmarks import profile_stage, sparse_attention
+
+    asked = []
+
+    def selection(select, best_first, s, topk):
+        asked.append((select, best_first, s, topk))
+        return jax.jit(lambda x: jax.lax.top_k(x, topk))
+
+    monkeypatch.setattr(sparse_attention, "_selection", selection)
+    argv = ["profile_stage", "--stage", "topk", "--batch", "2", "--context", "512", "--topk", "32", "--calls", "1",
+            "--out", str(tmp_path), "--selects", "split", "split_ranked", "kernel", "top_k"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_stage.main()
+    out = capsys.readouterr().out
+    assert asked == [("split", False, 512, 32), ("split", True, 512, 32), ("kernel", False, 512, 32)]
+    for select in ("split", "split_ranked", "kernel", "top_k"):
+        assert f"Top-32 of [2, 512] float32 normal scores, {select}:" in out
+        assert (tmp_path / f"trace_topk_{select}_r2").is_dir()
+    monkeypatch.setattr(sys, "argv", [*argv[:-4], "sort"])
+    with pytest.raises(SystemExit):
+        profile_stage.main()
+    assert "--selects sort: the topk stage takes split, split_ranked, kernel, top_k" in capsys.readouterr().err
