@@ -811,3 +811,21 @@ def test_profile_stage_topk_runs_each_selection_and_refuses_others(tmp_path, mon
     with pytest.raises(SystemExit):
         profile_stage.main()
     assert "--selects sort: the topk stage takes split, split_ranked, kernel, top_k" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
+    """`benchmarks.linear_attention --only prefill --phases` at a toy length: the jnp reference, one Pallas
+    variant checked against it, and phase 1 with each of its parts left out (interpret mode)."""
+    from benchmarks import linear_attention
+
+    monkeypatch.setattr(linear_attention, "ceilings", benchmarks.common.ceilings)
+    argv = ["linear_attention", "--only", "prefill", "--prefill-lens", "128", "--heads", "1", "--variants",
+            "32x4:bf16", "--phases", "--varlen-total", "0", "--no-record"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    linear_attention.main()
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| prefill")]
+    labels = [ln.split(" | ")[2] for ln in rows]
+    assert labels[:2] == ["jnp reference (XLA, chunked)", "pallas chunked, block_v=32, warps=4, bf16 products"]
+    assert labels[2:] == [label for _, label in linear_attention.PHASE_PARTS], labels
+    assert float(rows[1].split("rel err ")[1].split()[0]) < 2e-2, rows[1]
