@@ -9,7 +9,7 @@ program owns a row and never sorts it:
   3. the passes also track how many scores lie above the range still open, so after the last one the
      count strictly above τ is known and need = K − that many ties at τ are taken (the lowest positions,
      as `lax.top_k` breaks ties); a pass that finds a candidate bound c with exactly K scores >= c ends
-     the search (those K are the answer, no ties): later passes scan nothing, and random scores stop
+     the search (those K are the answer, no ties): later passes are skipped, and random scores stop
      after about log4(limit / K) + 1 of the 16 two-bit passes;
   4. one compaction pass writes the chosen (position, score) pairs in ascending position order: a prefix
      sum of the chosen mask within each chunk gives each one its output slot (and a second one ranks the
@@ -81,9 +81,8 @@ def search_threshold(keys, n_chunks, *, k, chunk, digit_bits):
 
     def digit_pass(shift, carry):
         # tau: the unsigned image's high digits found so far (int32 bits); above: how many keys lie above
-        # the range those digits leave open (so the count strictly above τ needs no pass of its own);
-        # done: an earlier pass found a bound c with exactly k keys >= c (tau then holds c): nothing to scan
-        tau, above, done = carry
+        # the range those digits leave open (so the count strictly above τ needs no pass of its own)
+        tau, above, _ = carry
         # digit 0 keeps >= k scores by the invariant: only digits 1 .. radix-1 are counted (the kernel is
         # bound by these comparisons)
         cands = [(tau | _wrap(d << shift)) ^ _SIGN for d in range(1, radix)]  # back to signed keys
@@ -94,8 +93,7 @@ def search_threshold(keys, n_chunks, *, k, chunk, digit_bits):
             key, _ = keys(c)
             return tuple(n + (key >= cand).astype(jnp.int32) for n, cand in zip(counts, cands, strict=True))
 
-        scan = jnp.where(done, 0, n_chunks)
-        lanes = jax.lax.fori_loop(0, scan, body, (jnp.zeros((chunk,), jnp.int32),) * (radix - 1))
+        lanes = jax.lax.fori_loop(0, n_chunks, body, (jnp.zeros((chunk,), jnp.int32),) * (radix - 1))
         counts = [jnp.sum(n) for n in lanes]
         best = sum((n >= k).astype(jnp.int32) for n in counts)  # counts fall with the digit
         # keys at or above digit best + 1 now lie above the open range (unchanged when best is the top digit)
@@ -108,12 +106,14 @@ def search_threshold(keys, n_chunks, *, k, chunk, digit_bits):
         chosen = sum(jnp.where(best == d, n, 0) for d, n in enumerate(counts, start=1))
         chosen_key = sum(jnp.where(best == d, cand, 0) for d, cand in enumerate(cands, start=1))
         exact = (best > 0) & (chosen == k) & (chosen_key > _NEG_INF_KEY)
-        keep = lambda old, new: jnp.where(done, old, new)  # noqa: E731
-        return keep(tau, new_tau), keep(above, new_above), done | exact
+        return new_tau, new_above, exact
 
-    carry = (jnp.int32(0), jnp.int32(0), jnp.bool_(False))
+    # done (an earlier pass found a bound c with exactly k keys >= c; tau then holds c): the later passes are
+    # skipped whole — their scans and the block-wide sums of their counts (on resident keys, most of a pass)
+    zero = n_chunks * 0  # traced: a constant carry yields no value in the Triton lowering of cond
+    carry = (zero, zero, zero > 0)
     for shift in range(32 - digit_bits, -1, -digit_bits):
-        carry = digit_pass(shift, carry)
+        carry = jax.lax.cond(carry[2], lambda c: c, functools.partial(digit_pass, shift), carry)
     tau, above, done = carry
     # done: take the keys >= c, i.e. strictly above c - 1 (the XOR with the sign bit commutes with -1
     # modulo 2^32, and c > 0 as an unsigned image since its digit is >= 1), no ties
