@@ -61,7 +61,7 @@ def test_kda_prefill_kernels_lower(solve, state_every):
 def test_kda_a_kernel_lowers_to_unrolled_products():
     """The A kernel on sm_90: its 13 tensor-core products (the undecayed diagonal, two per level of the binary
     split) unrolled, no loop: a form looping over (level, column block) pairs compiled to fewer registers and
-    ran 1.3-3x slower (docs/performance.md#kda-prefill)."""
+    ran 1.35-3x slower (docs/performance.md#kda-prefill)."""
     from benchmarks.kernel_resources import triton_kernels
     from pallas_kernels.linear_attention.chunked import _intra
 
