@@ -318,11 +318,17 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,)
     return rows
 
 
-def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N) -> list[dict]:
-    """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all."""
+def varlen_offsets(total: int, seqs: int = 8) -> np.ndarray:
+    """Cumulative offsets [seqs + 1] of the benchmark's packed batch: `total` tokens cut at seqs - 1 random
+    places (a fixed seed: every run and `profile_stage` see the same lengths)."""
     rng = np.random.default_rng(0)
     cuts = np.sort(rng.choice(np.arange(1, total), seqs - 1, replace=False))
-    cu = np.concatenate([[0], cuts, [total]])
+    return np.concatenate([[0], cuts, [total]])
+
+
+def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N) -> list[dict]:
+    """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all."""
+    cu = varlen_offsets(total, seqs)
     ks = jax.random.split(jax.random.key(total + 1), 5)
     q, k, v = (jax.random.normal(x, (1, total, n, DK), jnp.bfloat16) for x in ks[:3])
     g = -jax.nn.softplus(jax.random.normal(ks[3], (1, total, n, DK))) * 0.1

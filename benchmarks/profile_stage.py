@@ -6,13 +6,15 @@ Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step
 speculative verify step instead (`--num-draft` + 1 tokens through the caches, then `commit` keeping one).
 `--model kimi` is the Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing).
 `--stage kda_prefill` is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, what `impl="auto"`
-runs), what `benchmarks.linear_attention` times, split into its kernels. `--stage prefill` is the
-whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row times), split into its kernels.
+runs; `--varlen-seqs 8`: packed as that script's varlen batch), what `benchmarks.linear_attention` times, split
+into its kernels. `--stage prefill` is the whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row
+times), split into its kernels.
 `--stage indexer` is the indexer's decode Top-K alone (`indexer_topk`, 64 heads of 128, a BF16 pool of
 `--context` keys, `--topk`, unsorted as the model asks) with each selection of `--selects`, what
 `benchmarks.sparse_attention`'s decode rows time. `--stage topk` is the Top-K alone on [`--batch`, `--context`]
 float32 normal scores with each of `--selects` (split, split_ranked, kernel, top_k: `sparse_attention`'s
-`_selection`), what that script's `--topk-rows` rows time.
+`_selection`; split's tuning knobs after a colon, `split:pass_chunk=2048,num_warps=8`), what that script's
+`--topk-rows` rows time.
 
     python -m benchmarks.profile_stage [--model hybrid_small|kimi]
         [--stage kda|sparse|moe|step|verify|kda_prefill|prefill|indexer|topk] [--num-draft 4] [--selects split top_k]
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.common import device_events, flat_module
 from benchmarks.e2e import HF_MODELS, add_hf_args, hf_model
@@ -168,14 +171,15 @@ def print_table(title: str, times: dict[str, list[float]], calls: int, top: int,
 
 def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
     """The KDA op at prefill, bf16 inputs, what "auto" runs (on sm_90 the Mosaic GPU state pass)."""
-    from benchmarks.linear_attention import DK, DV, N
+    from benchmarks.linear_attention import DK, DV, N, varlen_offsets
     from pallas_kernels.linear_attention import kda
 
     ks = jax.random.split(jax.random.key(tokens), 5)
     q, k, v = (jax.random.normal(x, (1, tokens, N, DK), jnp.bfloat16) for x in ks[:3])
     g = -jax.nn.softplus(jax.random.normal(ks[3], (1, tokens, N, DK))) * 0.1
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, tokens, N)))
-    fn = jax.jit(lambda *a: kda(*a))
+    cu = varlen_offsets(tokens, args.varlen_seqs) if args.varlen_seqs else None
+    fn = jax.jit(lambda *a: kda(*a, cu_seqlens=cu))
     jax.block_until_ready(fn(q, k, v, g, beta))
     trace = out_dir / f"trace_kda_prefill_{tokens}"
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):
@@ -183,6 +187,8 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
             out = fn(q, k, v, g, beta)
         jax.block_until_ready(out)
     title = f"KDA prefill T={tokens} N={N} K={DK} V={DV}, bf16 products (defaults)"
+    if cu is not None:
+        title += f", {args.varlen_seqs} packed sequences (lengths {np.diff(cu).tolist()})"
     print_table(title, kernel_times(trace), args.calls, args.top)
 
 
@@ -212,6 +218,22 @@ def profile_indexer(b: int, args, out_dir: Path) -> None:
 
 
 TOPK_SELECTS = {"split": ("split", False), "split_ranked": ("split", True), "kernel": ("kernel", False)}
+# split / split_ranked take `top_k_split`'s tuning knobs after a colon: "split:pass_chunk=2048,num_warps=8"
+SPLIT_KNOBS = ("seg", "num_warps", "select_warps", "pass_chunk")
+
+
+def parse_topk_select(spec: str) -> tuple[str, dict[str, int]]:
+    """A select spec, name[:knob=int,...] -> (name, knobs); ValueError naming the spec when it is not one."""
+    name, _, rest = spec.partition(":")
+    if name not in (*TOPK_SELECTS, "top_k"):
+        raise ValueError(f"--selects {spec}: the topk stage takes {', '.join([*TOPK_SELECTS, 'top_k'])}")
+    knobs = {}
+    for item in filter(None, rest.split(",")):
+        key, _, val = item.partition("=")
+        if not name.startswith("split") or key not in SPLIT_KNOBS or not val.isdigit():
+            raise ValueError(f"--selects {spec}: knobs are split's {', '.join(SPLIT_KNOBS)} as name=int")
+        knobs[key] = int(val)
+    return name, knobs
 
 
 def profile_topk(rows: int, args, out_dir: Path) -> None:
@@ -221,10 +243,14 @@ def profile_topk(rows: int, args, out_dir: Path) -> None:
 
     s, k = args.context, args.topk
     x = jax.random.normal(jax.random.key(rows + s), (rows, s), jnp.float32)
-    for select in args.selects:
-        fn = jax.jit(lambda x: jax.lax.top_k(x, k)) if select == "top_k" else _selection(*TOPK_SELECTS[select], s, k)
+    for n, select in enumerate(args.selects):
+        name, knobs = parse_topk_select(select)
+        if name == "top_k":
+            fn = jax.jit(lambda x: jax.lax.top_k(x, k))
+        else:
+            fn = _selection(*TOPK_SELECTS[name], s, k, **knobs)
         jax.block_until_ready(fn(x))
-        trace = out_dir / f"trace_topk_{select}_r{rows}"
+        trace = out_dir / f"trace_topk_{n}_{name}_r{rows}"
         with jax.profiler.trace(str(trace), create_perfetto_trace=True):
             for _ in range(args.calls):
                 out = fn(x)
@@ -295,6 +321,8 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--num-draft", type=int, default=4, help="verify only: a block of num_draft + 1 tokens")
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
+    varlen = "kda_prefill: the tokens packed as this many sequences (linear_attention's varlen batch); 0: one"
+    p.add_argument("--varlen-seqs", type=int, default=0, help=varlen)
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill only: also chunked, and the difference")
     p.add_argument("--layers", type=int, default=None, help="a preset cut to this many layers (gpu_parity.cut_config)")
     p.add_argument("--experts", type=int, default=32, help="with --layers: at most this many routed experts")
@@ -303,8 +331,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--topk", type=int, default=2048, help="indexer and topk only")
-    p.add_argument("--selects", nargs="+", default=["split", "top_k"],
-                   help="indexer: `indexer_topk` selects; topk: split, split_ranked, kernel, top_k")  # fmt: skip
+    selects = "indexer: indexer_topk selects; topk: split[:knob=int,...], split_ranked, kernel, top_k"
+    p.add_argument("--selects", nargs="+", default=["split", "top_k"], help=selects)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=None, help="folder for traces and HLO (default: a temp folder)")
@@ -316,9 +344,12 @@ def main() -> None:
     if args.stage == "kda_prefill":
         profile_kda_prefill(args.tokens, args, out_dir)
         return
-    bad = [x for x in args.selects if x not in (*TOPK_SELECTS, "top_k")]
-    if args.stage == "topk" and bad:
-        p.error(f"--selects {' '.join(bad)}: the topk stage takes {', '.join([*TOPK_SELECTS, 'top_k'])}")
+    if args.stage == "topk":
+        for select in args.selects:
+            try:
+                parse_topk_select(select)
+            except ValueError as e:
+                p.error(str(e))
     if args.stage in ("indexer", "topk"):
         for b in args.batch:
             (profile_indexer if args.stage == "indexer" else profile_topk)(b, args, out_dir)

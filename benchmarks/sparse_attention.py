@@ -107,8 +107,9 @@ def _indexer_draw(key, b, s, heads, dim, pool=None):
     return q, jax.random.normal(ks[2], (b, 1, heads), jnp.float32), pool
 
 
-def _selection(select: str, best_first: bool, s: int, topk: int):
-    """A jitted Top-K of [R, S] float32 scores (every score a candidate) by one of our selections."""
+def _selection(select: str, best_first: bool, s: int, topk: int, **knobs):
+    """A jitted Top-K of [R, S] float32 scores (every score a candidate) by one of our selections (knobs:
+    `top_k_split`'s tuning arguments)."""
     interpret = jax.default_backend() == "cpu"
     if select == "kernel":
         return jax.jit(
@@ -120,7 +121,7 @@ def _selection(select: str, best_first: bool, s: int, topk: int):
     return jax.jit(
         lambda x: top_k_split(
             x, jnp.full((x.shape[0],), s, jnp.int32), k=topk, chunk=min(SELECT_CHUNK, pow2(s)), best_first=best_first,
-            interpret=interpret,
+            interpret=interpret, **knobs,
         )
     )  # fmt: skip
 

@@ -3,6 +3,7 @@
 import re
 import sys
 
+import numpy as np
 import pytest
 
 import benchmarks.common
@@ -793,24 +794,48 @@ def test_profile_stage_topk_runs_each_selection_and_refuses_others(tmp_path, mon
 
     asked = []
 
-    def selection(select, best_first, s, topk):
-        asked.append((select, best_first, s, topk))
+    def selection(select, best_first, s, topk, **knobs):
+        asked.append((select, best_first, s, topk, knobs))
         return jax.jit(lambda x: jax.lax.top_k(x, topk))
 
     monkeypatch.setattr(sparse_attention, "_selection", selection)
+    selects = ["split", "split_ranked", "kernel", "top_k", "split:pass_chunk=2048,num_warps=8"]
     argv = ["profile_stage", "--stage", "topk", "--batch", "2", "--context", "512", "--topk", "32", "--calls", "1",
-            "--out", str(tmp_path), "--selects", "split", "split_ranked", "kernel", "top_k"]  # fmt: skip
+            "--out", str(tmp_path), "--selects", *selects]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     profile_stage.main()
     out = capsys.readouterr().out
-    assert asked == [("split", False, 512, 32), ("split", True, 512, 32), ("kernel", False, 512, 32)]
-    for select in ("split", "split_ranked", "kernel", "top_k"):
+    assert asked == [
+        ("split", False, 512, 32, {}), ("split", True, 512, 32, {}), ("kernel", False, 512, 32, {}),
+        ("split", False, 512, 32, {"pass_chunk": 2048, "num_warps": 8}),
+    ]  # fmt: skip
+    for n, select in enumerate(selects):
         assert f"Top-32 of [2, 512] float32 normal scores, {select}:" in out
-        assert (tmp_path / f"trace_topk_{select}_r2").is_dir()
-    monkeypatch.setattr(sys, "argv", [*argv[:-4], "sort"])
-    with pytest.raises(SystemExit):
-        profile_stage.main()
-    assert "--selects sort: the topk stage takes split, split_ranked, kernel, top_k" in capsys.readouterr().err
+        assert (tmp_path / f"trace_topk_{n}_{select.partition(':')[0]}_r2").is_dir()
+    for bad, err in (
+        ("sort", "--selects sort: the topk stage takes split, split_ranked, kernel, top_k"),
+        ("split:chunk=2", "--selects split:chunk=2: knobs are split's seg, num_warps"),
+        ("kernel:num_warps=8", "--selects kernel:num_warps=8: knobs are split's"),
+    ):  # fmt: skip
+        monkeypatch.setattr(sys, "argv", [*argv[: -len(selects)], bad])
+        with pytest.raises(SystemExit):
+            profile_stage.main()
+        assert err in capsys.readouterr().err
+
+
+def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypatch, capsys):
+    """`profile_stage --stage kda_prefill --varlen-seqs 3`: the tokens packed as `linear_attention`'s varlen
+    batch of that many sequences (its lengths in the title; the CPU runs the jnp form, no device kernels)."""
+    from benchmarks import profile_stage
+    from benchmarks.linear_attention import varlen_offsets
+
+    argv = ["profile_stage", "--stage", "kda_prefill", "--tokens", "256", "--varlen-seqs", "3", "--calls", "1",
+            "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_stage.main()
+    lengths = np.diff(varlen_offsets(256, 3)).tolist()
+    assert len(lengths) == 3 and sum(lengths) == 256
+    assert f"3 packed sequences (lengths {lengths})" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -66,6 +66,32 @@ def test_mosaic_state_pass_snapshots():
     assert rel_err(states[:, 1], states[:, 0]) > 0.1  # two different states, not one written twice
 
 
+def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
+    """Packed sequences from zero states (`api._block_layout`: one pass, a reset zero chunk before each sequence,
+    final states from the snapshots at block ends) against the Triton pass over the chunk-aligned packing and
+    each sequence alone: the same outputs and final states; an empty sequence's state stays zero. (The 10%
+    padding bound is lifted: sequences this short pad more.)"""
+    from pallas_kernels.linear_attention import api
+
+    monkeypatch.setattr(api, "VARLEN_MAX_PAD", 2.0)
+    lengths = [100, 0, 64, 130]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    args, _ = _prefill_inputs(8, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
+    every, starts, snaps, resets, total = api._block_layout(np.asarray(lengths))
+    layout = (every, starts.tolist(), snaps.tolist(), resets, total)
+    assert layout == (64, [0, 128, 192, 320], [1, -1, 3, 7], (2, 4), 512)
+    assert _runs_mosaic_state_pass(*args, cu_seqlens=cu)
+    o, s = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
+    o_t, s_t = kda(*args, impl="pallas", cu_seqlens=cu, interpret=not NATIVE)
+    assert o.shape == o_t.shape and s.shape == s_t.shape == (4, 2, 64, 64)
+    assert rel_err(o, o_t) < 2e-3 and rel_err(s, s_t) < 1e-4
+    assert not np.asarray(s[1]).any()
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        if b > a:
+            ref_o, ref_s = kda(*(x[:, a:b] for x in args), impl="reference", form="recurrent")
+            assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2
+
+
 def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
     """The interpreter's happens-before race detector over the TMA pipeline, the o slots and the snapshot buffer
     (4 chunks, a snapshot every 2): none found. It models the TMA engine and the warpgroup as separate threads,
@@ -93,7 +119,10 @@ def test_mosaic_state_pass_refusals_name_the_value():
     wide = _prefill_inputs(0, 1, 64, 1, 200, 16, False, jnp.bfloat16, False)[0]
     with pytest.raises(ValueError, match=r"K <= 128 \(got 200\)"):
         kda(*wide, impl="mosaic", interpret=True)
-    with pytest.raises(ValueError, match="impl='mosaic' does not take cu_seqlens"):
+    s2 = jnp.zeros((2, 1, 16, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"from zero states \(got initial states for 2 sequences\)"):
+        kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], initial_state=s2, interpret=True)
+    with pytest.raises(ValueError, match=r"within 1.1x their tokens \(got 2 sequences, 64 tokens\)"):
         kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], interpret=True)
     if not registry.is_sm90():
         with pytest.raises(ValueError, match="needs a Hopper"):
@@ -129,7 +158,8 @@ def _state_pass_traced(*args, **kw) -> str:
 def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypatch):
     """Off in `linear_attention/tuning.py`, "auto" on a Hopper GPU keeps the Triton kernels. On (the default),
     it runs the Mosaic GPU state pass on sm_90 for the calls it takes (inside `use_pallas()` too) and the Triton
-    one for the rest (packed sequences, float32 inputs, K > 128, another GPU)."""
+    one for the rest (packed sequences that pad more than 10% laid out for it, float32 inputs, K > 128, another
+    GPU)."""
     from pallas_kernels.linear_attention import tuning
     from pallas_kernels.linear_attention.api import _mosaic_why_not
 
@@ -140,7 +170,9 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
     assert registry.resolve("kda_prefill", "mosaic", tokens=4096).impl == "mosaic"
     monkeypatch.setattr(tuning, "MOSAIC_STATE_PASS", True)
     assert _mosaic_why_not(q, None, None) is None
-    assert _mosaic_why_not(q, None, [0, 30, 64]) == "sequences not packed (got cu_seqlens of 2 sequences)"
+    assert _mosaic_why_not(q, None, [0, 30, 64]) == (
+        "packed sequences that one pass holds within 1.1x their tokens (got 2 sequences, 64 tokens)"
+    )
     assert _mosaic_why_not(q.astype(jnp.float32), None, None) == "bfloat16 inputs (got float32)"
     assert _mosaic_why_not(q, "tf32", None) == "bf16 products (got precision='tf32')"
     assert _mosaic_why_not(jnp.zeros((1, 64, 1, 200), jnp.bfloat16), None, None) == "K <= 128 (got 200)"
@@ -158,6 +190,8 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
     # whole calls: the Mosaic pass where it takes the call, the Triton one for packed sequences or float32 inputs
     assert _state_pass_traced(*args) == "mosaic"
     assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "triton"
+    long_args, _ = _prefill_inputs(0, 1, 1280, 1, 64, 64, False, jnp.bfloat16, False)
+    assert _state_pass_traced(*long_args, cu_seqlens=[0, 640, 1280]) == "mosaic"  # 1344 of 1280 tokens: 5% more
     assert _state_pass_traced(*(x.astype(jnp.float32) for x in args)) == "triton"
 
 

@@ -448,19 +448,17 @@ def test_split_selection_equals_row_selection():
                                               err_msg=kind)  # fmt: skip
 
     want = top_k_rows_pallas(xs, ls, k=k, chunk=128, interpret=True, prefilter=False)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(select_split, "PASS_CHUNK", 32)
-        got = select_split.top_k_split.__wrapped__(xs, ls, k=k, chunk=128, seg=64, interpret=True)
+    steps = dict(pass_chunk=32)  # several steps per program in every pass
+    got = select_split.top_k_split(xs, ls, k=k, chunk=128, seg=64, interpret=True, **steps)
     check(got, want)
     # best first: the candidates ranked against each other (rows with more than 2k of them — ties, a
     # constant row, tied_kth — cut to k by each ranking program's own search), in lax.top_k's order
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(select_split, "PASS_CHUNK", 32)
         mp.setattr(select_split, "RANK_STEP", 16)  # several steps per ranking program
         mp.setattr(select_split, "RANK_SEARCH_CHUNK", 32)  # several steps of the search ...
         mp.setattr(select_split, "RANK_GATHER_CHUNK", 16)  # ... and of the scan for the chosen
         vals, idx = select_split.top_k_split.__wrapped__(
-            xs, ls, k=k, chunk=128, seg=64, best_first=True, interpret=True
+            xs, ls, k=k, chunk=128, seg=64, best_first=True, interpret=True, **steps
         )
     top_v, top_i = jax.lax.top_k(xs, k)
     check((vals, idx), (top_v, np.where(np.isneginf(top_v), -1, np.asarray(top_i))))
@@ -472,6 +470,8 @@ def test_split_selection_equals_row_selection():
         select_split.top_k_split(xs, ls, k=k, chunk=128, seg=48, interpret=True)
     with pytest.raises(ValueError, match="chunk=96"):
         select_split.top_k_split(xs, ls, k=k, chunk=96, interpret=True)
+    with pytest.raises(ValueError, match="pass_chunk=24"):
+        select_split.top_k_split(xs, ls, k=k, chunk=128, pass_chunk=24, interpret=True)
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ from pallas_kernels.indexer.select_kernel import (
 from pallas_kernels.indexer.tuning import (
     MIN_SEGMENT,
     PASS_CHUNK,
+    PASS_WARPS,
     QUANTILE_TARGETS,
     RANK_BLOCK,
     RANK_GATHER_CHUNK,
@@ -82,7 +83,8 @@ NUM_BOUNDS = len(QUANTILE_TARGETS) + len(SPREAD_FRACTIONS) + 2  # 16: a power of
 _MIN_BOUND = NUM_BOUNDS - 1
 STATS = 8  # count, sum, sum of squares, min, max, then zeros (a power-of-two block)
 # (tuning.py) The passes aim for TARGET_PROGRAMS programs across all rows, with segments of at least
-# MIN_SEGMENT scores (wider rows of a batch reach `chunk` first), PASS_CHUNK scores per step.
+# MIN_SEGMENT scores (wider rows of a batch reach `chunk` first), PASS_CHUNK scores per step, PASS_WARPS warps
+# per program.
 # best_first (tuning.py): candidates ranked by comparison up to RANK_MAX_PER_K x k of them (every candidate
 # against every other: O(n^2) compares, spread over n / RANK_BLOCK programs, RANK_STEP at a time); a row with
 # more has its k chosen by a radix search in every ranking program, RANK_SEARCH_CHUNK candidates per step of
@@ -337,11 +339,13 @@ def rank_width(k: int) -> tuple[int, int]:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("k", "chunk", "seg", "best_first", "stats_parts", "interpret", "num_warps", "select_warps"),
-)
+    static_argnames=(
+        "k", "chunk", "seg", "best_first", "stats_parts", "interpret", "num_warps", "select_warps", "pass_chunk",
+    ),
+)  # fmt: skip
 def top_k_split(
     x, limits, *, k, chunk=4096, seg=None, best_first=False, stats=None, stats_parts=None, interpret=False,
-    num_warps=4, select_warps=SELECT_WARPS,
+    num_warps=PASS_WARPS, select_warps=SELECT_WARPS, pass_chunk=PASS_CHUNK,
 ):  # fmt: skip
     """x [R, S] float32 scores (S a multiple of `chunk`, a power of two; -inf = not a candidate), limits [R]
     int32 with the same contract as `select_kernel.top_k_rows_pallas` (the scores past limits[r] are -inf)
@@ -353,16 +357,20 @@ def top_k_split(
     selected by one and sorted afterwards.
     stats [R, P, STATS]: the rows' statistics from whoever wrote the scores (`kernel.indexer_scores_pallas(
     stats=True)`: count, sum, sum of squares, min, max of the finite scores of any partition of the row
-    into its first `stats_parts` of P entries, P a power of two), in place of the first pass."""
+    into its first `stats_parts` of P entries, P a power of two), in place of the first pass.
+    Tuning (defaults in tuning.py): num_warps of the passes, pass_chunk scores per step of a pass (a power of
+    two)."""
     r, s = x.shape
     if s % chunk or chunk & (chunk - 1):
         raise ValueError(f"top_k_split: chunk={chunk} must be a power of two dividing the row length {s}")
     seg = segment_size(r, s, chunk) if seg is None else seg
     if s % seg or seg & (seg - 1):
         raise ValueError(f"top_k_split: seg={seg} must be a power of two dividing the row length {s}")
+    if pass_chunk <= 0 or pass_chunk & (pass_chunk - 1):
+        raise ValueError(f"top_k_split: pass_chunk={pass_chunk} must be a positive power of two")
     segments = s // seg
     p_pad = pow2(segments)
-    step = min(PASS_CHUNK, seg)
+    step = min(pass_chunk, seg)
     limits = limits.astype(jnp.int32).reshape(r, 1)  # each kernel clips it to its segment: no XLA op before them
     x = x.astype(jnp.float32)
     kw = dict(interpret=interpret, **triton_params(interpret, num_warps, 1))

@@ -59,11 +59,12 @@ PREFILTER_MIN_ROWS_PER_WIDTH = 4
 # and the min) must stay a power of two (`select_split.NUM_BOUNDS`, a block shape).
 QUANTILE_TARGETS = (0.5, 0.7, 0.85, 0.95, 1.03, 1.1, 1.2, 1.4, 1.7, 2.5)
 SPREAD_FRACTIONS = (1 / 256, 1 / 32, 1 / 8, 1 / 2)
-# Split selection passes: programs aimed for across all rows (sm_90: 132 SMs), the smallest segment, and
-# scores per step of a pass.
+# Split selection passes: programs aimed for across all rows (sm_90: 132 SMs), the smallest segment, scores
+# per step of a pass, warps per program.
 TARGET_PROGRAMS = 128
 MIN_SEGMENT = 256
 PASS_CHUNK = 1024
+PASS_WARPS = 4
 # Best-first ranking: rows of up to RANK_MAX_PER_K x k candidates ranked whole (O(n^2) compares), RANK_BLOCK
 # candidates per program compared RANK_STEP at a time; rows with more: candidates per step of the in-kernel
 # K-th key search and of the scan for a program's chosen ones; the ranking's warps and pipeline stages.

@@ -24,6 +24,7 @@ from pallas_kernels.linear_attention.reference import (
     kda_verify_layer_reference,
 )
 from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
+from pallas_kernels.linear_attention.tuning import VARLEN_BLOCKS, VARLEN_MAX_PAD
 from pallas_kernels.projection.api import SplitK, materialize
 
 __all__ = [
@@ -104,7 +105,7 @@ def kda(
     if precision not in (None, "tf32", "bf16", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
     if impl == "auto" and form is None:
-        why_not = _mosaic_why_not(q, precision, cu_seqlens)
+        why_not = _mosaic_why_not(q, precision, cu_seqlens, initial_state)
         impl = registry.resolve("kda_prefill", impl, tokens=q.shape[1], mosaic_why_not=why_not).impl
     elif impl == "auto":  # a reference form asked for
         impl = "reference"
@@ -117,13 +118,16 @@ def kda(
         )  # fmt: skip
     if cu_seqlens is not None:
         if impl == "mosaic":
-            raise ValueError("kda: impl='mosaic' does not take cu_seqlens (packed sequences: impl='pallas')")
-        if impl == "pallas":
-            return _varlen_packed(
-                q, k, v, g, beta, cu_seqlens, initial_state,
-                dict(scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
-                     precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps, solve=solve),
-            )  # fmt: skip
+            why = _mosaic_why_not(q, precision, cu_seqlens, initial_state)
+            if why is not None:
+                raise ValueError(f"kda: impl='mosaic' needs {why}")
+        if impl in ("pallas", "mosaic"):
+            kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
+                      precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps,
+                      solve=solve)  # fmt: skip
+            if impl == "mosaic":
+                return _varlen_blocks(q, k, v, g, beta, cu_seqlens, {**kw, "state_impl": "mosaic"})
+            return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)  # fmt: skip
         return _varlen(
             q, k, v, g, beta, cu_seqlens, initial_state,
             dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl="reference", form=form, chunk_size=chunk_size),
@@ -247,12 +251,70 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     return o[0, token_slot][None], s
 
 
-def _mosaic_why_not(q, precision, cu_seqlens) -> str | None:
+def _block_layout(lengths: np.ndarray):
+    """Packed sequences laid out for one unpacked state pass (`_varlen_blocks`), or None when that layout
+    would compute more than VARLEN_MAX_PAD x the chunk-aligned packing (many short sequences: the Triton
+    pass over the packing, `_varlen_packed`, takes them).
+
+    The pass stores its state every E tokens (E: CHUNK x a whole number, about VARLEN_BLOCKS snapshots in
+    all). Each non-empty sequence gets a block of whole E: one zero chunk (all but the first sequence), its
+    tokens, zero padding. The zero chunk is reset (`kda_chunked_pallas(reset_chunks=)`): the state after it
+    is zero, so the sequence starts from zero; zero tokens after it leave the state unchanged, so the snapshot
+    at the block's end is the sequence's final state.
+    Returns (E, token start per sequence, snapshot index per sequence (-1: empty), reset chunks, total)."""
+    aligned = int((-(-lengths // CHUNK)).sum()) * CHUNK
+    if aligned == 0:
+        return None
+    every = CHUNK * -(-aligned // (CHUNK * VARLEN_BLOCKS))
+    starts, snaps, resets, total = [], [], [], 0
+    for n in lengths.tolist():
+        if n == 0:
+            starts.append(total)
+            snaps.append(-1)
+            continue
+        lead = CHUNK if total else 0
+        if lead:
+            resets.append(total // CHUNK)
+        starts.append(total + lead)
+        total += -(-(lead + n) // every) * every
+        snaps.append(total // every - 1)
+    if total > VARLEN_MAX_PAD * aligned:
+        return None
+    return every, np.asarray(starts), np.asarray(snaps), tuple(resets), total
+
+
+def _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw):
+    """Packed sequences from zero states through one unpacked prefill (`_block_layout`): the state pass
+    that runs a single sequence (the Mosaic GPU one) with a reset chunk before each sequence and the final
+    states read from its snapshots. Static slices pack and unpack."""
+    cu = _sequence_offsets(cu_seqlens, q)
+    lengths = np.diff(cu)
+    every, starts, snaps, resets, total = _block_layout(lengths)
+    n, dk, dv = q.shape[2], q.shape[3], v.shape[3]
+    token_slot = np.concatenate([st + np.arange(m) for st, m in zip(starts, lengths, strict=True)])  # token order
+    src = np.full(total, -1)
+    src[token_slot] = np.arange(token_slot.size)
+    o, _, states = _kda_pallas(
+        *(_gather_rows(x, src[None]) for x in (q, k, v, g, beta)), None, state_every=every, reset_chunks=resets, **kw
+    )  # fmt: skip
+    zero = jnp.zeros((1, n, dk, dv), jnp.float32)
+    final = jnp.concatenate([states[:, j] if j >= 0 else zero for j in snaps.tolist()], axis=0)
+    return o[0, token_slot][None], final
+
+
+def _mosaic_why_not(q, precision, cu_seqlens, initial_state=None) -> str | None:
     """What impl="mosaic" needs that this call lacks (None: it can take it): for "auto"
-    (`registry._kda_prefill_pick`) and, as a ValueError, for impl="mosaic" (`_check_mosaic`)."""
+    (`registry._kda_prefill_pick`) and, as a ValueError, for impl="mosaic" (`_check_mosaic`). Packed sequences
+    (`_varlen_blocks`) start from zero states and must fit its block layout."""
     kmax = max(state_mosaic.HEAD_DIMS)
     if cu_seqlens is not None:
-        return f"sequences not packed (got cu_seqlens of {len(cu_seqlens) - 1} sequences)"
+        n_seq = len(cu_seqlens) - 1
+        if initial_state is not None:
+            return f"packed sequences from zero states (got initial states for {n_seq} sequences)"
+        lengths = np.diff(_sequence_offsets(cu_seqlens, q))
+        if _block_layout(lengths) is None:
+            return (f"packed sequences that one pass holds within {VARLEN_MAX_PAD}x their tokens (got {n_seq} "
+                    f"sequences, {int(lengths.sum())} tokens)")  # fmt: skip
     if jnp.dtype(q.dtype) != jnp.bfloat16:
         return f"bfloat16 inputs (got {jnp.dtype(q.dtype).name})"
     if _pallas_precision(precision, q) != "bf16":
@@ -275,13 +337,14 @@ def _check_mosaic(q, precision: str, interpret) -> None:
 
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
-    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton",
+    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", reset_chunks=(),
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16, >= 64 for the Mosaic GPU
     state pass, `state_impl="mosaic"`), runs, unpads.
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged.
     seq_chunks: (first chunk, chunk count) per chunk-aligned packed sequence; initial_state then [S,N,K,V].
-    state_every (a multiple of 64): the states after every state_every tokens come back third."""
+    state_every (a multiple of 64): the states after every state_every tokens come back third.
+    reset_chunks: `kda_chunked_pallas`'s (chunks of the unpadded T)."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     if block_v <= 0 or block_v & (block_v - 1):
@@ -305,6 +368,8 @@ def _kda_pallas(
     extra = {} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])
     if state_every is not None:  # a boundary inside the padding (T rounded up to 64) is cut off below
         extra["state_every"] = state_every
+    if reset_chunks:
+        extra["reset_chunks"] = tuple(reset_chunks)
     out = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,

@@ -34,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
@@ -354,12 +355,13 @@ def _gate_spec(nc, dk):
         "parts",
         "state_every",
         "state_impl",
+        "reset_chunks",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
-    state_impl="triton",
+    state_impl="triton", reset_chunks=(),
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -374,6 +376,11 @@ def kda_chunked_pallas(
     sequence with no chunk keeps its s0 (the final states alias s0's buffer). The intra-chunk phase runs
     over all chunks at once; the state pass is one program per (sequence, head, V-block), each walking only
     its own sequence's chunks (the sequences' recurrences side by side, not one after another).
+
+    reset_chunks (static chunk indices): the state pass sets exp(G_C) of these chunks to 0, so the state after
+    each is its k_gᵀ V' alone — zero for a chunk of zero tokens (q = k = v = 0, beta = 0: W = U = k_g = 0). A
+    zero chunk reset this way starts the next packed sequence from a zero state inside one unpacked pass
+    (`api._varlen_blocks`).
 
     state_impl: "triton" (`_state_kernel`) or "mosaic" (`state_mosaic.kda_state_pass_mosaic`: Hopper, or
     Mosaic GPU's interpreter with `interpret`; bf16 intermediates, K 64 or 128, V a multiple of 64, sequences
@@ -394,6 +401,10 @@ def kda_chunked_pallas(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
         parts=parts,
     )  # fmt: skip
+    if reset_chunks:
+        if packed or not all(0 <= c < nc for c in reset_chunks):
+            raise ValueError(f"kda_chunked_pallas: reset_chunks={reset_chunks} must be chunks of [0, {nc}), unpacked")
+        gl = gl.at[:, np.asarray(reset_chunks)].set(0.0)
     if state_impl == "mosaic":
         out = state_mosaic.kda_state_pass_mosaic(
             w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret

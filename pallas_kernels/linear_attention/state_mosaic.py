@@ -56,7 +56,7 @@ def unsupported(dk: int, dv: int, t: int, inter_dtype, packed: bool, out_dtype=j
     """Why the Mosaic state pass cannot take this call (None: it can): out_dtype is the output's (it writes
     bfloat16)."""
     if packed:
-        return "sequences not packed (packed sequences run the Triton state pass)"
+        return "sequences not packed (packed sequences reach it laid out as one, `api._block_layout`)"
     if jnp.dtype(inter_dtype) != jnp.bfloat16:
         return f'bfloat16 intermediates (precision="bf16"; got {jnp.dtype(inter_dtype).name})'
     if jnp.dtype(out_dtype) != jnp.bfloat16:

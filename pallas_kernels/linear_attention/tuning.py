@@ -23,3 +23,9 @@ VERIFY_BLOCK_V = 32
 # (bf16 inputs and products, K <= 128, no packed sequences). On: the whole 32K prefill ran faster with it than with
 # the Triton state pass at 64 and 96 heads, and level at 32 (docs/performance.md, "KDA prefill").
 MOSAIC_STATE_PASS = True
+
+# Packed sequences through the Mosaic GPU state pass (`api._block_layout`): about VARLEN_BLOCKS state snapshots per
+# call (each [N, K, V] float32 written once: the block length E grows with the tokens), and that layout only where
+# it computes at most VARLEN_MAX_PAD x the tokens of the chunk-aligned packing (else the Triton pass takes them).
+VARLEN_BLOCKS = 128
+VARLEN_MAX_PAD = 1.1
