@@ -143,8 +143,12 @@ def _device_span_ms(call, n: int, reps: int) -> float | None:
 
 
 def device_events(trace_dir: Path) -> list[tuple[float, float, str]]:
-    """(start us, duration us, name) of the device-side events of the perfetto trace under trace_dir, by start."""
-    path = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    """(start us, duration us, name) of the device-side events of the perfetto trace under trace_dir, by start:
+    the newest one there (a directory traced into again keeps the earlier runs' traces beside it)."""
+    paths = list(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    path = max(paths, key=lambda p: p.stat().st_mtime_ns)
     events = json.loads(gzip.decompress(path.read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}

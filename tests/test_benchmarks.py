@@ -215,6 +215,17 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
         (0.0, 3.0, "fusion_1"),
         (0.0, 5.0, "fusion_1"),
     ]
+    # traced into again: the newest trace is read, not the first found
+    import os
+
+    again = tmp_path / "trace" / "plugins" / "profile" / "another"
+    again.mkdir()
+    (again / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps(events[:2] + events[4:5]).encode()))
+    old = (trace / "perfetto_trace.json.gz").stat().st_mtime_ns
+    os.utime(again / "perfetto_trace.json.gz", ns=(old + 10**9, old + 10**9))
+    assert dict(profile_stage.kernel_times(tmp_path / "trace")) == {"kda_decode_step": [2.5]}
+    with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz under"):
+        benchmarks.common.device_events(tmp_path / "out")
     # the CPU has no device events to list, but the stage compiles, runs under the profiler and leaves its HLO
     argv = ["profile_stage", "--model", "tiny", "--stage", "kda", "--batch", "1", "--context", "16", "--calls", "2",
             "--out", str(tmp_path / "out"), "--quant", "hierarchical"]  # fmt: skip
