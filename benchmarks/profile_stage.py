@@ -342,6 +342,8 @@ def main() -> None:
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="profile_stage_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.stage == "kda_prefill":
+        if not 0 <= args.varlen_seqs <= args.tokens:
+            p.error(f"--varlen-seqs {args.varlen_seqs}: must be in [0, {args.tokens}] (the tokens)")
         profile_kda_prefill(args.tokens, args, out_dir)
         return
     if args.stage == "topk":

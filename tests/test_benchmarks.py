@@ -215,15 +215,20 @@ def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatc
         (0.0, 3.0, "fusion_1"),
         (0.0, 5.0, "fusion_1"),
     ]
-    # traced into again: the newest trace is read, not the first found
+    # traced into again: the newest trace is read, whichever of the two is newer (not the first found)
     import os
 
     again = tmp_path / "trace" / "plugins" / "profile" / "another"
     again.mkdir()
     (again / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps(events[:2] + events[4:5]).encode()))
-    old = (trace / "perfetto_trace.json.gz").stat().st_mtime_ns
-    os.utime(again / "perfetto_trace.json.gz", ns=(old + 10**9, old + 10**9))
-    assert dict(profile_stage.kernel_times(tmp_path / "trace")) == {"kda_decode_step": [2.5]}
+    now = (trace / "perfetto_trace.json.gz").stat().st_mtime_ns
+    for newer, want in (
+        (again, {"kda_decode_step": [2.5]}),
+        (trace, {"fusion_1": [3.0, 5.0], "kda_decode_step": [2.5]}),
+    ):
+        now += 10**9
+        os.utime(newer / "perfetto_trace.json.gz", ns=(now, now))
+        assert dict(profile_stage.kernel_times(tmp_path / "trace")) == want
     with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz under"):
         benchmarks.common.device_events(tmp_path / "out")
     # the CPU has no device events to list, but the stage compiles, runs under the profiler and leaves its HLO
@@ -837,16 +842,29 @@ def test_profile_stage_topk_runs_each_selection_and_refuses_others(tmp_path, mon
 def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypatch, capsys):
     """`profile_stage --stage kda_prefill --varlen-seqs 3`: the tokens packed as `linear_attention`'s varlen
     batch of that many sequences (its lengths in the title; the CPU runs the jnp form, no device kernels)."""
+    import pallas_kernels.linear_attention as la
     from benchmarks import profile_stage
     from benchmarks.linear_attention import varlen_offsets
 
+    seen, kda = [], la.kda
+
+    def spy(*a, cu_seqlens=None, **kw):
+        seen.append(None if cu_seqlens is None else np.asarray(cu_seqlens).tolist())
+        return kda(*a, cu_seqlens=cu_seqlens, **kw)
+
+    monkeypatch.setattr(la, "kda", spy)
     argv = ["profile_stage", "--stage", "kda_prefill", "--tokens", "256", "--varlen-seqs", "3", "--calls", "1",
             "--out", str(tmp_path)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     profile_stage.main()
-    lengths = np.diff(varlen_offsets(256, 3)).tolist()
-    assert len(lengths) == 3 and sum(lengths) == 256
-    assert f"3 packed sequences (lengths {lengths})" in capsys.readouterr().out
+    cu = varlen_offsets(256, 3).tolist()
+    assert len(cu) == 4 and cu[0] == 0 and cu[-1] == 256 and seen and all(x == cu for x in seen)
+    assert f"3 packed sequences (lengths {np.diff(cu).tolist()})" in capsys.readouterr().out
+    for bad in ("-1", "257"):
+        monkeypatch.setattr(sys, "argv", [*argv[:5], f"--varlen-seqs={bad}", *argv[7:]])
+        with pytest.raises(SystemExit):
+            profile_stage.main()
+        assert f"--varlen-seqs {bad}: must be in [0, 256] (the tokens)" in capsys.readouterr().err
 
 
 @pytest.mark.slow

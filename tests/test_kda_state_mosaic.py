@@ -69,23 +69,24 @@ def test_mosaic_state_pass_snapshots():
 def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
     """Packed sequences from zero states (`api._block_layout`: one pass, a reset zero chunk before each sequence,
     final states from the snapshots at block ends) against the Triton pass over the chunk-aligned packing and
-    each sequence alone: the same outputs and final states; an empty sequence's state stays zero. (The 10%
+    each sequence alone: the same outputs and final states. Blocks of 4 chunks (VARLEN_BLOCKS lowered to 2),
+    so a block holds whole pad chunks after a partial one; empty sequences first, inside and last. (The 10%
     padding bound is lifted: sequences this short pad more.)"""
     from pallas_kernels.linear_attention import api
 
     monkeypatch.setattr(api, "VARLEN_MAX_PAD", 2.0)
-    lengths = [100, 0, 64, 130]
+    monkeypatch.setattr(api, "VARLEN_BLOCKS", 2)
+    lengths = [0, 100, 0, 64, 130, 0]
     cu = np.concatenate([[0], np.cumsum(lengths)])
     args, _ = _prefill_inputs(8, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
-    every, starts, snaps, resets, total = api._block_layout(np.asarray(lengths))
-    layout = (every, starts.tolist(), snaps.tolist(), resets, total)
-    assert layout == (64, [0, 128, 192, 320], [1, -1, 3, 7], (2, 4), 512)
+    every, starts, snaps, resets, total, aligned = api._block_layout(np.asarray(lengths))
+    layout = (every, starts.tolist(), snaps.tolist(), resets, total, aligned)
+    assert layout == (256, [0, 0, 256, 320, 576, 768], [-1, 0, -1, 1, 2, -1], (4, 8), 768, 384)
     assert _runs_mosaic_state_pass(*args, cu_seqlens=cu)
     o, s = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
     o_t, s_t = kda(*args, impl="pallas", cu_seqlens=cu, interpret=not NATIVE)
-    assert o.shape == o_t.shape and s.shape == s_t.shape == (4, 2, 64, 64)
+    assert o.shape == o_t.shape and s.shape == s_t.shape == (6, 2, 64, 64)
     assert rel_err(o, o_t) < 2e-3 and rel_err(s, s_t) < 1e-4
-    assert not np.asarray(s[1]).any()
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if b > a:
             ref_o, ref_s = kda(*(x[:, a:b] for x in args), impl="reference", form="recurrent")
@@ -122,7 +123,7 @@ def test_mosaic_state_pass_refusals_name_the_value():
     s2 = jnp.zeros((2, 1, 16, 16), jnp.float32)
     with pytest.raises(ValueError, match=r"from zero states \(got initial states for 2 sequences\)"):
         kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], initial_state=s2, interpret=True)
-    with pytest.raises(ValueError, match=r"within 1.1x their tokens \(got 2 sequences, 64 tokens\)"):
+    with pytest.raises(ValueError, match=r"1.1x their 128 chunk-aligned tokens \(got 192 for 2 sequences\)"):
         kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], interpret=True)
     if not registry.is_sm90():
         with pytest.raises(ValueError, match="needs a Hopper"):
@@ -171,8 +172,9 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
     monkeypatch.setattr(tuning, "MOSAIC_STATE_PASS", True)
     assert _mosaic_why_not(q, None, None) is None
     assert _mosaic_why_not(q, None, [0, 30, 64]) == (
-        "packed sequences that one pass holds within 1.1x their tokens (got 2 sequences, 64 tokens)"
+        "packed sequences laid out as one in at most 1.1x their 128 chunk-aligned tokens (got 192 for 2 sequences)"
     )
+    assert _mosaic_why_not(q[:, :0], None, [0, 0, 0]) == "a non-empty packed sequence (got 2 empty ones)"
     assert _mosaic_why_not(q.astype(jnp.float32), None, None) == "bfloat16 inputs (got float32)"
     assert _mosaic_why_not(q, "tf32", None) == "bf16 products (got precision='tf32')"
     assert _mosaic_why_not(jnp.zeros((1, 64, 1, 200), jnp.bfloat16), None, None) == "K <= 128 (got 200)"

@@ -81,8 +81,10 @@ def kda(
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
-    at each sequence start; the jnp forms run them as one batch padded to the longest (pads at each row's end
-    change no state).
+    at each sequence start; "mosaic" (zero initial states only) runs them as one sequence of blocks, each a
+    reset chunk, the tokens and zero padding, reading the final states from snapshots (`_block_layout`; a
+    sequence whose state overflows to inf / NaN then makes the later sequences' states NaN: the reset multiplies
+    by 0); the jnp forms run them as one batch padded to the longest (pads at each row's end change no state).
     state_every=E (a positive int; not with cu_seqlens): also the states after every E tokens, a third output
     [B, T // E, N, K, V] float32 whose entry j is the state after tokens [0, (j + 1)·E) — what a prefix cache
     keeps at its block boundaries. The Pallas path stores them from its state pass where E is a multiple of 64
@@ -252,35 +254,37 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
 
 
 def _block_layout(lengths: np.ndarray):
-    """Packed sequences laid out for one unpacked state pass (`_varlen_blocks`), or None when that layout
-    would compute more than VARLEN_MAX_PAD x the chunk-aligned packing (many short sequences: the Triton
-    pass over the packing, `_varlen_packed`, takes them).
+    """Packed sequences laid out for one unpacked state pass (`_varlen_blocks`).
 
-    The pass stores its state every E tokens (E: CHUNK x a whole number, about VARLEN_BLOCKS snapshots in
-    all). Each non-empty sequence gets a block of whole E: one zero chunk (all but the first sequence), its
-    tokens, zero padding. The zero chunk is reset (`kda_chunked_pallas(reset_chunks=)`): the state after it
-    is zero, so the sequence starts from zero; zero tokens after it leave the state unchanged, so the snapshot
-    at the block's end is the sequence's final state.
-    Returns (E, token start per sequence, snapshot index per sequence (-1: empty), reset chunks, total)."""
+    The pass stores its state every E tokens. Each non-empty sequence gets a block of whole E: one zero chunk
+    (all but the first sequence), its tokens, zero padding. The zero chunk is reset (`kda_chunked_pallas(
+    reset_chunks=)`): the state after it is zero, so the sequence starts from zero; zero tokens after it leave
+    the state unchanged, so the snapshot at the block's end is the sequence's final state. E is the multiple of
+    CHUNK, from the one that makes about VARLEN_BLOCKS snapshots up to twice it, that lays out the fewest tokens.
+    Returns (E, token start per sequence, snapshot index per sequence (-1: empty), reset chunks, total tokens
+    laid out, tokens of the chunk-aligned packing); None when every sequence is empty."""
     aligned = int((-(-lengths // CHUNK)).sum()) * CHUNK
     if aligned == 0:
         return None
-    every = CHUNK * -(-aligned // (CHUNK * VARLEN_BLOCKS))
-    starts, snaps, resets, total = [], [], [], 0
-    for n in lengths.tolist():
-        if n == 0:
-            starts.append(total)
-            snaps.append(-1)
-            continue
-        lead = CHUNK if total else 0
-        if lead:
-            resets.append(total // CHUNK)
-        starts.append(total + lead)
-        total += -(-(lead + n) // every) * every
-        snaps.append(total // every - 1)
-    if total > VARLEN_MAX_PAD * aligned:
-        return None
-    return every, np.asarray(starts), np.asarray(snaps), tuple(resets), total
+
+    def lay(every):
+        starts, snaps, resets, total = [], [], [], 0
+        for n in lengths.tolist():
+            if n == 0:
+                starts.append(total)
+                snaps.append(-1)
+                continue
+            lead = CHUNK if total else 0
+            if lead:
+                resets.append(total // CHUNK)
+            starts.append(total + lead)
+            total += -(-(lead + n) // every) * every
+            snaps.append(total // every - 1)
+        return every, np.asarray(starts), np.asarray(snaps), tuple(resets), total, aligned
+
+    first = -(-aligned // (CHUNK * VARLEN_BLOCKS))
+    # the fewest tokens; among equals the longest block (the fewest snapshots)
+    return min((lay(CHUNK * m) for m in range(first, 2 * first + 1)), key=lambda lay: (lay[4], -lay[0]))
 
 
 def _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw):
@@ -289,7 +293,7 @@ def _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw):
     states read from its snapshots. Static slices pack and unpack."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
-    every, starts, snaps, resets, total = _block_layout(lengths)
+    every, starts, snaps, resets, total, _ = _block_layout(lengths)
     n, dk, dv = q.shape[2], q.shape[3], v.shape[3]
     token_slot = np.concatenate([st + np.arange(m) for st, m in zip(starts, lengths, strict=True)])  # token order
     src = np.full(total, -1)
@@ -311,10 +315,13 @@ def _mosaic_why_not(q, precision, cu_seqlens, initial_state=None) -> str | None:
         n_seq = len(cu_seqlens) - 1
         if initial_state is not None:
             return f"packed sequences from zero states (got initial states for {n_seq} sequences)"
-        lengths = np.diff(_sequence_offsets(cu_seqlens, q))
-        if _block_layout(lengths) is None:
-            return (f"packed sequences that one pass holds within {VARLEN_MAX_PAD}x their tokens (got {n_seq} "
-                    f"sequences, {int(lengths.sum())} tokens)")  # fmt: skip
+        layout = _block_layout(np.diff(_sequence_offsets(cu_seqlens, q)))
+        if layout is None:
+            return f"a non-empty packed sequence (got {n_seq} empty ones)"
+        total, aligned = layout[4:]
+        if total > VARLEN_MAX_PAD * aligned:
+            return (f"packed sequences laid out as one in at most {VARLEN_MAX_PAD}x their {aligned} chunk-aligned "
+                    f"tokens (got {total} for {n_seq} sequences)")  # fmt: skip
     if jnp.dtype(q.dtype) != jnp.bfloat16:
         return f"bfloat16 inputs (got {jnp.dtype(q.dtype).name})"
     if _pallas_precision(precision, q) != "bf16":

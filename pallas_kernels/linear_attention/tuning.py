@@ -20,12 +20,13 @@ WIDE_STATE_STAGES = 1
 VERIFY_BLOCK_V = 32
 
 # Whether "auto" runs the state pass in Mosaic GPU (`state_mosaic.py`) on a Hopper GPU where it takes the call
-# (bf16 inputs and products, K <= 128, no packed sequences). On: the whole 32K prefill ran faster with it than with
-# the Triton state pass at 64 and 96 heads, and level at 32 (docs/performance.md, "KDA prefill").
+# (bf16 inputs and products, K <= 128; packed sequences from zero states as one, `api._block_layout`). On: the whole
+# 32K prefill ran faster with it than with the Triton state pass at 64 and 96 heads, and level at 32
+# (docs/performance.md, "KDA prefill").
 MOSAIC_STATE_PASS = True
 
-# Packed sequences through the Mosaic GPU state pass (`api._block_layout`): about VARLEN_BLOCKS state snapshots per
-# call (each [N, K, V] float32 written once: the block length E grows with the tokens), and that layout only where
-# it computes at most VARLEN_MAX_PAD x the tokens of the chunk-aligned packing (else the Triton pass takes them).
+# Packed sequences through the Mosaic GPU state pass (`api._block_layout`): VARLEN_BLOCKS to half as many state
+# snapshots per call (each [N, K, V] float32 written once: the block length E grows with the tokens), and that layout
+# only where it computes at most VARLEN_MAX_PAD x the tokens of the chunk-aligned packing (else the Triton pass).
 VARLEN_BLOCKS = 128
 VARLEN_MAX_PAD = 1.1
