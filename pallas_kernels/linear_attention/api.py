@@ -238,10 +238,7 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
         s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
         return jnp.zeros(v.shape, q.dtype), s0.astype(jnp.float32)
     start = np.cumsum(chunks) - chunks  # first chunk of each sequence
-    slot = np.arange(int(chunks.sum()) * CHUNK)
-    seq = np.repeat(np.arange(n_seq), chunks * CHUNK)  # sequence of each packed slot
-    offset = slot - start[seq] * CHUNK
-    src = np.where(offset < lengths[seq], cu[seq] + offset, -1)
+    src, token_slot = _pack_index(start * CHUNK, lengths, int(chunks.sum()) * CHUNK)
     s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
     if s0.shape != (n_seq, n, dk, dv):
         raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
@@ -249,8 +246,16 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
         *(_gather_rows(x, src[None]) for x in (q, k, v, g, beta)), s0,
         seq_chunks=(jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32)), **kw,
     )  # fmt: skip
-    token_slot = np.nonzero(src >= 0)[0]  # packed slots in token order (src rises within and across sequences)
     return o[0, token_slot][None], s
+
+
+def _pack_index(starts, lengths, total: int):
+    """Sequence i's tokens at packed slots [starts_i, starts_i + lengths_i) of `total` -> (src [total]: the token
+    of each slot, -1 for padding (`_gather_rows` packs by it), token_slot [T]: the slot of each token (unpacks))."""
+    token_slot = np.concatenate([np.arange(int(a), int(a) + int(n)) for a, n in zip(starts, lengths, strict=True)])
+    src = np.full(total, -1)
+    src[token_slot] = np.arange(token_slot.size)
+    return src, token_slot
 
 
 def _block_layout(lengths: np.ndarray):
@@ -290,14 +295,12 @@ def _block_layout(lengths: np.ndarray):
 def _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw):
     """Packed sequences from zero states through one unpacked prefill (`_block_layout`): the state pass
     that runs a single sequence (the Mosaic GPU one) with a reset chunk before each sequence and the final
-    states read from its snapshots. Static slices pack and unpack."""
+    states read from its snapshots. Packed and unpacked by the gathers `_varlen_packed` uses."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
     every, starts, snaps, resets, total, _ = _block_layout(lengths)
     n, dk, dv = q.shape[2], q.shape[3], v.shape[3]
-    token_slot = np.concatenate([st + np.arange(m) for st, m in zip(starts, lengths, strict=True)])  # token order
-    src = np.full(total, -1)
-    src[token_slot] = np.arange(token_slot.size)
+    src, token_slot = _pack_index(starts, lengths, total)
     o, _, states = _kda_pallas(
         *(_gather_rows(x, src[None]) for x in (q, k, v, g, beta)), None, state_every=every, reset_chunks=resets, **kw
     )  # fmt: skip
