@@ -508,6 +508,23 @@ def sparse_mla_rows(
             ms = timer(fp8, *args)
             check = f"rel err {err:.1e} (FP8 rounding)"
             rows.append(row(case, shape, label, ms, flops, fp8_bytes, bw, rate, check))
+        if is_sm90() and heads >= 64:  # the Mosaic GPU kernel on the FP8 pool ("auto"'s choice here)
+            label = "mosaic, FP8 latent pool (" + (
+                "pool dequantized once to bfloat16, then the BF16 Mosaic GPU kernel)"
+                if dequantizes_pool(b * t, topk, pool_rows)
+                else "Mosaic GPU: E4M3 rows gathered and converted to bf16 tiles by the producer warpgroup)"
+            )
+            fp8 = jax.jit(
+                lambda a, c, v8, sc, rp, tb, i: sparse_mla(
+                    a, c, v8, tb, i, scale=0.1, impl="mosaic", latent_scales=sc, rope_pages=rp
+                )
+            )
+            err = _err_if_runs(fp8, args, ref_o, f"{case} | {shape} | {label}")
+            if err is None:
+                rows.append(row(case, shape, label, float("nan"), flops, fp8_bytes, bw, rate, "did not run (see log)"))
+                continue
+            ms = timer(fp8, *args)
+            rows.append(row(case, shape, label, ms, flops, fp8_bytes, bw, rate, f"rel err {err:.1e} (FP8 rounding)"))
     return rows
 
 

@@ -256,16 +256,22 @@ def _mla_decode_unsupported(latent: int, rope: int, **_) -> str | None:
 
 
 def mosaic_sparse_unsupported(
-    latent: int, rope: int, q_dtype, pool_dtype, fp8: bool, precision: str, **_
+    latent: int, rope: int, q_dtype, pool_dtype, fp8: bool, precision: str, fp8_tile: int | None = None, **_
 ) -> str | None:
-    """Why the Mosaic GPU sparse-MLA kernel cannot run these shapes (None: it can). Heads are padded to 64."""
+    """Why the Mosaic GPU sparse-MLA kernel cannot run these shapes (None: it can). Heads are padded to 64.
+    An FP8 latent pool (`fp8`) needs E4M3 rows with one float32 scale per `FP8_BLOCK` columns (`fp8_tile`)."""
+    from pallas_kernels.sparse_attention.mosaic_gpu import FP8_BLOCK
     from pallas_kernels.sparse_attention.mosaic_gpu import TILE as tile
 
-    if fp8:
-        return "an FP8 latent pool (the kernel gathers bfloat16 rows)"
     if precision != "bf16" or jnp.dtype(q_dtype) != jnp.bfloat16:
         return f"precision={precision!r} with {jnp.dtype(q_dtype).name} queries (it needs bf16 for both)"
-    if jnp.dtype(pool_dtype) != jnp.bfloat16:
+    if fp8:
+        if jnp.dtype(pool_dtype) != jnp.float8_e4m3fn or fp8_tile != FP8_BLOCK:
+            return (
+                f"an FP8 latent pool of {jnp.dtype(pool_dtype).name} rows with a scale every {fp8_tile} columns "
+                f"(it needs float8_e4m3fn with one every {FP8_BLOCK})"
+            )
+    elif jnp.dtype(pool_dtype) != jnp.bfloat16:
         return f"a {jnp.dtype(pool_dtype).name} pool (it needs bfloat16 rows)"
     if rope not in (0, tile) or latent % (2 * tile):
         return f"latent {latent} / rope {rope} (it needs rope {tile} or 0 and latent a multiple of {2 * tile})"
@@ -276,7 +282,8 @@ def _sparse_pick(heads: int, tiles_given: bool = False, forced: bool = False, **
     least = sparse_tuning.MOSAIC_MIN_HEADS
     why_not = mosaic_sparse_unsupported(**facts)
     if why_not is None and not tiles_given and heads >= least and is_sm90():
-        return Choice("mosaic", None, f"sm_90 with a bf16 pool and {heads} heads >= {least}")
+        pool = "an FP8 latent pool" if facts.get("fp8") else "a bf16 pool"
+        return Choice("mosaic", None, f"sm_90 with {pool} and {heads} heads >= {least}")
     why = why_not or (
         "tile knobs given" if tiles_given else f"{heads} heads < {least}" if heads < least else "not sm_90"
     )

@@ -55,6 +55,46 @@ def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool, rope
     assert rel_err(o.astype(jnp.float32), ref_o.astype(jnp.float32)) < 1e-2
 
 
+@on_sm90
+@pytest.mark.parametrize(
+    "seed, b, t, n, topk, lengths, rope, page",
+    [
+        # 128 heads, top-k not a multiple of 64, short rows (-1 slots), a query with none
+        (10, 3, 1, 128, 300, [700, 90, 1], 64, 64),
+        # 100 heads padded to 128, two query rows each, rows split into parts merged by LSE, pages of 16
+        (11, 2, 2, 100, 256, [500, 260], 64, 16),
+        # decode-sized: 64 queries x 128 heads, top-2048 of 4096, every slot used
+        (12, 64, 1, 128, 2048, [4096] * 64, 64, 64),
+        # NoPE (R = 0): 64 heads, a query with none
+        (13, 3, 1, 64, 320, [900, 70, 1], 0, 64),
+    ],
+)
+def test_mosaic_fp8_pool_matches_reference(seed, b, t, n, topk, lengths, rope, page):
+    """The FP8 latent pool through the Mosaic GPU kernel (E4M3 rows converted by its gather warpgroup) against
+    the reference on the same quantized pool. The pool's rows get magnitudes from 1e-3 to 1e2 so the
+    per-128-column scales differ by row and block."""
+    ql, qr, pool, table, idx = _case(seed, b, t, n, 512, rope, page, topk, lengths, jnp.float32)
+    if seed == 12:
+        rng = np.random.default_rng(seed)
+        idx = jnp.asarray(np.stack([rng.permutation(4096)[:topk] for _ in range(b)])[:, None].astype(np.int32))
+    if lengths[-1] == 1:
+        idx = idx.at[-1].set(-1)
+    mags = 10.0 ** np.random.default_rng(seed).uniform(-3, 2, pool.shape[:2] + (4, 1))
+    lat = (pool[..., :512].reshape(*pool.shape[:2], 4, 128) * mags).reshape(*pool.shape[:2], 512)
+    values, scales = quantize_kv_fp8(lat, 128)
+    rope_pages = pool[..., 512:].astype(jnp.bfloat16)
+    ql, qr = (0.05 * ql).astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
+    kw = dict(latent_scales=scales, rope_pages=rope_pages, scale=0.07)
+    ref_o, ref_lse = sparse_mla(ql, qr, values, table, idx, impl="reference", **kw)
+    o, lse = sparse_mla(ql, qr, values, table, idx, impl="mosaic", **kw)
+    auto_o, _ = sparse_mla(ql, qr, values, table, idx, **kw)  # "auto" picks it from 64 heads
+    np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
+    empty = np.asarray(idx < 0).all(-1)
+    assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-4, atol=1e-4)
+    assert rel_err(o.astype(jnp.float32), ref_o.astype(jnp.float32)) < 1e-2
+
+
 def test_mosaic_refusals_name_the_reason():
     ql, qr, pool, table, idx = _case(3, 1, 1, 64, 512, 64, 64, 64, [100], jnp.bfloat16)
     ql, qr = ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16)
@@ -65,13 +105,17 @@ def test_mosaic_refusals_name_the_reason():
         sparse_mla(ql, qr[..., :32], pool[..., :544], table, idx, scale=0.1, impl="mosaic")
     with pytest.raises(ValueError, match="float32 queries"):
         sparse_mla(ql.astype(jnp.float32), qr, pool, table, idx, scale=0.1, impl="mosaic")
-    values, scales = quantize_kv_fp8(pool[..., :512].astype(jnp.float32), 128)
-    with pytest.raises(ValueError, match="FP8 latent pool"):
+    values, scales = quantize_kv_fp8(pool[..., :512].astype(jnp.float32), 64)  # a scale every 64 columns
+    with pytest.raises(ValueError, match="scale every 64 columns"):
         sparse_mla(
             ql, qr, values, table, idx, scale=0.1, impl="mosaic", latent_scales=scales, rope_pages=pool[..., 512:]
         )
     facts = dict(latent=512, rope=64, q_dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16, fp8=False, precision="bf16")
     assert mosaic_sparse_unsupported(**facts) is None
+    fp8_facts = {**facts, "fp8": True, "pool_dtype": jnp.float8_e4m3fn, "fp8_tile": 128}
+    assert mosaic_sparse_unsupported(**fp8_facts) is None
+    assert "one every 128" in mosaic_sparse_unsupported(**{**fp8_facts, "fp8_tile": 32})
+    assert "float32 queries" in mosaic_sparse_unsupported(**{**fp8_facts, "q_dtype": jnp.float32, "precision": "tf32"})
     assert mosaic_sparse_unsupported(**{**facts, "rope": 0}) is None  # NoPE DSA (GLM-5.3-Flash)
     assert "float32 pool" in mosaic_sparse_unsupported(**{**facts, "pool_dtype": jnp.float32})
     # "auto" picks it on an sm_90 GPU from 64 heads, never off one, nor for fewer heads or with tile knobs
@@ -83,9 +127,10 @@ def test_mosaic_refusals_name_the_reason():
         (("gpu", "8.0"), 128, False, "pallas"),
         (("cpu", None), 128, False, "reference"),
     ]:
-        with registry.assume_device(*device):
-            got = registry.resolve("sparse_mla", heads=heads, tiles_given=tiles, **facts)
-        assert got.impl == want, (device, heads, tiles, got)
+        for f in (facts, fp8_facts):  # the same choice on a BF16 and on an FP8 latent pool
+            with registry.assume_device(*device):
+                got = registry.resolve("sparse_mla", heads=heads, tiles_given=tiles, **f)
+            assert got.impl == want, (device, heads, tiles, f["fp8"], got)
 
 
 _LOWER = """
@@ -98,6 +143,13 @@ for split, rope in ((False, 64), (True, 64), (False, 0)):
     joint = (S((4096, 512 + rope), jnp.bfloat16),)
     pools = (S((4096, 512), jnp.bfloat16), S((4096, 64), jnp.bfloat16)) if split else joint
     args = (S((3, 128, 512), jnp.bfloat16), S((3, 128, rope), jnp.bfloat16), S((6, 256), jnp.int32), *pools)
+    text = sparse_mla_mosaic.trace(*args, scale=0.1, q_splits=2).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, text[:2000]
+# the FP8 latent pool: E4M3 rows, a float32 scale per 128 columns, bf16 rope rows apart (none for NoPE)
+for rope in (64, 0):
+    rope_rows = S((4096, 64), jnp.bfloat16) if rope else None
+    args = (S((3, 128, 512), jnp.bfloat16), S((3, 128, rope), jnp.bfloat16), S((6, 256), jnp.int32),
+            S((4096, 512), jnp.float8_e4m3fn), rope_rows, S((4096, 4), jnp.float32))
     text = sparse_mla_mosaic.trace(*args, scale=0.1, q_splits=2).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text, text[:2000]
 # the public wrapper on awkward shapes (100 heads padded to 128, top-300 padded to 320, parts merged by LSE),
@@ -113,6 +165,10 @@ for split, t, rope in ((False, 1, 64), (True, 3, 64), (False, 2, 0)):
     traced = f.trace(*args, **kw)
     assert [o.shape for o in traced.out_info] == [(2, t, 100, 512), (2, t, 100)], traced.out_info
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    # the FP8 latent pool through the wrapper: decode (E4M3 rows) and a prefill-sized call (pool dequantized)
+    fp8 = dict(latent_scales=S((40, 64, 4), jnp.float32), rope_pages=S((40, 64, rope), jnp.bfloat16))
+    args = (*args[:2], S((40, 64, 512), jnp.float8_e4m3fn), *args[3:])
+    assert "mosaic_gpu" in f.trace(*args, **fp8).lower(lowering_platforms=("cuda",)).as_text()
 print("lowered")
 """
 

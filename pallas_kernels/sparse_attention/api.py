@@ -93,9 +93,17 @@ def _unflat(out, lse, sp: int, q_latent):
     return out[:, :n].reshape(b, t, n, lat), lse[:, :n].reshape(b, t, n)
 
 
-def _sparse_mla_mosaic(q_latent, q_rope, kv_pages, page_table, indices, scale, rope_pages, splits):
+def _sparse_mla_mosaic(q_latent, q_rope, kv_pages, page_table, indices, scale, rope_pages, splits, latent_scales):
     """`mosaic_gpu.sparse_mla_mosaic` over the pool: heads padded to 64, selected rows to a multiple of 64,
-    the rows split into parts merged by LSE when the grid would leave SMs idle (`num_splits`)."""
+    the rows split into parts merged by LSE when the grid would leave SMs idle (`num_splits`). An FP8 latent
+    pool is read as E4M3 rows (converted in the kernel) unless the call reads enough rows to dequantize the
+    pool once (`dequantizes_pool`: a prefill), as on the Pallas path."""
+    b, t = q_latent.shape[:2]
+    pool_rows = kv_pages.shape[0] * kv_pages.shape[1]
+    if rope_pages is not None and not rope_pages.shape[-1]:  # NoPE: a zero-width rope pool has nothing to read
+        rope_pages = None
+    if latent_scales is not None and dequantizes_pool(b * t, indices.shape[-1], pool_rows):
+        kv_pages, latent_scales = dequantized(kv_pages, latent_scales, jnp.bfloat16), None
     b, t, n = q_latent.shape[:3]
     k = indices.shape[-1]
     bh, bk = mosaic_gpu.BLOCK_H, mosaic_gpu.BLOCK_K
@@ -106,7 +114,8 @@ def _sparse_mla_mosaic(q_latent, q_rope, kv_pages, page_table, indices, scale, r
     pools = (kv_pages.reshape(-1, kv_pages.shape[-1]),)
     pools += () if rope_pages is None else (rope_pages.reshape(-1, rope_pages.shape[-1]),)
     slots = slots.reshape(b * t * sp, kp // sp)
-    out, lse = mosaic_gpu.sparse_mla_mosaic(ql, qr, slots, *pools, scale=float(scale), q_splits=sp)
+    scales = None if latent_scales is None else latent_scales.reshape(-1, latent_scales.shape[-1])
+    out, lse = mosaic_gpu.sparse_mla_mosaic(ql, qr, slots, *pools, lat_scales=scales, scale=float(scale), q_splits=sp)
     return _unflat(out, lse, sp, q_latent)
 
 
@@ -146,8 +155,9 @@ def sparse_mla(
       products: "bf16" (bfloat16 operands and probabilities, float32 accumulation; on an FP8 pool the E4M3
       values enter exactly), "tf32" or "ieee"; default "bf16" for bf16 queries, else "tf32";
     - "mosaic": `mosaic_gpu.sparse_mla_mosaic`, Pallas Mosaic GPU for sm_90 (a `cp.async` gather warpgroup
-      and two `wgmma` warpgroups, 64 heads a CTA); bf16 queries and BF16 pool(s), R == 64 or 0, L a multiple of 128;
-      the tile knobs do not apply;
+      and two `wgmma` warpgroups, 64 heads a CTA); bf16 queries, a BF16 pool or an FP8 latent pool with a scale
+      every 128 columns (its gather warpgroup converts the E4M3 rows to bf16 tiles), R == 64 or 0, L a multiple
+      of 128; the tile knobs do not apply;
     - "auto": `registry.resolve("sparse_mla", ...)`.
     `splits`: parts of the selected rows run as separate programs and merged by LSE (default `num_splits`:
     more than one only when the grid would be small, i.e. decode at a small batch). `interpret`: default on
@@ -177,6 +187,7 @@ def sparse_mla(
     facts = dict(
         heads=n, latent=lat, rope=rope, q_dtype=q_latent.dtype, pool_dtype=kv_pages.dtype, fp8=fp8,
         precision=precision, tiles_given=any(v is not None for v in (block_h, block_k, num_warps, num_stages)),
+        fp8_tile=lat // latent_scales.shape[-1] if fp8 else None,
     )  # fmt: skip
     impl = registry.resolve("sparse_mla", impl, **facts).impl
     if impl == "mosaic":
@@ -189,7 +200,9 @@ def sparse_mla(
                 f"sparse_mla(impl='mosaic') needs a Hopper (sm_90) GPU; the first device is {dev.device_kind!r} "
                 f"on {dev.platform!r}"
             )
-        return _sparse_mla_mosaic(q_latent, q_rope, kv_pages, page_table, indices, scale, rope_pages, splits)
+        return _sparse_mla_mosaic(
+            q_latent, q_rope, kv_pages, page_table, indices, scale, rope_pages, splits, latent_scales
+        )
     if impl != "pallas":
         if latent_scales is not None:
             kv_pages = dequantized(kv_pages, latent_scales, jnp.float32)

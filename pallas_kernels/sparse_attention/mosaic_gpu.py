@@ -33,7 +33,9 @@ BLOCK_H = 64  # heads per CTA: the M of one wgmma
 BLOCK_K = 64  # selected rows per step
 TILE = 64  # bf16 columns per 128-byte swizzled tile
 STAGES = 2  # gathered blocks in flight: Q + 2 stages + P fill sm_90's 227 KiB of shared memory
+PRODUCER_REGS = 40  # the gather warpgroup's registers (setmaxnreg); the two consumers take 232 each
 WG = 128  # threads per warpgroup
+FP8_BLOCK = 128  # latent columns per float32 scale of an FP8 cache (`quantize_kv_fp8`'s tile)
 LOG2E = math.log2(math.e)
 
 
@@ -46,6 +48,31 @@ def _plgpu():
 def _tiled():
     plgpu = _plgpu()
     return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
+
+
+def _tiled_fp8():
+    """(8, 128) tiles of one-byte values: the same 128-byte swizzled tile rows as `_tiled`'s bf16 tiles."""
+    plgpu = _plgpu()
+    return (plgpu.TilingTransform((8, FP8_BLOCK)), plgpu.SwizzleTransform(128))
+
+
+def _gather_lane():
+    """This thread's place in a warpgroup-wide row gather (inside an `inline_mgpu` body): eight threads per
+    row, thread t copying 16-byte piece t % 8 of each 128-byte tile row of rows t // 8, t // 8 + 16, ... ->
+    (i32 constant maker, piece, its 16-row group, the byte offset of its piece in a swizzled (8, 128-byte)
+    tile: row % 8 = group % 8, 128-byte swizzle piece ^ row % 8)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    i32 = ir.IntegerType.get_signless(32)
+    c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+    lane = arith.remui(mu.thread_idx(), c32(WG))
+    piece = arith.andi(lane, c32(7))
+    group = arith.shrui(lane, c32(3))  # 0..15: rows group, group + 16, ...
+    r8 = arith.andi(group, c32(7))  # row % 8 of every row this thread copies
+    in_tile = arith.addi(arith.muli(r8, c32(128)), arith.shli(arith.xori(piece, r8), c32(4)))
+    return c32, piece, group, in_tile
 
 
 def _gather_fn(lat: int, rope: int, split_rope: bool):
@@ -75,20 +102,12 @@ def _gather_fn(lat: int, rope: int, split_rope: bool):
     @plgpu.inline_mgpu(arg_types=arg_types)
     def gather(ctx, idx_ref, idx_copy_ref, dst_ref, lat_ref, *rope_ref):
         del ctx
-        i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
         i8 = ir.IntegerType.get_signless(8)
         index = ir.IndexType.get()
-        c32 = lambda v: arith.constant(i32, v)  # noqa: E731
-        lane = arith.remui(mu.thread_idx(), c32(WG))
-        piece = arith.andi(lane, c32(lanes - 1))
-        group = arith.shrui(lane, c32(3))  # 0..15: rows group, group + 16, ...
-        r8 = arith.andi(group, c32(7))  # row % 8 of every row this thread copies
-        # (8, 64) tiles row-tile-major, 1,024 bytes each; 128-byte swizzle: piece ^= row % 8
-        dst_base = arith.addi(
-            arith.muli(arith.shrui(group, c32(3)), c32(tiles * 1024)),
-            arith.addi(arith.muli(r8, c32(128)), arith.shli(arith.xori(piece, r8), c32(4))),
-        )
+        c32, piece, group, in_tile = _gather_lane()
+        # (8, 64) tiles row-tile-major, 1,024 bytes each
+        dst_base = arith.addi(arith.muli(arith.shrui(group, c32(3)), c32(tiles * 1024)), in_tile)
         dst = mu.getelementptr(mu.memref_ptr(dst_ref), [dst_base], i8)
         piece_bytes = arith.extui(i64, arith.shli(piece, c32(4)))
         global_ptr = llvm.PointerType.get(address_space=1)
@@ -121,6 +140,172 @@ def _gather_fn(lat: int, rope: int, split_rope: bool):
         nvvm.cp_async_commit_group()
 
     return gather
+
+
+def _gather_fp8_fn(lat: int, rope: int):
+    """A warpgroup-wide gather of BLOCK_K selected rows of an FP8 latent cache into the producer's staging:
+    E4M3 latent [L] bytes into (L / 128) tile-major (BLOCK_K, 128) swizzled tiles (a 128-byte tile row is 128
+    values here, 64 in bf16: the thread-to-piece mapping of `_gather_fn` carries over), the row's L / 128
+    float32 scales transposed into [L / 128, BLOCK_K] (a row vector per 128-column block, as the conversion
+    reads them) with 4-byte copies, and the bf16 rope [R] into one (BLOCK_K, R) swizzled tile. Unused slots
+    (-1) copy row 0; consumer 0 masks them. One `cp.async` group."""
+    plgpu = _plgpu()
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, scf
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    blocks = lat // FP8_BLOCK
+    lanes, row_groups = 8, WG // 8
+    assert BLOCK_K % row_groups == 0 and row_groups % 8 == 0 and blocks <= lanes
+    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tiled_fp8()), plgpu.RefType())
+    arg_types += (plgpu.RefType(), plgpu.RefType()) + ((plgpu.RefType(_tiled()), plgpu.RefType()) if rope else ())
+
+    @plgpu.inline_mgpu(arg_types=arg_types)
+    def gather(ctx, idx_ref, idx_copy_ref, lat_dst, scl_dst, lat_ref, scl_ref, *rope_refs):
+        del ctx
+        i64 = ir.IntegerType.get_signless(64)
+        i8 = ir.IntegerType.get_signless(8)
+        index = ir.IndexType.get()
+        c32, piece, group, in_tile = _gather_lane()
+        tile_row = arith.muli(arith.shrui(group, c32(3)), c32(1024))  # row-tiles of 1,024 bytes
+        lat_base = mu.getelementptr(mu.memref_ptr(lat_dst), [arith.addi(tile_row, in_tile)], i8)
+        piece_bytes = arith.extui(i64, arith.shli(piece, c32(4)))
+        global_ptr = llvm.PointerType.get(address_space=1)
+        src_lat = llvm.addrspacecast(global_ptr, mu.memref_ptr(lat_ref))
+        src_scl = llvm.addrspacecast(global_ptr, mu.memref_ptr(scl_ref))
+        # this thread's scale block (piece < blocks): [piece, row] in the transposed staging
+        scl_base = mu.getelementptr(mu.memref_ptr(scl_dst), [arith.muli(piece, c32(BLOCK_K * 4))], i8)
+        has_scale = arith.cmpi(arith.CmpIPredicate.ult, piece, c32(blocks))
+        scale_bytes = arith.extui(i64, arith.shli(piece, c32(2)))  # this thread's scale within a row
+        if rope:
+            rope_dst, rope_ref = rope_refs
+            rope_base = mu.getelementptr(mu.memref_ptr(rope_dst), [arith.addi(tile_row, in_tile)], i8)
+            src_rope = llvm.addrspacecast(global_ptr, mu.memref_ptr(rope_ref))
+        for rr in range(BLOCK_K // row_groups):
+            row = arith.addi(group, c32(rr * row_groups))
+            slot = memref.load(idx_ref, [arith.index_cast(index, row)])
+            memref.store(slot, idx_copy_ref, [arith.index_cast(index, row)])
+            slot64 = arith.extui(i64, arith.maxsi(slot, c32(0)))
+            row_off = (rr * row_groups // 8) * 1024
+            lat_row = mu.getelementptr(
+                src_lat, [arith.addi(arith.muli(slot64, arith.constant(i64, lat)), piece_bytes)], i8
+            )
+            for ct in range(blocks):  # tile-major: block ct's (BLOCK_K, 128) tile at ct * BLOCK_K * 128
+                dptr = mu.getelementptr(lat_base, [ct * BLOCK_K * FP8_BLOCK + row_off], i8)
+                sptr = mu.getelementptr(lat_row, [ct * FP8_BLOCK], i8)
+                nvvm.cp_async_shared_global(dptr, sptr, 16, nvvm.LoadCacheModifierKind.CG)
+            if rope:
+                rope_row = mu.getelementptr(
+                    src_rope, [arith.addi(arith.muli(slot64, arith.constant(i64, rope * 2)), piece_bytes)], i8
+                )
+                dptr = mu.getelementptr(rope_base, [row_off], i8)
+                nvvm.cp_async_shared_global(dptr, rope_row, 16, nvvm.LoadCacheModifierKind.CG)
+            if_op = scf.IfOp(has_scale)
+            with ir.InsertionPoint(if_op.then_block):
+                sptr = mu.getelementptr(
+                    src_scl, [arith.addi(arith.muli(slot64, arith.constant(i64, blocks * 4)), scale_bytes)], i8
+                )
+                dptr = mu.getelementptr(scl_base, [arith.shli(row, c32(2))], i8)
+                nvvm.cp_async_shared_global(dptr, sptr, 4, nvvm.LoadCacheModifierKind.CA)
+                scf.yield_([])
+        nvvm.cp_async_commit_group()
+
+    return gather
+
+
+# E4M3 -> bf16 of one 16-byte piece (16 values, 4 words in $8-$11) times its float32 scale ($12) into 8 words
+# of bf16 pairs ($0-$7): E4M3 pairs to f16 pairs (exact), each to float32, the product with the power-of-two
+# scale (exact), rounded to bf16 (exact again for quantize_kv_fp8's values). Lower bytes / halves are the
+# lower-numbered values, as in the pool; cvt.rn.bf16x2.f32 puts its first operand in the upper half.
+_E4M3_PIECE_TO_BF16 = "\n".join(
+    [
+        "{",
+        ".reg .b16 p<8>;",
+        ".reg .b32 h<8>;",
+        ".reg .b16 f<16>;",
+        ".reg .f32 x<16>;",
+        *(f"mov.b32 {{p{2 * w}, p{2 * w + 1}}}, ${8 + w};" for w in range(4)),
+        *(f"cvt.rn.f16x2.e4m3x2 h{j}, p{j};" for j in range(8)),
+        *(f"mov.b32 {{f{2 * j}, f{2 * j + 1}}}, h{j};" for j in range(8)),
+        *(f"cvt.f32.f16 x{v}, f{v};" for v in range(16)),
+        *(f"mul.f32 x{v}, x{v}, $12;" for v in range(16)),
+        *(f"cvt.rn.bf16x2.f32 ${j}, x{2 * j + 1}, x{2 * j};" for j in range(8)),
+        "}",
+    ]
+)
+
+
+def _convert_fn(lat: int, rope: int):
+    """A warpgroup-wide conversion of the producer's staged FP8 block into the consumers' bf16 stage: each
+    thread takes the 16-byte E4M3 pieces it gathered (`_gather_fp8_fn`'s mapping: piece t % 8 of rows
+    t // 8 + 16 j, every scale block) and writes them as two 16-byte bf16 pieces of the swizzled (8, 64)
+    tiles, with one shared-memory load per piece and per scale; the rope tile is copied as is."""
+    plgpu = _plgpu()
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    blocks, tiles = lat // FP8_BLOCK, (lat + rope) // TILE
+    row_groups = WG // 8
+    arg_types = (plgpu.RefType(_tiled_fp8()), plgpu.RefType(), plgpu.RefType(_tiled()))
+    arg_types += (plgpu.RefType(_tiled()),) if rope else ()
+
+    @plgpu.inline_mgpu(arg_types=arg_types)
+    def convert(ctx, lat8_ref, scl_ref, dst_ref, *rope_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i8 = ir.IntegerType.get_signless(8)
+        f32 = ir.F32Type.get()
+        v4 = ir.VectorType.get((4,), i32)
+        words8 = llvm.StructType.get_literal([i32] * 8)
+        c32, piece, group, in_tile = _gather_lane()
+        r8 = arith.andi(group, c32(7))
+        tile_row = arith.shrui(group, c32(3))
+        src = mu.getelementptr(mu.memref_ptr(lat8_ref), [arith.addi(arith.muli(tile_row, c32(1024)), in_tile)], i8)
+        # the 16 values of piece p are bf16 columns 16 p ... of their block: tile 2 ct + p // 4, pieces
+        # 2 (p % 4) and 2 (p % 4) + 1 of its row, each swizzled by row % 8
+        q0 = arith.shli(arith.andi(piece, c32(3)), c32(1))
+        dst_row = arith.addi(
+            arith.muli(tile_row, c32(tiles * 1024)),
+            arith.addi(arith.muli(arith.shrui(piece, c32(2)), c32(1024)), arith.muli(r8, c32(128))),
+        )
+        dst0 = mu.getelementptr(
+            mu.memref_ptr(dst_ref), [arith.addi(dst_row, arith.shli(arith.xori(q0, r8), c32(4)))], i8
+        )
+        q1 = arith.addi(q0, c32(1))
+        dst1 = mu.getelementptr(
+            mu.memref_ptr(dst_ref), [arith.addi(dst_row, arith.shli(arith.xori(q1, r8), c32(4)))], i8
+        )
+        scl = mu.getelementptr(mu.memref_ptr(scl_ref), [arith.shli(group, c32(2))], i8)
+        for rr in range(BLOCK_K // row_groups):
+            row_off = (rr * row_groups // 8) * 1024  # whole 8-row tiles further down
+            for ct in range(blocks):
+                words = llvm.load(v4, mu.getelementptr(src, [ct * BLOCK_K * FP8_BLOCK + row_off], i8), alignment=16)
+                sc = llvm.load(f32, mu.getelementptr(scl, [(ct * BLOCK_K + rr * row_groups) * 4], i8), alignment=4)
+                ins = [llvm.extractelement(words, arith.constant(i32, w)) for w in range(4)]
+                out = llvm.inline_asm(words8, [*ins, sc], _E4M3_PIECE_TO_BF16, "=r," * 8 + "r,r,r,r,f")
+                halves = []
+                for h in range(2):
+                    vec = llvm.mlir_undef(v4)
+                    for w in range(4):
+                        val = llvm.extractvalue(i32, out, [4 * h + w])
+                        vec = llvm.insertelement(vec, val, arith.constant(i32, w))
+                    halves.append(vec)
+                off = rr * row_groups // 8 * tiles * 1024 + 2 * ct * 1024
+                llvm.store(halves[0], mu.getelementptr(dst0, [off], i8), alignment=16)
+                llvm.store(halves[1], mu.getelementptr(dst1, [off], i8), alignment=16)
+            if rope:  # the rope tile: the same swizzled position, the stage's last tile column
+                rsrc = mu.getelementptr(
+                    mu.memref_ptr(rope_ref[0]), [arith.addi(arith.muli(tile_row, c32(1024)), in_tile)], i8
+                )
+                val = llvm.load(v4, mu.getelementptr(rsrc, [row_off], i8), alignment=16)
+                rdst = arith.addi(arith.muli(tile_row, c32(tiles * 1024)), in_tile)
+                off = rr * row_groups // 8 * tiles * 1024 + (lat // TILE) * 1024
+                llvm.store(
+                    val, mu.getelementptr(mu.memref_ptr(dst_ref), [arith.addi(rdst, c32(off))], i8), alignment=16
+                )
+
+    return convert
 
 
 def _wait_fn(pending: int):
@@ -156,6 +341,7 @@ def _kernel(
     idx_ref,
     lat_ref,
     rope_ref,
+    scl_ref,
     o_ref,
     lse_ref,
     scratch,
@@ -169,7 +355,9 @@ def _kernel(
     probe,
 ):
     plgpu = _plgpu()
-    q_smem, kv_smem, p_smem, vecs, idx_smem, bars = scratch
+    fp8 = scl_ref is not None
+    q_smem, kv_smem, p_smem, vecs, idx_smem, staging, bars = scratch
+    stages, idx_slots = kv_smem.shape[0], idx_smem.shape[0]
     vec_smem, lse_smem = vecs.at[0], vecs.at[1]
     ready, consumed, q_bar, p_ready, p_free, fin = bars
     h = lax.axis_index("h")
@@ -181,9 +369,46 @@ def _kernel(
     heads = pl.ds(h * BLOCK_H, BLOCK_H)
     c2 = scale * LOG2E  # logits in base 2
 
-    @pl.when(wg == 2)
+    def _producer_fp8():
+        # One converted stage (the consumers' bf16 tiles) and one FP8 staging area: the gather of block i + 1
+        # runs while the consumers work on block i; block i + 1 is converted once they have released the stage.
+        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+        lat8_smem, scl_smem, *rope_stage = staging
+        gather = _gather_fp8_fn(lat, rope)
+        rope_args = (rope_stage[0], rope_ref) if rope else ()
+
+        def issue(i):
+            block = idx_ref.at[r, pl.ds(i * BLOCK_K, BLOCK_K)]
+            if "nogather" not in probe:
+                gather(block, idx_smem.at[i % idx_slots], lat8_smem, scl_smem, lat_ref, scl_ref, *rope_args)
+
+        to_bf16 = _convert_fn(lat, rope)
+
+        def convert():
+            if "noconvert" not in probe:
+                to_bf16(lat8_smem, scl_smem, kv_smem.at[0], *rope_stage)
+
+        landed = _wait_fn(0)
+        issue(0)
+
+        @pl.loop(0, nb)
+        def _(i):
+            landed()  # block i's staging has landed and is visible to every producer thread
+
+            @pl.when(i >= 1)
+            def _():
+                plgpu.barrier_wait(consumed.at[0])  # both consumers are done with block i - 1
+
+            convert()
+            plgpu.commit_smem()  # the bf16 tiles visible to wgmma; every thread is done reading the staging
+            plgpu.barrier_arrive(ready.at[0])
+
+            @pl.when(i + 1 < nb)
+            def _():
+                issue(i + 1)
+
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
         gather = _gather_fn(lat, rope, split_rope)
         rows = (lat_ref, rope_ref) if split_rope else (lat_ref,)
 
@@ -192,21 +417,23 @@ def _kernel(
             if "nogather" not in probe:
                 # also copies the slots to shared memory, where consumer 0 reads its mask (vector loads from
                 # GMEM are not lowered); a TMA copy of them added its latency to every block's hand-off
-                gather(block, idx_smem.at[i % STAGES], kv_smem.at[i % STAGES], *rows)
+                gather(block, idx_smem.at[i % stages], kv_smem.at[i % stages], *rows)
 
         landed = _wait_fn(0)
 
         @pl.loop(0, nb)
         def _(i):
-            @pl.when(i >= STAGES)
+            @pl.when(i >= stages)
             def _():
-                plgpu.barrier_wait(consumed.at[i % STAGES])
+                plgpu.barrier_wait(consumed.at[i % stages])
 
             issue(i)
             # Signal each block as soon as it lands: signalling block i only after issuing block i + 1
             # (which waits for block i - 1 to be consumed) would run the stages in lockstep.
             landed()
-            plgpu.barrier_arrive(ready.at[i % STAGES])
+            plgpu.barrier_arrive(ready.at[i % stages])
+
+    pl.when(wg == 2)(_producer_fp8 if fp8 else _producer)
 
     @pl.when(wg == 0)
     def _softmax_wg():
@@ -223,7 +450,7 @@ def _kernel(
 
         def step(i, carry):
             acc, m, l = carry
-            slot = i % STAGES
+            slot = i % stages
             plgpu.barrier_wait(ready.at[slot])
 
             def qk(s_ref):
@@ -236,7 +463,7 @@ def _kernel(
                 s = plgpu.layout_cast(jnp.zeros((BLOCK_H, BLOCK_K), jnp.float32), plgpu.Layout.WGMMA)
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
-            idx = plgpu.load(idx_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            idx = plgpu.load(idx_smem.at[i % idx_slots], layout=plgpu.Layout.WGMMA.reduce(0))
             valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
             s = jnp.where(valid, s * c2, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -282,7 +509,7 @@ def _kernel(
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
 
         def step(i, acc):
-            slot = i % STAGES
+            slot = i % stages
             plgpu.barrier_wait(ready.at[slot])
             plgpu.barrier_wait(p_ready)
             alpha = plgpu.load(vec_smem, layout=wgmma_rows)
@@ -306,45 +533,73 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=("scale", "q_splits", "probe"))
 def sparse_mla_mosaic(
-    q_latent, q_rope, slots, lat_rows, rope_rows=None, *, scale: float, q_splits: int = 1, probe: str = ""
+    q_latent,
+    q_rope,
+    slots,
+    lat_rows,
+    rope_rows=None,
+    lat_scales=None,
+    *,
+    scale: float,
+    q_splits: int = 1,
+    probe: str = "",
 ):
     """q_latent [Q,N,L] and q_rope [Q,N,R] bf16, slots [Q*q_splits, K] int32 pool rows (-1 unused),
     lat_rows [rows, L] (+ rope_rows [rows, R]) or lat_rows [rows, L+R] bf16 ->
     (out [Q*q_splits, N, L] bf16, softmax-normalised over each part's rows; lse [Q*q_splits, N] float32).
+    FP8 latent cache: `lat_scales` [rows, L/128] float32 with lat_rows [rows, L] in E4M3 and the rope in its own
+    bf16 rope_rows (none for R = 0); the producer gathers the E4M3 rows and converts them to bf16 tiles (E4M3 x
+    a power-of-two scale, `quantize_kv_fp8`'s, is exact in bf16), so the products are the BF16 kernel's.
 
     Needs N % 64 == 0, K % 64 == 0, R == 64 or R == 0 (no rope part: q_rope [Q,N,0] is not read, no rope pool)
     and L a multiple of 128 (each consumer takes L/2 output columns).
     `probe` is for timing the loop taken apart only (wrong results): "nogather" skips the row copies,
-    "nomma" the products; both may be given.
+    "nomma" the products, "noconvert" the FP8 rows' conversion; any may be given.
     """
     plgpu = _plgpu()
     nq, n, lat = q_latent.shape
     rope = q_rope.shape[-1]
     rows_total, k = slots.shape
+    fp8 = lat_scales is not None
     split_rope = rope_rows is not None
-    bad_rope = rope not in (0, TILE) or (rope == 0 and split_rope)
+    bad_rope = rope not in (0, TILE) or (rope == 0 and split_rope) or (fp8 and rope and not split_rope)
     if n % BLOCK_H or k % BLOCK_K or bad_rope or lat % (2 * TILE) or rows_total != nq * q_splits:
         raise ValueError(
             f"sparse_mla_mosaic: needs heads % {BLOCK_H} == 0 (got {n}), selected % {BLOCK_K} == 0 (got {k}), "
-            f"rope {TILE} or 0 with no rope rows (got {rope}{', rope rows' if split_rope else ''}), "
-            f"latent % {2 * TILE} == 0 (got {lat}), {nq} x {q_splits} slot rows (got {rows_total})"
+            f"rope {TILE} or 0 with no rope rows (got {rope}{', rope rows' if split_rope else ''}; an FP8 latent "
+            f"needs its rope rows apart), latent % {2 * TILE} == 0 (got {lat}), {nq} x {q_splits} slot rows "
+            f"(got {rows_total})"
         )
     width = lat + rope
     pool_widths = (lat_rows.shape[-1],) + ((rope_rows.shape[-1],) if split_rope else ())
     if pool_widths != ((lat, rope) if split_rope else (width,)):
         raise ValueError(f"sparse_mla_mosaic: pool width(s) {pool_widths} do not match latent {lat} + rope {rope}")
+    if fp8 and (lat_rows.dtype != jnp.float8_e4m3fn or lat_scales.shape != (lat_rows.shape[0], lat // FP8_BLOCK)):
+        raise ValueError(
+            f"sparse_mla_mosaic: an FP8 latent needs float8_e4m3fn rows (got {lat_rows.dtype}) and float32 scales "
+            f"[rows, L / {FP8_BLOCK}] = {(lat_rows.shape[0], lat // FP8_BLOCK)} (got {tuple(lat_scales.shape)})"
+        )
     tiled = _tiled()
+    stages = 1 if fp8 else STAGES
     scratch = [
         plgpu.SMEM((width // TILE, BLOCK_H, TILE), jnp.bfloat16, transforms=tiled),  # Q by tile, then the output
-        plgpu.SMEM((STAGES, BLOCK_K, width), jnp.bfloat16, transforms=tiled),  # gathered rows
+        plgpu.SMEM((stages, BLOCK_K, width), jnp.bfloat16, transforms=tiled),  # gathered (converted) rows
         plgpu.SMEM((BLOCK_H, BLOCK_K), jnp.bfloat16, transforms=tiled),  # P for consumer 1
         # correction factors (then the final sums), log-sum-exp: one buffer, as every buffer takes 1 KiB
         plgpu.SMEM((2, BLOCK_H), jnp.float32),
-        plgpu.SMEM((STAGES, BLOCK_K), jnp.int32),  # the selected slots of each stage
+        # the selected slots of each stage (FP8: two, as block i + 1's are gathered while consumer 0 reads i's)
+        plgpu.SMEM((2 if fp8 else stages, BLOCK_K), jnp.int32),
     ]
+    staging = []
+    if fp8:  # the producer's E4M3 rows (tile-major: one (BLOCK_K, 128) tile per scale block), scales, rope
+        staging = [
+            plgpu.SMEM((lat // FP8_BLOCK, BLOCK_K, FP8_BLOCK), jnp.float8_e4m3fn, transforms=_tiled_fp8()),
+            plgpu.SMEM((lat // FP8_BLOCK, BLOCK_K), jnp.float32),
+        ]
+        staging += [plgpu.SMEM((BLOCK_K, rope), jnp.bfloat16, transforms=tiled)] if rope else []
     barriers = (
-        plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # ready: the producer
-        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # consumed: both consumers
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # ready: the producer
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # consumed: both consumers
         plgpu.Barrier(num_arrivals=width // TILE),  # Q: a TMA copy per tile
         plgpu.Barrier(num_arrivals=1),  # P ready
         plgpu.Barrier(num_arrivals=1),  # P read
@@ -360,24 +615,34 @@ def sparse_mla_mosaic(
         split_rope=split_rope,
         probe=probe,
     )
+    n_scratch, n_staging = len(scratch), len(staging)
 
-    def entry(ql, qr, idx, lr, rr, o, lse):
-        pl.run_scoped(
-            lambda *s: kernel(ql, qr, idx, lr, rr, o, lse, (*s[:5], s[5:])), *scratch, *barriers, collective_axes="wg"
-        )
+    def entry(ql, qr, idx, lr, rr, sr, o, lse):
+        def body(*s):
+            staged = s[n_scratch : n_scratch + n_staging]
+            kernel(ql, qr, idx, lr, rr, sr, o, lse, (*s[:n_scratch], staged, s[n_scratch + n_staging :]))
 
-    def entry_joint(ql, qr, idx, lr, o, lse):
-        entry(ql, qr, idx, lr, None, o, lse)
+        pl.run_scoped(body, *scratch, *staging, *barriers, collective_axes="wg")
 
-    def entry_nope(ql, idx, lr, o, lse):
-        entry(ql, None, idx, lr, None, o, lse)
+    # the call's operands: queries (q_rope only with a rope part), slots, pool(s), then the FP8 scales
+    has_qr, has_rr = bool(rope), split_rope
+
+    def entry_any(*refs):
+        refs = list(refs)
+        ql = refs.pop(0)
+        qr = refs.pop(0) if has_qr else None
+        idx, lr = refs.pop(0), refs.pop(0)
+        rr = refs.pop(0) if has_rr else None
+        sr = refs.pop(0) if fp8 else None
+        o, lse = refs
+        entry(ql, qr, idx, lr, rr, sr, o, lse)
 
     out_type = (
         jax.ShapeDtypeStruct((rows_total, n, lat), jnp.bfloat16),
         jax.ShapeDtypeStruct((rows_total, n), jnp.float32),
     )
     call = plgpu.kernel(
-        entry if split_rope else entry_joint if rope else entry_nope,
+        entry_any,
         out_type=out_type,
         grid=(n // BLOCK_H, rows_total),
         grid_names=("h", "r"),
@@ -388,4 +653,5 @@ def sparse_mla_mosaic(
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
     args = (q_latent,) + ((q_rope,) if rope else ()) + (slots, lat_rows) + ((rope_rows,) if split_rope else ())
+    args += (lat_scales.astype(jnp.float32),) if fp8 else ()
     return call(*args)
