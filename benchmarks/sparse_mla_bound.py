@@ -21,7 +21,12 @@ Columns: gathered GB/s counts every program's row reads (4 head blocks each read
 604 MB a call; 2 for 64-head blocks); TFLOP/s the call's products (2·B·heads·K·(2L + R)); % of bound the
 call's time against the tensor bound at the measured bf16 matmul rate.
 
-    python -m benchmarks.sparse_mla_bound [--no-record]
+With --mosaic (sm_90): the Mosaic GPU kernel (`sparse_attention.mosaic_gpu`) taken apart the same way on a
+BF16 pool and on an FP8 latent pool (E4M3, a float32 scale per 128 columns, bf16 rope apart) through its `probe`
+argument: full, the producer alone (no products) and the consumers alone (no row loads), 40 separate
+dispatches of one input each.
+
+    python -m benchmarks.sparse_mla_bound [--no-record] [--mosaic]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from benchmarks.common import ceilings, chained_ms, report
+from benchmarks.common import ceilings, chained_ms, median_ms, report
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.sparse_attention.kernel import sparse_mla_pallas
 
@@ -167,11 +172,53 @@ def rows(rate: float) -> list[dict]:
     return out
 
 
+# (label, probe on a BF16 pool, probe on an FP8 pool)
+MOSAIC_CASES = (
+    ("full (library kernel)", "", ""),
+    ("producer only (no products)", "nomma", "nomma"),
+    ("consumers only (no row loads)", "nogather", "noconvert"),
+)
+
+
+def mosaic_rows(rate: float) -> list[dict]:
+    from hybrid_jax.quant.formats import quantize_kv_fp8
+    from pallas_kernels.sparse_attention.mosaic_gpu import sparse_mla_mosaic
+
+    ql, qr, kv, slot_sets = inputs(jax.random.key(0))
+    slots = slot_sets["own rows"]
+    values, scales = quantize_kv_fp8(kv[:, :LAT].astype(jnp.float32), 128)
+    pools = {"bf16": (kv,), "FP8 latent": (values, kv[:, LAT:], scales)}
+    flops = 2 * B * HEADS * TOPK * (2 * LAT + ROPE)
+    out = []
+    for label, *probes in MOSAIC_CASES:
+        for (pool, args), probe_arg in zip(pools.items(), probes, strict=True):
+            fn = jax.jit(functools.partial(sparse_mla_mosaic, scale=SCALE, probe=probe_arg))
+            ms = median_ms(functools.partial(fn, ql, qr, slots, *args), warmup=2, iters=10, calls=40)
+            out.append(
+                {
+                    "loop": label,
+                    "pool": pool,
+                    "ms": f"{ms:.3f}",
+                    "TFLOP/s": f"{flops / ms / 1e9:.0f}",
+                    "% of tensor bound": f"{flops / rate / (ms * 1e-3):.0%}",
+                }
+            )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--mosaic", action="store_true", help="the Mosaic GPU kernel's rows instead (sm_90)")
     args = p.parse_args()
     _, rate = ceilings()
+    if args.mosaic:
+        title = (
+            f"Sparse MLA decode, Mosaic GPU kernel taken apart: B={B} x {HEADS} heads, L={LAT} R={ROPE}, top-{TOPK} "
+            f"of {ROWS_PER_QUERY} rows per query, 40 separate dispatches; bf16 matmul at {rate / 1e12:.0f} TFLOP/s"
+        )
+        report("sparse_mla_bound.py", title, mosaic_rows(rate), record=not args.no_record)
+        return
     title = (
         f"Sparse MLA decode taken apart: B={B} x {HEADS} heads, L={LAT} R={ROPE}, top-{TOPK} of {ROWS_PER_QUERY} "
         f"rows per query, bf16, 10 chained calls; bf16 matmul measured at {rate / 1e12:.0f} TFLOP/s"

@@ -152,6 +152,8 @@ for rope in (64, 0):
             S((4096, 512), jnp.float8_e4m3fn), rope_rows, S((4096, 4), jnp.float32))
     text = sparse_mla_mosaic.trace(*args, scale=0.1, q_splits=2).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text, text[:2000]
+    for probe in ("nomma", "noconvert"):  # the parts `benchmarks/sparse_mla_bound.py --mosaic` times
+        sparse_mla_mosaic.trace(*args, scale=0.1, q_splits=2, probe=probe).lower(lowering_platforms=("cuda",))
 # the public wrapper on awkward shapes (100 heads padded to 128, top-300 padded to 320, parts merged by LSE),
 # as on a Hopper GPU
 import pallas_kernels.registry as registry

@@ -13,6 +13,11 @@ STAGES gathered blocks in shared memory. The roles run on separate warpgroups, a
   P (bf16) handed to consumer 1 through shared memory, and O[:, :256] += P V[:, :256].
 - consumer 1: O[:, 256:] += P V[:, 256:], rescaled by consumer 0's correction factors.
 
+On an FP8 latent pool (E4M3, a float32 scale per 128 columns, bf16 rope apart) the producer (104 registers; consumer
+1 keeps 168) loads each block's E4M3 pieces into registers with plain 16-byte loads, the scales and rope with
+`cp.async`, and writes the block converted into the same bf16 stages (inline PTX: E4M3 pairs to f16, times the
+scale in float32, to bf16, all exact), so the consumers are unchanged.
+
 Per 64-row block the tensor work is S (64x64x576) and P V (64x64x512) once each: no product is repeated.
 Why a second kernel: the Triton kernel (`kernel.py`) stays far below the tensor bound at decode; warpgroups with
 one role each overlap the gather, the products and the softmax. The row gather bounds this one; measurements in
@@ -34,7 +39,15 @@ BLOCK_K = 64  # selected rows per step
 TILE = 64  # bf16 columns per 128-byte swizzled tile
 STAGES = 2  # gathered blocks in flight: Q + 2 stages + P fill sm_90's 227 KiB of shared memory
 PRODUCER_REGS = 40  # the gather warpgroup's registers (setmaxnreg); the two consumers take 232 each
+# the FP8 producer holds a block's E4M3 pieces in registers (64 a thread); consumer 1 takes the rest of the pool
+FP8_PRODUCER_REGS = 104
+# registers a thread of the three warpgroups may hold together: the 168 x 384 given at launch (an increase past
+# them never completes: setmaxnreg.inc waits for registers no warpgroup releases)
+REGISTER_POOL = 504
 WG = 128  # threads per warpgroup
+# _SMALL: the small float32 vectors share one shared-memory buffer [2 + STAGES + scale rows, 64]: row 0 the
+# correction factors (then the final sums), row 1 the log-sum-exp, then the selected slots of each stage (int32
+# bits, consumer 0's mask), then an FP8 pool's row scales [L / 128, 64].
 FP8_BLOCK = 128  # latent columns per float32 scale of an FP8 cache (`quantize_kv_fp8`'s tile)
 LOG2E = math.log2(math.e)
 
@@ -48,12 +61,6 @@ def _plgpu():
 def _tiled():
     plgpu = _plgpu()
     return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
-
-
-def _tiled_fp8():
-    """(8, 128) tiles of one-byte values: the same 128-byte swizzled tile rows as `_tiled`'s bf16 tiles."""
-    plgpu = _plgpu()
-    return (plgpu.TilingTransform((8, FP8_BLOCK)), plgpu.SwizzleTransform(128))
 
 
 def _gather_lane():
@@ -118,7 +125,8 @@ def _gather_fn(lat: int, rope: int, split_rope: bool):
             row = arith.addi(group, c32(rr * row_groups))
             slot = memref.load(idx_ref, [arith.index_cast(index, row)])
             # the block's slots for consumer 0's mask: the row's 8 threads store the same value
-            memref.store(slot, idx_copy_ref, [arith.index_cast(index, row)])
+            # the slot's bits in the float32 buffer the kernel's small vectors share (`_SMALL`)
+            memref.store(arith.bitcast(ir.F32Type.get(), slot), idx_copy_ref, [arith.index_cast(index, row)])
             slot = arith.maxsi(slot, c32(0))
             slot64 = arith.extui(i64, slot)
             row_stride = lat * 2 if split_rope else width * 2
@@ -137,77 +145,6 @@ def _gather_fn(lat: int, rope: int, split_rope: bool):
                 else:
                     sptr = mu.getelementptr(lat_row, [ct * TILE * 2], i8)
                 nvvm.cp_async_shared_global(dptr, sptr, 16, nvvm.LoadCacheModifierKind.CG)
-        nvvm.cp_async_commit_group()
-
-    return gather
-
-
-def _gather_fp8_fn(lat: int, rope: int):
-    """A warpgroup-wide gather of BLOCK_K selected rows of an FP8 latent cache into the producer's staging:
-    E4M3 latent [L] bytes into (L / 128) tile-major (BLOCK_K, 128) swizzled tiles (a 128-byte tile row is 128
-    values here, 64 in bf16: the thread-to-piece mapping of `_gather_fn` carries over), the row's L / 128
-    float32 scales transposed into [L / 128, BLOCK_K] (a row vector per 128-column block, as the conversion
-    reads them) with 4-byte copies, and the bf16 rope [R] into one (BLOCK_K, R) swizzled tile. Unused slots
-    (-1) copy row 0; consumer 0 masks them. One `cp.async` group."""
-    plgpu = _plgpu()
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, scf
-    from jax.experimental.mosaic.gpu import utils as mu
-
-    blocks = lat // FP8_BLOCK
-    lanes, row_groups = 8, WG // 8
-    assert BLOCK_K % row_groups == 0 and row_groups % 8 == 0 and blocks <= lanes
-    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tiled_fp8()), plgpu.RefType())
-    arg_types += (plgpu.RefType(), plgpu.RefType()) + ((plgpu.RefType(_tiled()), plgpu.RefType()) if rope else ())
-
-    @plgpu.inline_mgpu(arg_types=arg_types)
-    def gather(ctx, idx_ref, idx_copy_ref, lat_dst, scl_dst, lat_ref, scl_ref, *rope_refs):
-        del ctx
-        i64 = ir.IntegerType.get_signless(64)
-        i8 = ir.IntegerType.get_signless(8)
-        index = ir.IndexType.get()
-        c32, piece, group, in_tile = _gather_lane()
-        tile_row = arith.muli(arith.shrui(group, c32(3)), c32(1024))  # row-tiles of 1,024 bytes
-        lat_base = mu.getelementptr(mu.memref_ptr(lat_dst), [arith.addi(tile_row, in_tile)], i8)
-        piece_bytes = arith.extui(i64, arith.shli(piece, c32(4)))
-        global_ptr = llvm.PointerType.get(address_space=1)
-        src_lat = llvm.addrspacecast(global_ptr, mu.memref_ptr(lat_ref))
-        src_scl = llvm.addrspacecast(global_ptr, mu.memref_ptr(scl_ref))
-        # this thread's scale block (piece < blocks): [piece, row] in the transposed staging
-        scl_base = mu.getelementptr(mu.memref_ptr(scl_dst), [arith.muli(piece, c32(BLOCK_K * 4))], i8)
-        has_scale = arith.cmpi(arith.CmpIPredicate.ult, piece, c32(blocks))
-        scale_bytes = arith.extui(i64, arith.shli(piece, c32(2)))  # this thread's scale within a row
-        if rope:
-            rope_dst, rope_ref = rope_refs
-            rope_base = mu.getelementptr(mu.memref_ptr(rope_dst), [arith.addi(tile_row, in_tile)], i8)
-            src_rope = llvm.addrspacecast(global_ptr, mu.memref_ptr(rope_ref))
-        for rr in range(BLOCK_K // row_groups):
-            row = arith.addi(group, c32(rr * row_groups))
-            slot = memref.load(idx_ref, [arith.index_cast(index, row)])
-            memref.store(slot, idx_copy_ref, [arith.index_cast(index, row)])
-            slot64 = arith.extui(i64, arith.maxsi(slot, c32(0)))
-            row_off = (rr * row_groups // 8) * 1024
-            lat_row = mu.getelementptr(
-                src_lat, [arith.addi(arith.muli(slot64, arith.constant(i64, lat)), piece_bytes)], i8
-            )
-            for ct in range(blocks):  # tile-major: block ct's (BLOCK_K, 128) tile at ct * BLOCK_K * 128
-                dptr = mu.getelementptr(lat_base, [ct * BLOCK_K * FP8_BLOCK + row_off], i8)
-                sptr = mu.getelementptr(lat_row, [ct * FP8_BLOCK], i8)
-                nvvm.cp_async_shared_global(dptr, sptr, 16, nvvm.LoadCacheModifierKind.CG)
-            if rope:
-                rope_row = mu.getelementptr(
-                    src_rope, [arith.addi(arith.muli(slot64, arith.constant(i64, rope * 2)), piece_bytes)], i8
-                )
-                dptr = mu.getelementptr(rope_base, [row_off], i8)
-                nvvm.cp_async_shared_global(dptr, rope_row, 16, nvvm.LoadCacheModifierKind.CG)
-            if_op = scf.IfOp(has_scale)
-            with ir.InsertionPoint(if_op.then_block):
-                sptr = mu.getelementptr(
-                    src_scl, [arith.addi(arith.muli(slot64, arith.constant(i64, blocks * 4)), scale_bytes)], i8
-                )
-                dptr = mu.getelementptr(scl_base, [arith.shli(row, c32(2))], i8)
-                nvvm.cp_async_shared_global(dptr, sptr, 4, nvvm.LoadCacheModifierKind.CA)
-                scf.yield_([])
         nvvm.cp_async_commit_group()
 
     return gather
@@ -235,77 +172,109 @@ _E4M3_PIECE_TO_BF16 = "\n".join(
 )
 
 
-def _convert_fn(lat: int, rope: int):
-    """A warpgroup-wide conversion of the producer's staged FP8 block into the consumers' bf16 stage: each
-    thread takes the 16-byte E4M3 pieces it gathered (`_gather_fp8_fn`'s mapping: piece t % 8 of rows
-    t // 8 + 16 j, every scale block) and writes them as two 16-byte bf16 pieces of the swizzled (8, 64)
-    tiles, with one shared-memory load per piece and per scale; the rope tile is copied as is."""
+def _fp8_block_fn(lat: int, rope: int):
+    """A warpgroup-wide load of BLOCK_K selected FP8 rows straight into one bf16 stage, without staging:
+    `_gather_lane`'s mapping (piece t % 8 of rows t // 8 + 16 j). Each thread first puts its rows' slots in
+    shared memory (consumer 0's mask) and issues `cp.async` copies of the rope pieces into the stage's rope
+    tile and of the rows' float32 scales into `scl_ref` [L / 128, BLOCK_K]; then loads its 16-byte E4M3
+    pieces of every scale block into registers (L / 128 x BLOCK_K / 16 of them in flight), waits for the
+    copies (a warpgroup barrier: a scale was copied by another thread), converts each piece
+    (`_E4M3_PIECE_TO_BF16`) and stores it as two bf16 pieces of the swizzled tiles."""
     plgpu = _plgpu()
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, scf
     from jax.experimental.mosaic.gpu import utils as mu
 
     blocks, tiles = lat // FP8_BLOCK, (lat + rope) // TILE
     row_groups = WG // 8
-    arg_types = (plgpu.RefType(_tiled_fp8()), plgpu.RefType(), plgpu.RefType(_tiled()))
-    arg_types += (plgpu.RefType(_tiled()),) if rope else ()
+    assert BLOCK_K % row_groups == 0 and blocks <= 8
+    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tiled()), plgpu.RefType())
+    arg_types += (plgpu.RefType(), plgpu.RefType()) + ((plgpu.RefType(),) if rope else ())
 
     @plgpu.inline_mgpu(arg_types=arg_types)
-    def convert(ctx, lat8_ref, scl_ref, dst_ref, *rope_ref):
+    def load_convert(ctx, idx_ref, idx_copy_ref, dst_ref, scl_dst, lat_ref, scl_ref, *rope_ref):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
         i8 = ir.IntegerType.get_signless(8)
         f32 = ir.F32Type.get()
+        index = ir.IndexType.get()
         v4 = ir.VectorType.get((4,), i32)
         words8 = llvm.StructType.get_literal([i32] * 8)
         c32, piece, group, in_tile = _gather_lane()
         r8 = arith.andi(group, c32(7))
         tile_row = arith.shrui(group, c32(3))
-        src = mu.getelementptr(mu.memref_ptr(lat8_ref), [arith.addi(arith.muli(tile_row, c32(1024)), in_tile)], i8)
-        # the 16 values of piece p are bf16 columns 16 p ... of their block: tile 2 ct + p // 4, pieces
-        # 2 (p % 4) and 2 (p % 4) + 1 of its row, each swizzled by row % 8
+        global_ptr = llvm.PointerType.get(address_space=1)
+        src_lat = llvm.addrspacecast(global_ptr, mu.memref_ptr(lat_ref))
+        src_scl = llvm.addrspacecast(global_ptr, mu.memref_ptr(scl_ref))
+        dst = mu.memref_ptr(dst_ref)
+        row_base = arith.muli(tile_row, c32(tiles * 1024))  # this thread's first row tile of the stage
+        # E4M3 piece p of scale block ct = bf16 columns 128 ct + 16 p: tile 2 ct + p // 4, pieces 2 (p % 4)
+        # and 2 (p % 4) + 1 of the row, each swizzled by row % 8
         q0 = arith.shli(arith.andi(piece, c32(3)), c32(1))
-        dst_row = arith.addi(
-            arith.muli(tile_row, c32(tiles * 1024)),
-            arith.addi(arith.muli(arith.shrui(piece, c32(2)), c32(1024)), arith.muli(r8, c32(128))),
-        )
-        dst0 = mu.getelementptr(
-            mu.memref_ptr(dst_ref), [arith.addi(dst_row, arith.shli(arith.xori(q0, r8), c32(4)))], i8
-        )
         q1 = arith.addi(q0, c32(1))
-        dst1 = mu.getelementptr(
-            mu.memref_ptr(dst_ref), [arith.addi(dst_row, arith.shli(arith.xori(q1, r8), c32(4)))], i8
+        dst_row = arith.addi(
+            row_base, arith.addi(arith.muli(arith.shrui(piece, c32(2)), c32(1024)), arith.muli(r8, c32(128)))
         )
-        scl = mu.getelementptr(mu.memref_ptr(scl_ref), [arith.shli(group, c32(2))], i8)
+        dst0 = mu.getelementptr(dst, [arith.addi(dst_row, arith.shli(arith.xori(q0, r8), c32(4)))], i8)
+        dst1 = mu.getelementptr(dst, [arith.addi(dst_row, arith.shli(arith.xori(q1, r8), c32(4)))], i8)
+        scl_base = mu.memref_ptr(scl_dst)
+        scl_mine = mu.getelementptr(scl_base, [arith.shli(group, c32(2))], i8)
+        scl_copy = mu.getelementptr(
+            scl_base, [arith.addi(arith.muli(piece, c32(BLOCK_K * 4)), arith.shli(group, c32(2)))], i8
+        )
+        has_scale = arith.cmpi(arith.CmpIPredicate.ult, piece, c32(blocks))
+        scale_bytes = arith.extui(i64, arith.shli(piece, c32(2)))
+        piece_bytes = arith.extui(i64, arith.shli(piece, c32(4)))
+        if rope:
+            src_rope = llvm.addrspacecast(global_ptr, mu.memref_ptr(rope_ref[0]))
+            rope_off = arith.addi(row_base, arith.addi(in_tile, c32((lat // TILE) * 1024)))
+            rope_dst = mu.getelementptr(dst, [rope_off], i8)
+        slots = []
         for rr in range(BLOCK_K // row_groups):
-            row_off = (rr * row_groups // 8) * 1024  # whole 8-row tiles further down
+            row = arith.index_cast(index, arith.addi(group, c32(rr * row_groups)))
+            slot = memref.load(idx_ref, [row])
+            memref.store(arith.bitcast(f32, slot), idx_copy_ref, [row])  # int32 bits in the float32 buffer
+            slots.append(arith.extui(i64, arith.maxsi(slot, c32(0))))  # unused (-1): row 0, masked
+        for rr, slot64 in enumerate(slots):  # the small copies first: they land while the pieces load
+            stage_off = rr * row_groups // 8 * tiles * 1024
+            if rope:
+                src = mu.getelementptr(
+                    src_rope, [arith.addi(arith.muli(slot64, arith.constant(i64, rope * 2)), piece_bytes)], i8
+                )
+                dptr = mu.getelementptr(rope_dst, [stage_off], i8)
+                nvvm.cp_async_shared_global(dptr, src, 16, nvvm.LoadCacheModifierKind.CG)
+            if_op = scf.IfOp(has_scale)
+            with ir.InsertionPoint(if_op.then_block):
+                src = mu.getelementptr(
+                    src_scl, [arith.addi(arith.muli(slot64, arith.constant(i64, blocks * 4)), scale_bytes)], i8
+                )
+                dptr = mu.getelementptr(scl_copy, [rr * row_groups * 4], i8)
+                nvvm.cp_async_shared_global(dptr, src, 4, nvvm.LoadCacheModifierKind.CA)
+                scf.yield_([])
+        nvvm.cp_async_commit_group()
+        pieces = {}
+        for rr, slot64 in enumerate(slots):
+            lat_row = mu.getelementptr(
+                src_lat, [arith.addi(arith.muli(slot64, arith.constant(i64, lat)), piece_bytes)], i8
+            )
             for ct in range(blocks):
-                words = llvm.load(v4, mu.getelementptr(src, [ct * BLOCK_K * FP8_BLOCK + row_off], i8), alignment=16)
-                sc = llvm.load(f32, mu.getelementptr(scl, [(ct * BLOCK_K + rr * row_groups) * 4], i8), alignment=4)
-                ins = [llvm.extractelement(words, arith.constant(i32, w)) for w in range(4)]
-                out = llvm.inline_asm(words8, [*ins, sc], _E4M3_PIECE_TO_BF16, "=r," * 8 + "r,r,r,r,f")
-                halves = []
-                for h in range(2):
-                    vec = llvm.mlir_undef(v4)
-                    for w in range(4):
-                        val = llvm.extractvalue(i32, out, [4 * h + w])
-                        vec = llvm.insertelement(vec, val, arith.constant(i32, w))
-                    halves.append(vec)
-                off = rr * row_groups // 8 * tiles * 1024 + 2 * ct * 1024
-                llvm.store(halves[0], mu.getelementptr(dst0, [off], i8), alignment=16)
-                llvm.store(halves[1], mu.getelementptr(dst1, [off], i8), alignment=16)
-            if rope:  # the rope tile: the same swizzled position, the stage's last tile column
-                rsrc = mu.getelementptr(
-                    mu.memref_ptr(rope_ref[0]), [arith.addi(arith.muli(tile_row, c32(1024)), in_tile)], i8
-                )
-                val = llvm.load(v4, mu.getelementptr(rsrc, [row_off], i8), alignment=16)
-                rdst = arith.addi(arith.muli(tile_row, c32(tiles * 1024)), in_tile)
-                off = rr * row_groups // 8 * tiles * 1024 + (lat // TILE) * 1024
-                llvm.store(
-                    val, mu.getelementptr(mu.memref_ptr(dst_ref), [arith.addi(rdst, c32(off))], i8), alignment=16
-                )
+                pieces[rr, ct] = llvm.load(v4, mu.getelementptr(lat_row, [ct * FP8_BLOCK], i8), alignment=16)
+        nvvm.cp_async_wait_group(0)
+        mu.warpgroup_barrier()  # every thread's copies have landed (a scale was copied by another thread)
+        for (rr, ct), words in pieces.items():
+            sptr = mu.getelementptr(scl_mine, [(ct * BLOCK_K + rr * row_groups) * 4], i8)
+            sc = llvm.load(f32, sptr, alignment=4)
+            ins = [llvm.extractelement(words, arith.constant(i32, w)) for w in range(4)]
+            out = llvm.inline_asm(words8, [*ins, sc], _E4M3_PIECE_TO_BF16, "=r," * 8 + "r,r,r,r,f")
+            off = rr * row_groups // 8 * tiles * 1024 + 2 * ct * 1024
+            for h, dptr in enumerate((dst0, dst1)):
+                vec = llvm.mlir_undef(v4)
+                for w in range(4):
+                    vec = llvm.insertelement(vec, llvm.extractvalue(i32, out, [4 * h + w]), arith.constant(i32, w))
+                llvm.store(vec, mu.getelementptr(dptr, [off], i8), alignment=16)
 
-    return convert
+    return load_convert
 
 
 def _wait_fn(pending: int):
@@ -356,8 +325,9 @@ def _kernel(
 ):
     plgpu = _plgpu()
     fp8 = scl_ref is not None
-    q_smem, kv_smem, p_smem, vecs, idx_smem, staging, bars = scratch
-    stages, idx_slots = kv_smem.shape[0], idx_smem.shape[0]
+    q_smem, kv_smem, p_smem, vecs, bars = scratch
+    stages = kv_smem.shape[0]
+    idx_smem = vecs.at[pl.ds(2, stages)]  # the selected slots of each stage, as float32 bits (`_SMALL`)
     vec_smem, lse_smem = vecs.at[0], vecs.at[1]
     ready, consumed, q_bar, p_ready, p_free, fin = bars
     h = lax.axis_index("h")
@@ -370,42 +340,26 @@ def _kernel(
     c2 = scale * LOG2E  # logits in base 2
 
     def _producer_fp8():
-        # One converted stage (the consumers' bf16 tiles) and one FP8 staging area: the gather of block i + 1
-        # runs while the consumers work on block i; block i + 1 is converted once they have released the stage.
-        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-        lat8_smem, scl_smem, *rope_stage = staging
-        gather = _gather_fp8_fn(lat, rope)
-        rope_args = (rope_stage[0], rope_ref) if rope else ()
-
-        def issue(i):
-            block = idx_ref.at[r, pl.ds(i * BLOCK_K, BLOCK_K)]
-            if "nogather" not in probe:
-                gather(block, idx_smem.at[i % idx_slots], lat8_smem, scl_smem, lat_ref, scl_ref, *rope_args)
-
-        to_bf16 = _convert_fn(lat, rope)
-
-        def convert():
-            if "noconvert" not in probe:
-                to_bf16(lat8_smem, scl_smem, kv_smem.at[0], *rope_stage)
-
-        landed = _wait_fn(0)
-        issue(0)
+        # Two bf16 stages as on a BF16 pool: the producer loads block i's E4M3 pieces into registers and writes
+        # them converted into stage i % 2 while the consumers work on the other stage.
+        plgpu.set_max_registers(FP8_PRODUCER_REGS, action="decrease")
+        scl_smem = vecs.at[pl.ds(2 + stages, lat // FP8_BLOCK)]  # the rows' scales
+        load_convert = _fp8_block_fn(lat, rope)
+        rope_args = (rope_ref,) if rope else ()
 
         @pl.loop(0, nb)
         def _(i):
-            landed()  # block i's staging has landed and is visible to every producer thread
-
-            @pl.when(i >= 1)
+            @pl.when(i >= stages)
             def _():
-                plgpu.barrier_wait(consumed.at[0])  # both consumers are done with block i - 1
+                plgpu.barrier_wait(consumed.at[i % stages])
 
-            convert()
-            plgpu.commit_smem()  # the bf16 tiles visible to wgmma; every thread is done reading the staging
-            plgpu.barrier_arrive(ready.at[0])
-
-            @pl.when(i + 1 < nb)
-            def _():
-                issue(i + 1)
+            block = idx_ref.at[r, pl.ds(i * BLOCK_K, BLOCK_K)]
+            if "noconvert" not in probe:
+                load_convert(
+                    block, idx_smem.at[i % stages], kv_smem.at[i % stages], scl_smem, lat_ref, scl_ref, *rope_args
+                )
+            plgpu.commit_smem()  # the bf16 tiles visible to wgmma; the scales read before the next block's copies
+            plgpu.barrier_arrive(ready.at[i % stages])
 
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
@@ -463,7 +417,8 @@ def _kernel(
                 s = plgpu.layout_cast(jnp.zeros((BLOCK_H, BLOCK_K), jnp.float32), plgpu.Layout.WGMMA)
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
-            idx = plgpu.load(idx_smem.at[i % idx_slots], layout=plgpu.Layout.WGMMA.reduce(0))
+            idx = plgpu.load(idx_smem.at[i % stages], layout=plgpu.Layout.WGMMA.reduce(0))
+            idx = lax.bitcast_convert_type(idx, jnp.int32)
             valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
             s = jnp.where(valid, s * c2, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -504,7 +459,8 @@ def _kernel(
 
     @pl.when(wg == 1)
     def _value_wg():
-        plgpu.set_max_registers(232, action="increase")
+        # its accumulator is 128 registers a thread; beside the FP8 producer it keeps the 168 of the launch
+        plgpu.set_max_registers(REGISTER_POOL - 232 - FP8_PRODUCER_REGS if fp8 else 232, action="increase")
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -548,13 +504,13 @@ def sparse_mla_mosaic(
     lat_rows [rows, L] (+ rope_rows [rows, R]) or lat_rows [rows, L+R] bf16 ->
     (out [Q*q_splits, N, L] bf16, softmax-normalised over each part's rows; lse [Q*q_splits, N] float32).
     FP8 latent cache: `lat_scales` [rows, L/128] float32 with lat_rows [rows, L] in E4M3 and the rope in its own
-    bf16 rope_rows (none for R = 0); the producer gathers the E4M3 rows and converts them to bf16 tiles (E4M3 x
-    a power-of-two scale, `quantize_kv_fp8`'s, is exact in bf16), so the products are the BF16 kernel's.
+    bf16 rope_rows (none for R = 0); the producer loads the E4M3 rows and writes them as bf16 tiles (E4M3 x a
+    power-of-two scale, `quantize_kv_fp8`'s, is exact in bf16), so the products are the BF16 kernel's.
 
     Needs N % 64 == 0, K % 64 == 0, R == 64 or R == 0 (no rope part: q_rope [Q,N,0] is not read, no rope pool)
     and L a multiple of 128 (each consumer takes L/2 output columns).
-    `probe` is for timing the loop taken apart only (wrong results): "nogather" skips the row copies,
-    "nomma" the products, "noconvert" the FP8 rows' conversion; any may be given.
+    `probe` is for timing the loop taken apart only (wrong results): "nogather" skips the BF16 row copies,
+    "noconvert" the FP8 producer's loads and conversion, "nomma" the products; any may be given.
     """
     plgpu = _plgpu()
     nq, n, lat = q_latent.shape
@@ -580,26 +536,16 @@ def sparse_mla_mosaic(
             f"[rows, L / {FP8_BLOCK}] = {(lat_rows.shape[0], lat // FP8_BLOCK)} (got {tuple(lat_scales.shape)})"
         )
     tiled = _tiled()
-    stages = 1 if fp8 else STAGES
     scratch = [
         plgpu.SMEM((width // TILE, BLOCK_H, TILE), jnp.bfloat16, transforms=tiled),  # Q by tile, then the output
-        plgpu.SMEM((stages, BLOCK_K, width), jnp.bfloat16, transforms=tiled),  # gathered (converted) rows
+        plgpu.SMEM((STAGES, BLOCK_K, width), jnp.bfloat16, transforms=tiled),  # gathered (converted) rows
         plgpu.SMEM((BLOCK_H, BLOCK_K), jnp.bfloat16, transforms=tiled),  # P for consumer 1
-        # correction factors (then the final sums), log-sum-exp: one buffer, as every buffer takes 1 KiB
-        plgpu.SMEM((2, BLOCK_H), jnp.float32),
-        # the selected slots of each stage (FP8: two, as block i + 1's are gathered while consumer 0 reads i's)
-        plgpu.SMEM((2 if fp8 else stages, BLOCK_K), jnp.int32),
+        # `_SMALL`: every buffer takes whole 1 KiB granules, and two bf16 stages leave room for one more
+        plgpu.SMEM((2 + STAGES + (lat // FP8_BLOCK if fp8 else 0), BLOCK_K), jnp.float32),
     ]
-    staging = []
-    if fp8:  # the producer's E4M3 rows (tile-major: one (BLOCK_K, 128) tile per scale block), scales, rope
-        staging = [
-            plgpu.SMEM((lat // FP8_BLOCK, BLOCK_K, FP8_BLOCK), jnp.float8_e4m3fn, transforms=_tiled_fp8()),
-            plgpu.SMEM((lat // FP8_BLOCK, BLOCK_K), jnp.float32),
-        ]
-        staging += [plgpu.SMEM((BLOCK_K, rope), jnp.bfloat16, transforms=tiled)] if rope else []
     barriers = (
-        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # ready: the producer
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # consumed: both consumers
+        plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # ready: the producer
+        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # consumed: both consumers
         plgpu.Barrier(num_arrivals=width // TILE),  # Q: a TMA copy per tile
         plgpu.Barrier(num_arrivals=1),  # P ready
         plgpu.Barrier(num_arrivals=1),  # P read
@@ -615,14 +561,13 @@ def sparse_mla_mosaic(
         split_rope=split_rope,
         probe=probe,
     )
-    n_scratch, n_staging = len(scratch), len(staging)
+    n_scratch = len(scratch)
 
     def entry(ql, qr, idx, lr, rr, sr, o, lse):
         def body(*s):
-            staged = s[n_scratch : n_scratch + n_staging]
-            kernel(ql, qr, idx, lr, rr, sr, o, lse, (*s[:n_scratch], staged, s[n_scratch + n_staging :]))
+            kernel(ql, qr, idx, lr, rr, sr, o, lse, (*s[:n_scratch], s[n_scratch:]))
 
-        pl.run_scoped(body, *scratch, *staging, *barriers, collective_axes="wg")
+        pl.run_scoped(body, *scratch, *barriers, collective_axes="wg")
 
     # the call's operands: queries (q_rope only with a rope part), slots, pool(s), then the FP8 scales
     has_qr, has_rr = bool(rope), split_rope
