@@ -93,6 +93,30 @@ def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
             assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2
 
 
+@pytest.mark.parametrize("state_impl", ["triton", "mosaic"])
+def test_a_reset_chunk_isolates_the_sequences_after_it(state_impl):
+    """`kda_chunked_pallas(reset_chunks=)` as the packed layout uses it: sequence A (chunks 0-1), a zero reset
+    chunk (2), sequence B (chunks 3-4). An inf in one of A's values makes A's state non-finite; B's outputs and
+    final state are then bit for bit those of the same call with A finite — the reset selects a zero state
+    (multiplying the state by a decay of 0 would turn B into NaN)."""
+    (q, k, v, g, beta), _ = _prefill_inputs(9, 1, 320, 2, 64, 64, False, jnp.bfloat16, False)
+    pad = jnp.zeros(320, bool).at[128:192].set(True)
+    q, k, v, g = (jnp.where(pad[None, :, None, None], 0, x).astype(x.dtype) for x in (q, k, v, g))
+    beta = jnp.where(pad[None, :, None], 0, beta)
+    s0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
+    kw = dict(scale=0.125, l2norm=True, block_v=32, precision="bf16", interpret=not NATIVE, state_impl=state_impl)
+    run = lambda v: kda_chunked_pallas(q, k, v, g, beta, s0, reset_chunks=(2,), state_every=128, **kw)  # noqa: E731
+    o, s, snaps = run(v)
+    o_bad, s_bad, snaps_bad = run(v.at[0, 5, 1, 3].set(jnp.inf))
+    assert not np.isfinite(np.asarray(snaps_bad[:, 0])).all()  # A's state (after chunk 1) is not finite
+    assert np.isfinite(np.asarray(s)).all() and np.isfinite(np.asarray(o[:, 192:], np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(o_bad[:, 192:], np.float32), np.asarray(o[:, 192:], np.float32))
+    np.testing.assert_array_equal(np.asarray(s_bad), np.asarray(s))
+    # and the reset is a reset: B alone, from a zero state, gives the same final state
+    _, s_alone = kda_chunked_pallas(*(x[:, 192:] for x in (q, k, v, g, beta)), s0, **kw)
+    assert rel_err(s, s_alone) < 1e-5
+
+
 def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
     """The interpreter's happens-before race detector over the TMA pipeline, the o slots and the snapshot buffer
     (4 chunks, a snapshot every 2): none found. It models the TMA engine and the warpgroup as separate threads,
@@ -204,10 +228,12 @@ import jax, jax.numpy as jnp
 from pallas_kernels.linear_attention.state_mosaic import kda_state_pass_mosaic
 S = jax.ShapeDtypeStruct
 bf = jnp.bfloat16
-for t, n, dk, dv, every in ((32768, 32, 128, 128, None), (4096, 4, 64, 192, 1024)):
+# the second with reset chunks (packed sequences): the select of a zero state at a marked chunk
+for t, n, dk, dv, every, resets in ((32768, 32, 128, 128, None, False), (4096, 4, 64, 192, 1024, True)):
     args = (S((1, t, n, dk), bf), S((1, t, n, dv), bf), S((1, t, n, dk), bf), S((1, t, n, dk), bf),
             S((1, t, n, 64), bf), S((1, t // 64, n, dk, 1), jnp.float32), S((1, n, dk, dv), jnp.float32))
-    lowered = kda_state_pass_mosaic.trace(*args, state_every=every).lower(lowering_platforms=("cuda",))
+    traced = kda_state_pass_mosaic.trace(*args, state_every=every, resets=resets)
+    lowered = traced.lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 print("lowered")
 """

@@ -82,9 +82,9 @@ def kda(
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
     at each sequence start; "mosaic" (zero initial states only) runs them as one sequence of blocks, each a
-    reset chunk, the tokens and zero padding, reading the final states from snapshots (`_block_layout`; a
-    sequence whose state overflows to inf / NaN then makes the later sequences' states NaN: the reset multiplies
-    by 0); the jnp forms run them as one batch padded to the longest (pads at each row's end change no state).
+    reset chunk, the tokens and zero padding, reading the final states from snapshots (`_block_layout`; the
+    reset selects a zero state, so a sequence whose state overflows to inf / NaN leaves the others finite);
+    the jnp forms run them as one batch padded to the longest (pads at each row's end change no state).
     state_every=E (a positive int; not with cu_seqlens): also the states after every E tokens, a third output
     [B, T // E, N, K, V] float32 whose entry j is the state after tokens [0, (j + 1)·E) — what a prefix cache
     keeps at its block boundaries. The Pallas path stores them from its state pass where E is a multiple of 64

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.linear_attention import state_mosaic
+from pallas_kernels.linear_attention.state_mosaic import RESET_MARK
 from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
@@ -131,12 +132,14 @@ def _unit_lower_inverse(a_kk, dot_solve, solve, akk_rows):
     return dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
 
-def _state_kernel(*refs, nc, precision, packed, every=None, count=0):
+def _state_kernel(*refs, nc, precision, packed, every=None, count=0, resets=False):
     """The state pass over one (row, head, V-block) — with packed sequences (`packed`) over one (sequence, head,
     V-block): seq_start / seq_count [S] int32 name the sequence's chunks, the program walks only those from
     the sequence's initial state and writes its final state (a sequence with no chunk keeps its own).
     every / count (not with packed): also the state after chunks every, 2·every, ..., count·every, written to
-    rows [j·K, (j+1)·K) of the snapshot block (the loop over chunks split into `count` segments of `every`)."""
+    rows [j·K, (j+1)·K) of the snapshot block (the loop over chunks split into `count` segments of `every`).
+    resets: a chunk whose decay is marked RESET_MARK (< 0, which no exp(G_C) is) starts from a zero state: a
+    select, not a product, so an inf / NaN state before it does not reach the chunks after it."""
     if packed:
         start_ref, count_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
     elif every:
@@ -147,6 +150,8 @@ def _state_kernel(*refs, nc, precision, packed, every=None, count=0):
 
     def body(c, s):
         rows = pl.ds(c * CHUNK, CHUNK)
+        if resets:
+            s = jnp.where(gl_ref[c] < 0, 0.0, s)
         v_new = u_ref[rows, :] - dot(w_ref[rows, :], s)  # [C, BV]
         o = dot(qg_ref[rows, :], s) + dot(aqk_ref[rows, :], v_new)
         o_ref[rows, :] = o.astype(o_ref.dtype)
@@ -377,10 +382,10 @@ def kda_chunked_pallas(
     over all chunks at once; the state pass is one program per (sequence, head, V-block), each walking only
     its own sequence's chunks (the sequences' recurrences side by side, not one after another).
 
-    reset_chunks (static chunk indices): the state pass sets exp(G_C) of these chunks to 0, so the state after
-    each is its k_gᵀ V' alone — zero for a chunk of zero tokens (q = k = v = 0, beta = 0: W = U = k_g = 0). A
-    zero chunk reset this way starts the next packed sequence from a zero state inside one unpacked pass
-    (`api._varlen_blocks`).
+    reset_chunks (static chunk indices): the state pass starts each of these chunks from a zero state (their
+    exp(G_C) is set to RESET_MARK, which the state passes read as "select 0", so an inf / NaN state before the
+    chunk does not pass it). A zero chunk (q = k = v = 0, beta = 0: W = U = k_g = 0) reset this way leaves a
+    zero state and starts the next packed sequence from it inside one unpacked pass (`api._varlen_blocks`).
 
     state_impl: "triton" (`_state_kernel`) or "mosaic" (`state_mosaic.kda_state_pass_mosaic`: Hopper, or
     Mosaic GPU's interpreter with `interpret`; bf16 intermediates, K 64 or 128, V a multiple of 64, sequences
@@ -404,11 +409,12 @@ def kda_chunked_pallas(
     if reset_chunks:
         if packed or not all(0 <= c < nc for c in reset_chunks):
             raise ValueError(f"kda_chunked_pallas: reset_chunks={reset_chunks} must be chunks of [0, {nc}), unpacked")
-        gl = gl.at[:, np.asarray(reset_chunks)].set(0.0)
+        gl = gl.at[:, np.asarray(reset_chunks)].set(RESET_MARK)
     if state_impl == "mosaic":
         out = state_mosaic.kda_state_pass_mosaic(
-            w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret
-        )
+            w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret,
+            resets=bool(reset_chunks),
+        )  # fmt: skip
         if state_every is None:
             return out
         o, s, snaps = out
@@ -446,7 +452,10 @@ def kda_chunked_pallas(
         out_specs.append(pl.BlockSpec((None, None, count * dk, block_v), lambda i, h, j: (i, h, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((b, n, count * dk, dv), jnp.float32))
     out = pl.pallas_call(
-        functools.partial(_state_kernel, nc=nc, precision=precision, packed=packed, every=every, count=count),
+        functools.partial(
+            _state_kernel, nc=nc, precision=precision, packed=packed, every=every, count=count,
+            resets=bool(reset_chunks),
+        ),  # fmt: skip
         grid=(s0.shape[0], n, dv // block_v),
         in_specs=[*maps, seq(dk), seq(block_v, tile=True), seq(dk), seq(dk), seq(CHUNK), gate, state],
         out_specs=out_specs,

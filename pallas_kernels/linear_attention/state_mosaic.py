@@ -34,6 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 CHUNK = 64
+# exp(G_C) of a chunk the state pass starts from a zero state (`chunked.kda_chunked_pallas(reset_chunks=)`):
+# negative, which no decay is, and read as a select (not a product, which would keep an inf / NaN state)
+RESET_MARK = -1.0
 BLOCK_V = 64  # value columns per warpgroup: one 128-byte swizzled bf16 tile wide
 TILE = 64  # bf16 columns of one 128-byte swizzled tile
 STAGES = 2  # pipeline slots of chunk inputs; 3 would exceed shared memory at K = 128
@@ -70,7 +73,7 @@ def unsupported(dk: int, dv: int, t: int, inter_dtype, packed: bool, out_dtype=j
     return None
 
 
-def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *rest, nc, every):
+def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *rest, nc, every, resets):
     plgpu = _plgpu()
     snap_ref, (s16, vn, o_slots, f32, bar) = (rest[0], rest[1:]) if every else (None, rest)
     wgmma_layout = plgpu.Layout.WGMMA
@@ -87,6 +90,8 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref,
         # read before the first barrier below: the pipeline refills this chunk's input slots once the body
         # returns, and the barriers order every warp's reads of them before that
         decay = plgpu.load(gl_s, layout=wgmma_layout.reduce(1))
+        if resets:  # a chunk marked RESET_MARK starts from a zero state
+            s = jnp.where(lax.broadcast_in_dim(decay < 0, s.shape, [0]), 0.0, s)
         s16[...] = s.astype(jnp.bfloat16)
         plgpu.commit_smem()
 
@@ -153,8 +158,10 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref,
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("state_every", "interpret"))
-def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("state_every", "interpret", "resets"))
+def kda_state_pass_mosaic(
+    w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False, resets: bool = False
+):
     """The state pass over phase 1's intermediates: w, qg, kg [B, T, N, K], u [B, T, N, V], aqk [B, T, N, 64]
     (bfloat16); gl [B, T / 64, N, K, 1] float32 (exp(G_C) per chunk); s0 [B, N, K, V] float32 ->
     (o [B, T, N, V] bfloat16, final state [B, N, K, V] float32), and with state_every (a multiple of 64) the
@@ -162,7 +169,8 @@ def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None 
     [j·K, (j+1)·K), the layout of `chunked.kda_chunked_pallas`'s state kernel).
     `unsupported` lists the constraints; a call outside them is a ValueError naming the value.
     interpret: False (compile for the GPU), True (Mosaic GPU's interpreter) or a `plgpu.InterpretGPUParams`
-    (the interpreter with those settings, e.g. its race detector)."""
+    (the interpreter with those settings, e.g. its race detector). resets: chunks whose gl is RESET_MARK start
+    from a zero state (a select per chunk; off, the kernel has none)."""
     plgpu = _plgpu()
     b, t, n, dk = w.shape
     dv = u.shape[-1]
@@ -200,7 +208,7 @@ def kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, *, state_every: int | None 
     out_type = [jax.ShapeDtypeStruct(u.shape, jnp.bfloat16), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
     if every:
         out_type.append(jax.ShapeDtypeStruct((b, n, count * dk, dv), jnp.float32))
-    kernel = functools.partial(_kernel, nc=nc, every=every)
+    kernel = functools.partial(_kernel, nc=nc, every=every, resets=resets)
 
     def kda_state_mosaic(*refs):  # named for profiles: the kernel takes its body's name
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch)
