@@ -256,11 +256,14 @@ def _mla_decode_unsupported(latent: int, rope: int, **_) -> str | None:
 
 
 def mosaic_sparse_unsupported(
-    latent: int, rope: int, q_dtype, pool_dtype, fp8: bool, precision: str, fp8_tile: int | None = None, **_
-) -> str | None:
+    latent: int, rope: int, q_dtype, pool_dtype, fp8: bool, precision: str, fp8_tile: int | None = None,
+    rope_dtype=None, **_,
+) -> str | None:  # fmt: skip
     """Why the Mosaic GPU sparse-MLA kernel cannot run these shapes (None: it can). Heads are padded to 64.
-    An FP8 latent pool (`fp8`) needs E4M3 rows with one float32 scale per `FP8_BLOCK` columns (`fp8_tile`)."""
-    from pallas_kernels.sparse_attention.mosaic_gpu import FP8_BLOCK
+    An FP8 latent pool (`fp8`) needs E4M3 rows with one float32 scale per `FP8_BLOCK` columns (`fp8_tile`); a
+    separate rope pool (`rope_dtype`, None: none or in the latent pool) needs bfloat16 rows (the kernel copies
+    its bytes)."""
+    from pallas_kernels.sparse_attention.mosaic_gpu import FP8_BLOCK, MAX_WIDTH
     from pallas_kernels.sparse_attention.mosaic_gpu import TILE as tile
 
     if precision != "bf16" or jnp.dtype(q_dtype) != jnp.bfloat16:
@@ -273,8 +276,13 @@ def mosaic_sparse_unsupported(
             )
     elif jnp.dtype(pool_dtype) != jnp.bfloat16:
         return f"a {jnp.dtype(pool_dtype).name} pool (it needs bfloat16 rows)"
-    if rope not in (0, tile) or latent % (2 * tile):
-        return f"latent {latent} / rope {rope} (it needs rope {tile} or 0 and latent a multiple of {2 * tile})"
+    if rope_dtype is not None and jnp.dtype(rope_dtype) != jnp.bfloat16:
+        return f"a {jnp.dtype(rope_dtype).name} rope pool (it needs bfloat16 rows)"
+    if rope not in (0, tile) or latent % (2 * tile) or latent + rope > MAX_WIDTH:
+        return (
+            f"latent {latent} / rope {rope} (it needs rope {tile} or 0, latent a multiple of {2 * tile} and "
+            f"latent + rope <= {MAX_WIDTH})"
+        )
     return None
 
 

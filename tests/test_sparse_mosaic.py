@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_jax.quant.formats import quantize_kv_fp8
+from hybrid_jax.quant.formats import dequantize_kv_fp8, quantize_kv_fp8
 from pallas_kernels import registry
 from pallas_kernels.registry import is_sm90, mosaic_sparse_unsupported
 from pallas_kernels.sparse_attention import sparse_mla
+from pallas_kernels.sparse_attention.api import dequantizes_pool
 from tests.conftest import lower_for_sm90_in_subprocess, rel_err
 from tests.test_sparse_kernels import _case
 
@@ -67,12 +68,15 @@ def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool, rope
         (12, 64, 1, 128, 2048, [4096] * 64, 64, 64),
         # NoPE (R = 0): 64 heads, a query with none
         (13, 3, 1, 64, 320, [900, 70, 1], 0, 64),
+        # prefill-sized: 40 query rows read 20x the pool's rows, so the pool is dequantized once (BF16 kernel)
+        (14, 1, 40, 128, 256, [300], 64, 64),
     ],
 )
 def test_mosaic_fp8_pool_matches_reference(seed, b, t, n, topk, lengths, rope, page):
-    """The FP8 latent pool through the Mosaic GPU kernel (E4M3 rows converted by its gather warpgroup) against
-    the reference on the same quantized pool. The pool's rows get magnitudes from 1e-3 to 1e2 so the
-    per-128-column scales differ by row and block."""
+    """The FP8 latent pool through the Mosaic GPU kernel (E4M3 rows converted by its producer warpgroup)
+    against the reference on the same quantized pool, and bit for bit against the BF16 Mosaic kernel on the
+    pool dequantized to bf16 (the conversion is exact, the consumers the same). The pool's rows get
+    magnitudes from 1e-3 to 1e2 so the per-128-column scales differ by row and block."""
     ql, qr, pool, table, idx = _case(seed, b, t, n, 512, rope, page, topk, lengths, jnp.float32)
     if seed == 12:
         rng = np.random.default_rng(seed)
@@ -89,6 +93,11 @@ def test_mosaic_fp8_pool_matches_reference(seed, b, t, n, topk, lengths, rope, p
     o, lse = sparse_mla(ql, qr, values, table, idx, impl="mosaic", **kw)
     auto_o, _ = sparse_mla(ql, qr, values, table, idx, **kw)  # "auto" picks it from 64 heads
     np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
+    assert dequantizes_pool(b * t, topk, pool.shape[0] * pool.shape[1]) == (seed == 14)
+    bf16_pool = dequantize_kv_fp8(values, scales, jnp.bfloat16)
+    o16, lse16 = sparse_mla(ql, qr, bf16_pool, table, idx, impl="mosaic", rope_pages=rope_pages, scale=0.07)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o16))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse16))
     empty = np.asarray(idx < 0).all(-1)
     assert (np.asarray(lse)[empty] == -np.inf).all() and (np.asarray(o)[empty] == 0).all()
     np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], rtol=1e-4, atol=1e-4)
@@ -115,6 +124,15 @@ def test_mosaic_refusals_name_the_reason():
     fp8_facts = {**facts, "fp8": True, "pool_dtype": jnp.float8_e4m3fn, "fp8_tile": 128}
     assert mosaic_sparse_unsupported(**fp8_facts) is None
     assert "one every 128" in mosaic_sparse_unsupported(**{**fp8_facts, "fp8_tile": 32})
+    assert "float32 rope pool" in mosaic_sparse_unsupported(**{**fp8_facts, "rope_dtype": jnp.float32})
+    assert mosaic_sparse_unsupported(**{**fp8_facts, "rope_dtype": jnp.bfloat16}) is None
+    assert "latent + rope <= 576" in mosaic_sparse_unsupported(**{**facts, "latent": 1024})
+    values, scales = quantize_kv_fp8(pool[..., :512].astype(jnp.float32), 128)
+    with pytest.raises(ValueError, match="float32 rope pool"):  # the kernel copies the rope rows' bytes
+        sparse_mla(ql, qr, values, table, idx, scale=0.1, impl="mosaic", latent_scales=scales,
+                   rope_pages=pool[..., 512:].astype(jnp.float32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"latent_scales \(.*, 3\) must be"):
+        sparse_mla(ql, qr, values, table, idx, scale=0.1, latent_scales=scales[..., :3], rope_pages=pool[..., 512:])
     assert "float32 queries" in mosaic_sparse_unsupported(**{**fp8_facts, "q_dtype": jnp.float32, "precision": "tf32"})
     assert mosaic_sparse_unsupported(**{**facts, "rope": 0}) is None  # NoPE DSA (GLM-5.3-Flash)
     assert "float32 pool" in mosaic_sparse_unsupported(**{**facts, "pool_dtype": jnp.float32})

@@ -184,10 +184,17 @@ def sparse_mla(
         got = kv_pages.shape[-1] if rope_pages is None else (kv_pages.shape[-1], rope_pages.shape[-1])
         raise ValueError(f"sparse_mla: pool width {got} does not match latent {lat} + rope {rope}")
     fp8 = latent_scales is not None
+    if fp8 and (latent_scales.shape[:-1] != kv_pages.shape[:-1] or not latent_scales.shape[-1]
+                or lat % latent_scales.shape[-1]):  # fmt: skip
+        raise ValueError(
+            f"sparse_mla: latent_scales {tuple(latent_scales.shape)} must be the latent pool's "
+            f"{tuple(kv_pages.shape[:-1])} x a divisor of the latent width {lat}"
+        )
     facts = dict(
         heads=n, latent=lat, rope=rope, q_dtype=q_latent.dtype, pool_dtype=kv_pages.dtype, fp8=fp8,
         precision=precision, tiles_given=any(v is not None for v in (block_h, block_k, num_warps, num_stages)),
         fp8_tile=lat // latent_scales.shape[-1] if fp8 else None,
+        rope_dtype=None if rope_pages is None or not rope else rope_pages.dtype,
     )  # fmt: skip
     impl = registry.resolve("sparse_mla", impl, **facts).impl
     if impl == "mosaic":

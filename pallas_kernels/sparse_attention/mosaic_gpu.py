@@ -38,7 +38,8 @@ BLOCK_H = 64  # heads per CTA: the M of one wgmma
 BLOCK_K = 64  # selected rows per step
 TILE = 64  # bf16 columns per 128-byte swizzled tile
 STAGES = 2  # gathered blocks in flight: Q + 2 stages + P fill sm_90's 227 KiB of shared memory
-PRODUCER_REGS = 40  # the gather warpgroup's registers (setmaxnreg); the two consumers take 232 each
+MAX_WIDTH = 576  # latent + rope columns: Q and two stages take 384 bytes a column, and 576 is all that fits
+PRODUCER_REGS = 40  # the BF16 gather warpgroup's registers (setmaxnreg); the two consumers take 232 each
 # the FP8 producer holds a block's E4M3 pieces in registers (64 a thread); consumer 1 takes the rest of the pool
 FP8_PRODUCER_REGS = 104
 # registers a thread of the three warpgroups may hold together: the 168 x 384 given at launch (an increase past
@@ -47,7 +48,8 @@ REGISTER_POOL = 504
 WG = 128  # threads per warpgroup
 # _SMALL: the small float32 vectors share one shared-memory buffer [2 + STAGES + scale rows, 64]: row 0 the
 # correction factors (then the final sums), row 1 the log-sum-exp, then the selected slots of each stage (int32
-# bits, consumer 0's mask), then an FP8 pool's row scales [L / 128, 64].
+# bits, consumer 0's mask; only stores, loads, shuffles and a bitcast touch them, no float arithmetic that could
+# flush or canonicalise them), then an FP8 pool's row scales [L / 128, 64].
 FP8_BLOCK = 128  # latent columns per float32 scale of an FP8 cache (`quantize_kv_fp8`'s tile)
 LOG2E = math.log2(math.e)
 
@@ -176,7 +178,7 @@ def _fp8_block_fn(lat: int, rope: int):
     """A warpgroup-wide load of BLOCK_K selected FP8 rows straight into one bf16 stage, without staging:
     `_gather_lane`'s mapping (piece t % 8 of rows t // 8 + 16 j). Each thread first puts its rows' slots in
     shared memory (consumer 0's mask) and issues `cp.async` copies of the rope pieces into the stage's rope
-    tile and of the rows' float32 scales into `scl_ref` [L / 128, BLOCK_K]; then loads its 16-byte E4M3
+    tile and of the rows' float32 scales into `scl_dst` [L / 128, BLOCK_K]; then loads its 16-byte E4M3
     pieces of every scale block into registers (L / 128 x BLOCK_K / 16 of them in flight), waits for the
     copies (a warpgroup barrier: a scale was copied by another thread), converts each piece
     (`_E4M3_PIECE_TO_BF16`) and stores it as two bf16 pieces of the swizzled tiles."""
@@ -187,7 +189,7 @@ def _fp8_block_fn(lat: int, rope: int):
 
     blocks, tiles = lat // FP8_BLOCK, (lat + rope) // TILE
     row_groups = WG // 8
-    assert BLOCK_K % row_groups == 0 and blocks <= 8
+    assert BLOCK_K % row_groups == 0 and blocks <= 8  # MAX_WIDTH keeps blocks <= 4
     arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tiled()), plgpu.RefType())
     arg_types += (plgpu.RefType(), plgpu.RefType()) + ((plgpu.RefType(),) if rope else ())
 
@@ -519,18 +521,27 @@ def sparse_mla_mosaic(
     fp8 = lat_scales is not None
     split_rope = rope_rows is not None
     bad_rope = rope not in (0, TILE) or (rope == 0 and split_rope) or (fp8 and rope and not split_rope)
-    if n % BLOCK_H or k % BLOCK_K or bad_rope or lat % (2 * TILE) or rows_total != nq * q_splits:
+    too_wide = lat + rope > MAX_WIDTH
+    if n % BLOCK_H or k % BLOCK_K or bad_rope or lat % (2 * TILE) or too_wide or rows_total != nq * q_splits:
         raise ValueError(
             f"sparse_mla_mosaic: needs heads % {BLOCK_H} == 0 (got {n}), selected % {BLOCK_K} == 0 (got {k}), "
             f"rope {TILE} or 0 with no rope rows (got {rope}{', rope rows' if split_rope else ''}; an FP8 latent "
-            f"needs its rope rows apart), latent % {2 * TILE} == 0 (got {lat}), {nq} x {q_splits} slot rows "
+            f"needs its rope rows apart), latent % {2 * TILE} == 0 and latent + rope <= {MAX_WIDTH} (got {lat}), "
+            f"{nq} x {q_splits} slot rows "
             f"(got {rows_total})"
         )
     width = lat + rope
     pool_widths = (lat_rows.shape[-1],) + ((rope_rows.shape[-1],) if split_rope else ())
     if pool_widths != ((lat, rope) if split_rope else (width,)):
         raise ValueError(f"sparse_mla_mosaic: pool width(s) {pool_widths} do not match latent {lat} + rope {rope}")
-    if fp8 and (lat_rows.dtype != jnp.float8_e4m3fn or lat_scales.shape != (lat_rows.shape[0], lat // FP8_BLOCK)):
+    pool_dtypes = (lat_rows.dtype,) + ((rope_rows.dtype,) if split_rope else ())
+    want_dtypes = ((jnp.float8_e4m3fn,) if fp8 else (jnp.bfloat16,)) + ((jnp.bfloat16,) if split_rope else ())
+    if pool_dtypes != want_dtypes:
+        raise ValueError(
+            f"sparse_mla_mosaic: pool dtype(s) {[jnp.dtype(d).name for d in pool_dtypes]}, needs "
+            f"{[jnp.dtype(d).name for d in want_dtypes]} (the kernel copies the rows' bytes)"
+        )
+    if fp8 and lat_scales.shape != (lat_rows.shape[0], lat // FP8_BLOCK):
         raise ValueError(
             f"sparse_mla_mosaic: an FP8 latent needs float8_e4m3fn rows (got {lat_rows.dtype}) and float32 scales "
             f"[rows, L / {FP8_BLOCK}] = {(lat_rows.shape[0], lat // FP8_BLOCK)} (got {tuple(lat_scales.shape)})"
