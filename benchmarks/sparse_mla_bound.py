@@ -211,6 +211,11 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--mosaic", action="store_true", help="the Mosaic GPU kernel's rows instead (sm_90)")
     args = p.parse_args()
+    if args.mosaic:
+        from pallas_kernels.registry import device_text, is_sm90
+
+        if not is_sm90():
+            p.error(f"--mosaic times the Mosaic GPU kernel, which needs an sm_90 GPU (found {device_text()})")
     _, rate = ceilings()
     if args.mosaic:
         title = (

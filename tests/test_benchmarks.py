@@ -391,6 +391,20 @@ def test_kernel_resources_flags_a_tile_past_the_shared_memory(tmp_path):
     assert three["smem"] > SMEM_LIMIT >= default["smem"] > 0 and default["regs"] > 0
 
 
+def test_sparse_mla_bound_mosaic_rows_refuse_a_machine_without_sm90(monkeypatch, capsys):
+    """`--mosaic` off an sm_90 GPU: a one-line usage error naming the device, before anything is timed."""
+    from benchmarks import sparse_mla_bound as smb
+    from pallas_kernels import registry
+
+    if registry.is_sm90():
+        pytest.skip("runs the Mosaic rows on an sm_90 GPU")
+    monkeypatch.setattr(sys, "argv", ["sparse_mla_bound", "--mosaic", "--no-record"])
+    with pytest.raises(SystemExit) as exit_info:
+        smb.main()
+    assert exit_info.value.code == 2
+    assert "--mosaic times the Mosaic GPU kernel, which needs an sm_90 GPU (found" in capsys.readouterr().err
+
+
 def test_sparse_mla_bound_probes_compute_what_they_claim():
     """The decode-bound probes (interpret mode, small shapes at the real widths): the transposed loop is
     attention (it matches the library kernel); the gather-only and products-only loops run and stay finite;
