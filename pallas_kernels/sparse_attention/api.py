@@ -98,14 +98,12 @@ def _sparse_mla_mosaic(q_latent, q_rope, kv_pages, page_table, indices, scale, r
     the rows split into parts merged by LSE when the grid would leave SMs idle (`num_splits`). An FP8 latent
     pool is read as E4M3 rows (converted in the kernel) unless the call reads enough rows to dequantize the
     pool once (`dequantizes_pool`: a prefill), as on the Pallas path."""
-    b, t = q_latent.shape[:2]
-    pool_rows = kv_pages.shape[0] * kv_pages.shape[1]
-    if rope_pages is not None and not rope_pages.shape[-1]:  # NoPE: a zero-width rope pool has nothing to read
-        rope_pages = None
-    if latent_scales is not None and dequantizes_pool(b * t, indices.shape[-1], pool_rows):
-        kv_pages, latent_scales = dequantized(kv_pages, latent_scales, jnp.bfloat16), None
     b, t, n = q_latent.shape[:3]
     k = indices.shape[-1]
+    if rope_pages is not None and not rope_pages.shape[-1]:  # NoPE: a zero-width rope pool has nothing to read
+        rope_pages = None
+    if latent_scales is not None and dequantizes_pool(b * t, k, kv_pages.shape[0] * kv_pages.shape[1]):
+        kv_pages, latent_scales = dequantized(kv_pages, latent_scales, jnp.bfloat16), None
     bh, bk = mosaic_gpu.BLOCK_H, mosaic_gpu.BLOCK_K
     kp, np_ = -(-k // bk) * bk, -(-n // bh) * bh
     slots = _pool_slots(page_table, indices, kv_pages.shape[1], kp)
