@@ -67,10 +67,10 @@ def test_mosaic_state_pass_snapshots():
 
 
 def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
-    """Packed sequences from zero states (`api._block_layout`: one pass, a reset zero chunk before each sequence,
+    """Packed sequences from zero states (`api._block_layout`: one pass, each sequence's first chunk reset,
     final states from the snapshots at block ends) against the Triton pass over the chunk-aligned packing and
-    each sequence alone: the same outputs and final states. Blocks of 4 chunks (VARLEN_BLOCKS lowered to 2),
-    so a block holds whole pad chunks after a partial one; empty sequences first, inside and last. (The 10%
+    each sequence alone: the same outputs and final states. Blocks of 3 chunks (VARLEN_BLOCKS lowered to 2),
+    so a block holds a whole pad chunk after a partial one; empty sequences first, inside and last. (The 10%
     padding bound is lifted: sequences this short pad more.)"""
     from pallas_kernels.linear_attention import api
 
@@ -81,7 +81,7 @@ def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
     args, _ = _prefill_inputs(8, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
     every, starts, snaps, resets, total, aligned = api._block_layout(np.asarray(lengths))
     layout = (every, starts.tolist(), snaps.tolist(), resets, total, aligned)
-    assert layout == (256, [0, 0, 256, 320, 576, 768], [-1, 0, -1, 1, 2, -1], (4, 8), 768, 384)
+    assert layout == (192, [0, 0, 192, 192, 384, 576], [-1, 0, -1, 1, 2, -1], (3, 6), 576, 384)
     assert _runs_mosaic_state_pass(*args, cu_seqlens=cu)
     o, s = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
     o_t, s_t = kda(*args, impl="pallas", cu_seqlens=cu, interpret=not NATIVE)
@@ -93,28 +93,53 @@ def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
             assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2
 
 
+def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
+    """Sequences whose lengths are whole blocks (all but the last) keep their places in both packed layouts:
+    the call packs by a zero pad and unpacks by a slice, no gather (where one moved rows far below copy speed
+    on the GPU), and the results are those of each sequence alone. Mosaic: blocks of E = 128 (VARLEN_BLOCKS
+    raised to 4), lengths 128, 256, 100; Triton: whole chunks, lengths 64, 192, 100."""
+    from pallas_kernels.linear_attention import api
+
+    monkeypatch.setattr(api, "VARLEN_MAX_PAD", 2.0)
+    monkeypatch.setattr(api, "VARLEN_BLOCKS", 4)
+    for impl, lengths in (("mosaic", [128, 256, 100]), ("pallas", [64, 192, 100])):
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        args, _ = _prefill_inputs(10, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
+        run = lambda *a, impl=impl, cu=cu: kda(*a, impl=impl, cu_seqlens=cu, interpret=not NATIVE)  # noqa: E731
+        text = str(jax.make_jaxpr(run)(*args))
+        assert "gather" not in text, impl
+        o, s = run(*args)
+        assert o.shape == args[2].shape and s.shape == (3, 2, 64, 64)
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+            ref_o, ref_s = kda(*(x[:, a:b] for x in args), impl="reference", form="recurrent")
+            assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2, (impl, i)
+    every, starts, _, resets, total, _ = api._block_layout(np.asarray([128, 256, 100]))
+    assert (every, starts.tolist(), resets, total) == (128, [0, 128, 384], (2, 6), 512)
+    # one sequence not a whole block moves the ones after it: gathered again
+    cu = np.asarray([0, 100, 228])
+    args, _ = _prefill_inputs(11, 1, 228, 2, 64, 64, False, jnp.bfloat16, False)
+    assert "gather" in str(jax.make_jaxpr(lambda *a: kda(*a, impl="mosaic", cu_seqlens=cu, interpret=True))(*args))
+
+
 @pytest.mark.parametrize("state_impl", ["triton", "mosaic"])
 def test_a_reset_chunk_isolates_the_sequences_after_it(state_impl):
-    """`kda_chunked_pallas(reset_chunks=)` as the packed layout uses it: sequence A (chunks 0-1), a zero reset
-    chunk (2), sequence B (chunks 3-4). An inf in one of A's values makes A's state non-finite; B's outputs and
-    final state are then bit for bit those of the same call with A finite — the reset selects a zero state
-    (multiplying the state by a decay of 0 would turn B into NaN)."""
+    """`kda_chunked_pallas(reset_chunks=)` as the packed layout uses it: sequence A (chunks 0-1), then sequence B
+    (chunks 2-4) whose own first chunk is reset. An inf in one of A's values makes A's state non-finite; B's
+    outputs and final state are then bit for bit those of the same call with A finite — the reset selects a zero
+    state (multiplying the state by a decay of 0 would turn B into NaN) — and B's are those of B alone."""
     (q, k, v, g, beta), _ = _prefill_inputs(9, 1, 320, 2, 64, 64, False, jnp.bfloat16, False)
-    pad = jnp.zeros(320, bool).at[128:192].set(True)
-    q, k, v, g = (jnp.where(pad[None, :, None, None], 0, x).astype(x.dtype) for x in (q, k, v, g))
-    beta = jnp.where(pad[None, :, None], 0, beta)
     s0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
     kw = dict(scale=0.125, l2norm=True, block_v=32, precision="bf16", interpret=not NATIVE, state_impl=state_impl)
     run = lambda v: kda_chunked_pallas(q, k, v, g, beta, s0, reset_chunks=(2,), state_every=128, **kw)  # noqa: E731
     o, s, snaps = run(v)
     o_bad, s_bad, snaps_bad = run(v.at[0, 5, 1, 3].set(jnp.inf))
     assert not np.isfinite(np.asarray(snaps_bad[:, 0])).all()  # A's state (after chunk 1) is not finite
-    assert np.isfinite(np.asarray(s)).all() and np.isfinite(np.asarray(o[:, 192:], np.float32)).all()
-    np.testing.assert_array_equal(np.asarray(o_bad[:, 192:], np.float32), np.asarray(o[:, 192:], np.float32))
+    assert np.isfinite(np.asarray(s)).all() and np.isfinite(np.asarray(o[:, 128:], np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(o_bad[:, 128:], np.float32), np.asarray(o[:, 128:], np.float32))
     np.testing.assert_array_equal(np.asarray(s_bad), np.asarray(s))
-    # and the reset is a reset: B alone, from a zero state, gives the same final state
-    _, s_alone = kda_chunked_pallas(*(x[:, 192:] for x in (q, k, v, g, beta)), s0, **kw)
-    assert rel_err(s, s_alone) < 1e-5
+    # and the reset is a reset: B alone, from a zero state, gives the same outputs and final state
+    o_alone, s_alone = kda_chunked_pallas(*(x[:, 128:] for x in (q, k, v, g, beta)), s0, **kw)
+    assert rel_err(s, s_alone) < 1e-5 and rel_err(o[:, 128:], o_alone) < 1e-5
 
 
 def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
@@ -147,8 +172,12 @@ def test_mosaic_state_pass_refusals_name_the_value():
     s2 = jnp.zeros((2, 1, 16, 16), jnp.float32)
     with pytest.raises(ValueError, match=r"from zero states \(got initial states for 2 sequences\)"):
         kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], initial_state=s2, interpret=True)
-    with pytest.raises(ValueError, match=r"1.1x their 128 chunk-aligned tokens \(got 192 for 2 sequences\)"):
-        kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], interpret=True)
+    from pallas_kernels.linear_attention import api
+
+    with pytest.MonkeyPatch.context() as mp:  # one block per call: 30 and 34 tokens take 128 each
+        mp.setattr(api, "VARLEN_BLOCKS", 1)
+        with pytest.raises(ValueError, match=r"1.1x their 128 chunk-aligned tokens \(got 256 for 2 sequences\)"):
+            kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], interpret=True)
     if not registry.is_sm90():
         with pytest.raises(ValueError, match="needs a Hopper"):
             kda(*args, impl="mosaic", interpret=False)
@@ -195,8 +224,12 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
     assert registry.resolve("kda_prefill", "mosaic", tokens=4096).impl == "mosaic"
     monkeypatch.setattr(tuning, "MOSAIC_STATE_PASS", True)
     assert _mosaic_why_not(q, None, None) is None
+    from pallas_kernels.linear_attention import api
+
+    assert _mosaic_why_not(q, None, [0, 30, 64]) is None  # blocks of 64: the chunk-aligned 128 tokens
+    monkeypatch.setattr(api, "VARLEN_BLOCKS", 1)  # one block per call: 30 and 34 tokens take 128 each
     assert _mosaic_why_not(q, None, [0, 30, 64]) == (
-        "packed sequences laid out as one in at most 1.1x their 128 chunk-aligned tokens (got 192 for 2 sequences)"
+        "packed sequences laid out as one in at most 1.1x their 128 chunk-aligned tokens (got 256 for 2 sequences)"
     )
     assert _mosaic_why_not(q[:, :0], None, [0, 0, 0]) == "a non-empty packed sequence (got 2 empty ones)"
     assert _mosaic_why_not(q.astype(jnp.float32), None, None) == "bfloat16 inputs (got float32)"
@@ -215,9 +248,11 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
         assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=None).impl == "mosaic"
     # whole calls: the Mosaic pass where it takes the call, the Triton one for packed sequences or float32 inputs
     assert _state_pass_traced(*args) == "mosaic"
-    assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "triton"
+    assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "triton"  # 256 of 128 tokens (one block a call)
     long_args, _ = _prefill_inputs(0, 1, 1280, 1, 64, 64, False, jnp.bfloat16, False)
-    assert _state_pass_traced(*long_args, cu_seqlens=[0, 640, 1280]) == "mosaic"  # 1344 of 1280 tokens: 5% more
+    assert _state_pass_traced(*long_args, cu_seqlens=[0, 630, 1280]) == "triton"  # one block a call: 2688 of 1344
+    monkeypatch.setattr(api, "VARLEN_BLOCKS", 16)  # blocks of 128: 640 + 768 = 1408 of 1344 tokens, 5% more
+    assert _state_pass_traced(*long_args, cu_seqlens=[0, 630, 1280]) == "mosaic"
     assert _state_pass_traced(*(x.astype(jnp.float32) for x in args)) == "triton"
 
 

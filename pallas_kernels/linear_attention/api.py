@@ -81,9 +81,11 @@ def kda(
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
-    at each sequence start; "mosaic" (zero initial states only) runs them as one sequence of blocks, each a
-    reset chunk, the tokens and zero padding, reading the final states from snapshots (`_block_layout`; the
-    reset selects a zero state, so a sequence whose state overflows to inf / NaN leaves the others finite);
+    at each sequence start; "mosaic" (zero initial states only) runs them as one sequence of blocks of E
+    tokens, each sequence in whole blocks (its first chunk reset, zero padding after it), reading the final
+    states from snapshots (`_block_layout`; sequences of a multiple of E tokens stay where they are, no
+    gather; the reset selects a zero state, so a sequence whose state overflows to inf / NaN leaves the
+    others finite);
     the jnp forms run them as one batch padded to the longest (pads at each row's end change no state).
     state_every=E (a positive int; not with cu_seqlens): also the states after every E tokens, a third output
     [B, T // E, N, K, V] float32 whose entry j is the state after tokens [0, (j + 1)·E) — what a prefix cache
@@ -211,6 +213,22 @@ def _gather_rows(x, src):
     return jnp.where(mask, rows, jnp.zeros((), rows.dtype))
 
 
+def _pack_rows(x, src):
+    """x [1, T, ...] -> x[:, src] with zeros where src < 0, [1, len(src), ...]: where the layout keeps every
+    token in place (src = 0, 1, ..., T − 1 then padding) a zero pad at the end, else a gather (`_gather_rows`)."""
+    t = x.shape[1]
+    if src.size >= t and (src[:t] == np.arange(t)).all() and (src[t:] < 0).all():
+        return jnp.pad(x, [(0, 0), (0, src.size - t)] + [(0, 0)] * (x.ndim - 2))
+    return _gather_rows(x, src[None])
+
+
+def _unpack_rows(o, token_slot):
+    """o [1, slots, ...] -> the tokens' rows [1, T, ...] (a slice where every token is in place, else a gather)."""
+    if (token_slot == np.arange(token_slot.size)).all():
+        return o[:, : token_slot.size]
+    return o[0, token_slot][None]
+
+
 def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     """Packed sequences [1, T, ...] -> a padded batch [S, T_max, ...] -> kda -> packed outputs (the jnp
     forms; the Pallas path packs chunk-aligned instead, `_varlen_packed`)."""
@@ -243,15 +261,15 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     if s0.shape != (n_seq, n, dk, dv):
         raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
     o, s = _kda_pallas(
-        *(_gather_rows(x, src[None]) for x in (q, k, v, g, beta)), s0,
+        *(_pack_rows(x, src) for x in (q, k, v, g, beta)), s0,
         seq_chunks=(jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32)), **kw,
     )  # fmt: skip
-    return o[0, token_slot][None], s
+    return _unpack_rows(o, token_slot), s
 
 
 def _pack_index(starts, lengths, total: int):
     """Sequence i's tokens at packed slots [starts_i, starts_i + lengths_i) of `total` -> (src [total]: the token
-    of each slot, -1 for padding (`_gather_rows` packs by it), token_slot [T]: the slot of each token (unpacks))."""
+    of each slot, -1 for padding (`_pack_rows` packs by it), token_slot [T]: the slot of each token (unpacks))."""
     token_slot = np.concatenate([np.arange(int(a), int(a) + int(n)) for a, n in zip(starts, lengths, strict=True)])
     src = np.full(total, -1)
     src[token_slot] = np.arange(token_slot.size)
@@ -261,10 +279,12 @@ def _pack_index(starts, lengths, total: int):
 def _block_layout(lengths: np.ndarray):
     """Packed sequences laid out for one unpacked state pass (`_varlen_blocks`).
 
-    The pass stores its state every E tokens. Each non-empty sequence gets a block of whole E: one zero chunk
-    (all but the first sequence), its tokens, zero padding. The zero chunk is reset (`kda_chunked_pallas(
-    reset_chunks=)`): the state after it is zero, so the sequence starts from zero; zero tokens after it leave
-    the state unchanged, so the snapshot at the block's end is the sequence's final state. E is the multiple of
+    The pass stores its state every E tokens. Each non-empty sequence gets whole blocks of E: its tokens, then
+    zero padding. The first chunk of every sequence but one that starts the layout is reset
+    (`kda_chunked_pallas(reset_chunks=)`: the pass starts that chunk from a zero state), and zero tokens leave
+    the state unchanged, so the snapshot at the last block's end is the sequence's final state. Sequences
+    whose lengths are multiples of E (all but the last) are laid out where they already are: packing is
+    then zero padding at the end, no gather (`_pack_rows`). E is the multiple of
     CHUNK, from the one that makes about VARLEN_BLOCKS snapshots up to twice it, that lays out the fewest tokens.
     Returns (E, token start per sequence, snapshot index per sequence (-1: empty), reset chunks, total tokens
     laid out, tokens of the chunk-aligned packing); None when every sequence is empty."""
@@ -279,11 +299,10 @@ def _block_layout(lengths: np.ndarray):
                 starts.append(total)
                 snaps.append(-1)
                 continue
-            lead = CHUNK if total else 0
-            if lead:
+            if total:
                 resets.append(total // CHUNK)
-            starts.append(total + lead)
-            total += -(-(lead + n) // every) * every
+            starts.append(total)
+            total += -(-n // every) * every
             snaps.append(total // every - 1)
         return every, np.asarray(starts), np.asarray(snaps), tuple(resets), total, aligned
 
@@ -294,19 +313,19 @@ def _block_layout(lengths: np.ndarray):
 
 def _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw):
     """Packed sequences from zero states through one unpacked prefill (`_block_layout`): the state pass
-    that runs a single sequence (the Mosaic GPU one) with a reset chunk before each sequence and the final
-    states read from its snapshots. Packed and unpacked by the gathers `_varlen_packed` uses."""
+    that runs a single sequence (the Mosaic GPU one) with each sequence's first chunk reset and the final
+    states read from its snapshots. Packed and unpacked as `_varlen_packed` does (`_pack_rows`)."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
     every, starts, snaps, resets, total, _ = _block_layout(lengths)
     n, dk, dv = q.shape[2], q.shape[3], v.shape[3]
     src, token_slot = _pack_index(starts, lengths, total)
     o, _, states = _kda_pallas(
-        *(_gather_rows(x, src[None]) for x in (q, k, v, g, beta)), None, state_every=every, reset_chunks=resets, **kw
+        *(_pack_rows(x, src) for x in (q, k, v, g, beta)), None, state_every=every, reset_chunks=resets, **kw
     )  # fmt: skip
     zero = jnp.zeros((1, n, dk, dv), jnp.float32)
     final = jnp.concatenate([states[:, j] if j >= 0 else zero for j in snaps.tolist()], axis=0)
-    return o[0, token_slot][None], final
+    return _unpack_rows(o, token_slot), final
 
 
 def _mosaic_why_not(q, precision, cu_seqlens, initial_state=None) -> str | None:

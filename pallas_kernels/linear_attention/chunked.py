@@ -384,8 +384,9 @@ def kda_chunked_pallas(
 
     reset_chunks (static chunk indices): the state pass starts each of these chunks from a zero state (their
     exp(G_C) is set to RESET_MARK, which the state passes read as "select 0", so an inf / NaN state before the
-    chunk does not pass it). A zero chunk (q = k = v = 0, beta = 0: W = U = k_g = 0) reset this way leaves a
-    zero state and starts the next packed sequence from it inside one unpacked pass (`api._varlen_blocks`).
+    chunk does not pass it; the chunk's own decay then multiplies a zero state, so losing it loses nothing):
+    a packed sequence's first chunk reset this way starts it from zero inside one unpacked pass
+    (`api._varlen_blocks`).
 
     state_impl: "triton" (`_state_kernel`) or "mosaic" (`state_mosaic.kda_state_pass_mosaic`: Hopper, or
     Mosaic GPU's interpreter with `interpret`; bf16 intermediates, K 64 or 128, V a multiple of 64, sequences
