@@ -35,6 +35,7 @@ import numpy as np
 
 from benchmarks.common import ceilings, median_ms, rel_err, report, roofline_row
 from pallas_kernels.linear_attention import kda, kda_decode_step
+from pallas_kernels.linear_attention.chunked import A_BLOCK_SIZES, check_a_blocks
 
 N, DK, DV, CHUNK = 32, 128, 128, 64
 
@@ -256,8 +257,11 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
     return bv, nw, prec or "tf32", solve or "neumann"
 
 
-def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False) -> list[dict]:
-    """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products)."""
+def prefill_rows(
+    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_blocks=()
+) -> list[dict]:
+    """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products),
+    and with a_blocks a second such row with `kda(a_blocks=)` (the A kernel's block forms)."""
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for n, t in ((n, t) for n in heads for t in lengths):
@@ -285,9 +289,10 @@ def prefill_rows(bw, rate, fla, lengths, variants=None, phases=False, heads=(N,)
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
             label += f", {solve}" if solve != "neumann" else ""
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
-        if mosaic:
-            fn = jax.jit(functools.partial(kda, impl="mosaic"))
+        for blocks in ((), tuple(a_blocks))[: 1 + bool(a_blocks)] if mosaic else ():
+            fn = jax.jit(functools.partial(kda, impl="mosaic", a_blocks=blocks))
             label = "Mosaic GPU state pass (Triton phase 1), bf16 products"  # "auto" on sm_90 (tuning.py)
+            label += f", A block forms {','.join(map(str, blocks))}" if blocks else ""
             try:  # a failure to compile or run is a row, and the other rows stay
                 err = rel_err(jax.block_until_ready(fn(q, k, v, g, beta))[0], ref_o)
                 ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
@@ -371,11 +376,17 @@ def main() -> None:
         "64x4:bf16:substitution",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
+    p.add_argument("--a-blocks", default="", help="with --mosaic, also a row with kda(a_blocks=...), sizes as 64,16")
     p.add_argument(
         "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
     )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
+    try:
+        a_blocks = tuple(int(x) for x in args.a_blocks.split(",") if x)
+        check_a_blocks(a_blocks, "kda")
+    except ValueError:
+        p.error(f"--a-blocks={args.a_blocks!r} must be sizes from {A_BLOCK_SIZES}, largest first, e.g. 64,16")
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     fla = fla_ops()
@@ -386,7 +397,7 @@ def main() -> None:
         rows += layer_rows(bw, rate)
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
-        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic)
+        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic, a_blocks)
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0])
     title = (

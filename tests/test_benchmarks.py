@@ -3,6 +3,7 @@
 import re
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -883,17 +884,28 @@ def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
-    """`benchmarks.linear_attention --only prefill --phases` at a toy length: the jnp reference, one Pallas
-    variant checked against it, and phase 1 with each of its parts left out (interpret mode)."""
+    """`benchmarks.linear_attention --only prefill --phases --mosaic --a-blocks 64,16` at a toy length: the jnp
+    reference, one Pallas variant and the two Mosaic rows (the second with the A kernel's block forms) checked
+    against it, and phase 1 with each of its parts left out (interpret mode); a bad --a-blocks is one line."""
     from benchmarks import linear_attention
 
     monkeypatch.setattr(linear_attention, "ceilings", benchmarks.common.ceilings)
+    # one timed call a row: the interpreters make each call seconds long, and the rows' values are not checked
+    monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
     argv = ["linear_attention", "--only", "prefill", "--prefill-lens", "128", "--heads", "1", "--variants",
-            "32x4:bf16", "--phases", "--varlen-total", "0", "--no-record"]  # fmt: skip
+            "32x4:bf16", "--phases", "--varlen-total", "0", "--no-record", "--mosaic", "--a-blocks",
+            "64,16"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     linear_attention.main()
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| prefill")]
     labels = [ln.split(" | ")[2] for ln in rows]
-    assert labels[:2] == ["jnp reference (XLA, chunked)", "pallas chunked, block_v=32, warps=4, bf16 products"]
-    assert labels[2:] == [label for _, label in linear_attention.PHASE_PARTS], labels
-    assert float(rows[1].split("rel err ")[1].split()[0]) < 2e-2, rows[1]
+    mosaic = "Mosaic GPU state pass (Triton phase 1), bf16 products"
+    assert labels[:4] == ["jnp reference (XLA, chunked)", "pallas chunked, block_v=32, warps=4, bf16 products",
+                          mosaic, f"{mosaic}, A block forms 64,16"], labels  # fmt: skip
+    assert labels[4:] == [label for _, label in linear_attention.PHASE_PARTS], labels
+    for r in rows[1:4]:
+        assert float(r.split("rel err ")[1].split()[0]) < 2e-2, r
+    monkeypatch.setattr(sys, "argv", ["linear_attention", "--a-blocks", "32,x"])
+    with pytest.raises(SystemExit):
+        linear_attention.main()
+    assert "--a-blocks='32,x' must be sizes from (64, 32, 16)" in capsys.readouterr().err

@@ -82,6 +82,23 @@ def test_kda_a_kernel_lowers_to_unrolled_products():
     assert ttir.count("scf.for") == 0 and ttir.count("tt.dot") == 13
 
 
+def test_kda_a_kernel_block_forms_lower_as_branches():
+    """a_blocks=(64, 16): the A kernel compiles the 64-row block form (2 products), the 16-row one (2 + 2 levels
+    x 2 = 6) and the binary split (13) as runtime branches on each chunk's span, no loop."""
+    from benchmarks.kernel_resources import triton_kernels
+    from pallas_kernels.linear_attention.chunked import _intra
+
+    q = jnp.ones((1, 128, 2, 128), jnp.bfloat16)
+    g = jnp.ones((1, 128, 2, 128), jnp.float32)
+    beta = jnp.ones((1, 128, 2), jnp.float32)
+
+    def run(q, g, beta):
+        return _intra(q, q, q, g, beta, scale=0.1, l2norm=True, precision="bf16", interpret=False, a_blocks=(64, 16))
+
+    ttir = {k["name"]: k for k in triton_kernels(run, q, g, beta)}["kda_chunk_a"]["ttir"]
+    assert ttir.count("scf.for") == 0 and ttir.count("scf.if") == 2 and ttir.count("tt.dot") == 21
+
+
 @pytest.mark.parametrize("precision,stages", [("bf16", "3"), ("tf32", "1")])
 def test_kda_state_pass_stages_follow_the_products_precision(precision, stages):
     """float32 intermediates: the state pass unpipelined (3 stages asked sm_90 for 385,024 bytes of shared

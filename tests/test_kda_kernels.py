@@ -286,3 +286,59 @@ def test_prefill_kernel_states_at_boundaries(t, every):
         n = (j + 1) * every
         _, want = kda(*(x[:, :n] for x in args), initial_state=s0, impl="reference", form="recurrent")
         assert rel_err(states[:, j], want) < 1e-5, j
+
+
+def _graded_gates(seed, t=256, n=2, dk=32):
+    """KDA inputs whose four 64-token chunks need, in order, the 64-, 16- and 32-row block forms of the A kernel
+    and then the binary split (`chunked._a_pairs`): log decays of −0.05, −3, −2 and −12 per token on one channel
+    (spans in log2 over 63 / 31 / 15 steps against A_SPAN_LIMIT = 112), milder on the others."""
+    (q, k, v, _, beta), _ = _prefill_inputs(seed, 1, t, n, dk, dk, False, jnp.float32, False)
+    per_chunk = jnp.repeat(jnp.asarray([-0.05, -3.0, -2.0, -12.0]), 64)[:t]
+    mild = -0.02 * jax.nn.softplus(jax.random.normal(jax.random.key(seed + 1), (1, t, n, dk)))
+    g = mild.at[:, :, :, 3].set(per_chunk[None, :, None])
+    return q, k, v, g, beta
+
+
+def test_a_kernel_block_forms_follow_each_chunks_span():
+    """Each chunk takes the coarsest block form its span allows, tried largest first: chunk by chunk, A_qk with
+    a_blocks=(64, 32, 16) is bit for bit that of the one size the chunk needs (64, 16, 32) and, for the strong
+    chunk, the binary split's; the mild chunks' differ from the split's by rounding only."""
+    from pallas_kernels.linear_attention.chunked import _intra
+
+    q, k, v, g, beta = _graded_gates(3)
+    kw = dict(scale=32**-0.5, l2norm=True, precision="ieee", interpret=True)
+    run = lambda blocks: _intra(q, k, v, g, beta, a_blocks=blocks, **kw)  # noqa: E731
+    aqk = lambda out: np.asarray(out[0], np.float64).reshape(4, 64, 2, 64)  # noqa: E731 — per chunk
+    levels, blocks = run(()), run((64, 32, 16))
+    single = {size: aqk(run((size,))) for size in (64, 32, 16)}
+    aqk_l, aqk_b = aqk(levels), aqk(blocks)
+    for c, size in enumerate((64, 16, 32)):
+        np.testing.assert_array_equal(aqk_b[c], single[size][c])
+        assert not np.array_equal(aqk_b[c], aqk_l[c]), c  # another form than the split's
+        assert np.abs(aqk_b[c] - aqk_l[c]).max() < 1e-5 * np.abs(aqk_l[c]).max(), c
+    np.testing.assert_array_equal(aqk_b[3], aqk_l[3])
+    for x, y in zip(levels[1:], blocks[1:], strict=True):  # W, U, q_g, k_g, exp(G_C)
+        assert rel_err(y, x) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_kernel_block_forms_match_the_reference(dtype):
+    """The whole prefill with a_blocks against the float32 recurrence (bf16: bf16 products, same bound as the
+    binary split's tests); a_blocks out of order or of another size is a ValueError naming it."""
+    args = tuple(x.astype(dtype) if x.ndim == 4 and i != 3 else x for i, x in enumerate(_graded_gates(4)))
+    ref_o, ref_s = kda(*args, impl="reference", form="recurrent")
+    o, s = kda(*args, impl="pallas", interpret=True, block_v=16, a_blocks=(64, 16))
+    bound = 1e-4 if dtype == jnp.float32 else 2e-2
+    assert rel_err(o, ref_o) < bound and rel_err(s, ref_s) < bound
+    # every path of kda passes a_blocks to the A kernel: its span branches are in the traced program
+    cu = np.asarray([0, 100, 256])
+    paths = [{}, {"state_every": 128}, {"cu_seqlens": cu}]
+    paths += [{"impl": "mosaic"}, {"impl": "mosaic", "cu_seqlens": cu}] if dtype == jnp.bfloat16 else []
+    for extra in paths:  # (the Mosaic state pass has branches of its own: counted on both sides)
+        call = {"impl": "pallas", "interpret": True, **extra}
+        with_blocks = str(jax.make_jaxpr(lambda *a, c=call: kda(*a, a_blocks=(64, 16), **c))(*args))
+        without = str(jax.make_jaxpr(lambda *a, c=call: kda(*a, **c))(*args))
+        assert with_blocks.count("cond[") - without.count("cond[") == 2, extra
+    for bad in ((16, 64), (48,), [64]):
+        with pytest.raises(ValueError, match=r"a_blocks=.* must be a tuple of sizes from \(64, 32, 16\)"):
+            kda(*args, impl="pallas", interpret=True, a_blocks=bad)

@@ -12,7 +12,7 @@ import numpy as np
 from pallas_kernels import registry
 from pallas_kernels._pallas import pow2
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.chunked import CHUNK, kda_chunked_pallas, kda_state_summary_pallas
+from pallas_kernels.linear_attention.chunked import CHUNK, check_a_blocks, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.layer_decode import decode_layer_pallas, verify_layer_pallas
 from pallas_kernels.linear_attention.reference import (
@@ -60,6 +60,7 @@ def kda(
     cu_seqlens=None,
     solve: str = "neumann",
     state_every: int | None = None,
+    a_blocks: tuple[int, ...] = (),
 ):
     """Gated delta rule with per-channel (g [B,T,N,K]) or per-head (g [B,T,N]) log decay.
 
@@ -77,7 +78,10 @@ def kda(
     operands in bfloat16 as fla's kernels do, the (I + A)⁻¹ chain kept in TF32; "ieee"; default: "bf16" for
     bfloat16 inputs, "tf32" otherwise), `num_warps` per program, `interpret` (default: on a CPU), `solve`: how
     the intra-chunk kernel forms (I + A_kk)⁻¹ — "neumann" (tensor-core products, the default) or
-    "substitution" (row-by-row forward substitution in float32; opt-in).
+    "substitution" (row-by-row forward substitution in float32; opt-in), `a_blocks`: block sizes (from
+    (64, 32, 16), largest first) the A kernel tries per chunk — the row pairs inside blocks of the first size
+    whose decay the chunk's gates keep within range from one reference row per block (2 products at 64 rows,
+    6 at 16, against the 13 of the binary split, which chunks with stronger gates take; opt-in, not timed).
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
@@ -108,6 +112,7 @@ def kda(
         raise ValueError(f"kda: solve={solve!r} must be 'neumann' or 'substitution'")
     if precision not in (None, "tf32", "bf16", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
+    check_a_blocks(a_blocks, "kda")
     if impl == "auto" and form is None:
         why_not = _mosaic_why_not(q, precision, cu_seqlens, initial_state)
         impl = registry.resolve("kda_prefill", impl, tokens=q.shape[1], mosaic_why_not=why_not).impl
@@ -118,7 +123,7 @@ def kda(
             q, k, v, g, beta, state_every, cu_seqlens,
             dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, form=form,
                  chunk_size=chunk_size, block_v=block_v, precision=precision, num_warps=num_warps,
-                 interpret=interpret, solve=solve),
+                 interpret=interpret, solve=solve, a_blocks=a_blocks),
         )  # fmt: skip
     if cu_seqlens is not None:
         if impl == "mosaic":
@@ -128,7 +133,7 @@ def kda(
         if impl in ("pallas", "mosaic"):
             kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
                       precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps,
-                      solve=solve)  # fmt: skip
+                      solve=solve, a_blocks=a_blocks)  # fmt: skip
             if impl == "mosaic":
                 return _varlen_blocks(q, k, v, g, beta, cu_seqlens, {**kw, "state_impl": "mosaic"})
             return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)  # fmt: skip
@@ -140,7 +145,7 @@ def kda(
         return _kda_pallas(
             q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
             precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps, solve=solve,
-            state_impl="mosaic" if impl == "mosaic" else "triton",
+            state_impl="mosaic" if impl == "mosaic" else "triton", a_blocks=a_blocks,
         )  # fmt: skip
     form = form or ("recurrent" if q.shape[1] == 1 else "chunked")
     kw = dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
@@ -163,7 +168,7 @@ def _with_states(q, k, v, g, beta, every, cu_seqlens, kw):
         o, s = kda(q, k, v, g, beta, **kw)
         return o, s, jnp.zeros((b, 0, n, dk, dv), jnp.float32)
     if impl in ("pallas", "mosaic") and every % CHUNK == 0:
-        opts = {x: kw[x] for x in ("block_v", "num_warps", "solve")}
+        opts = {x: kw[x] for x in ("block_v", "num_warps", "solve", "a_blocks")}
         return _kda_pallas(
             q, k, v, g, beta, kw["initial_state"], scale=kw["scale"], use_qk_l2norm=kw["use_qk_l2norm"],
             precision=_pallas_precision(kw["precision"], q), interpret=kw["interpret"], state_every=every,
@@ -366,7 +371,7 @@ def _check_mosaic(q, precision: str, interpret) -> None:
 
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
-    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", reset_chunks=(),
+    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", reset_chunks=(), a_blocks=(),
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16, >= 64 for the Mosaic GPU
     state pass, `state_impl="mosaic"`), runs, unpads.
@@ -402,7 +407,7 @@ def _kda_pallas(
     out = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
-        interpret=interpret, num_warps=num_warps, solve=solve, state_impl=state_impl, **extra,
+        interpret=interpret, num_warps=num_warps, solve=solve, state_impl=state_impl, a_blocks=a_blocks, **extra,
     )  # fmt: skip
     o, s = out[0][:, :t, :, :dv], out[1][:, :, :dk, :dv]
     if state_every is None:

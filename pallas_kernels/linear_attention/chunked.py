@@ -209,6 +209,83 @@ def _level_masks(c):
     return ra, rb, levels
 
 
+# `a_blocks`: inside a block whose rows share one reference row P (`_block_pairs`), every operand factor
+# exp2(±(G − P)) is at most 2^span, span the block's decay in log2 (G_first − G_last, the largest over its
+# channels), so every operand element is at most |x| 2^span. A block form is taken while span plus log2 of the
+# largest |q|, |k| element (at least 0) stays within A_SPAN_LIMIT: operands below float32's and bfloat16's
+# 2^128. The kept entries (a ≥ b) are q_a·k_b weighted by exp2(G_a − G_b) <= 1; the masked a < b ones may
+# overflow, and a select (not a product) drops them. 120 admits 16-row blocks at GLM-5.3's safe gate (each g
+# above −5: 15 steps of 7.2 in log2 = 108) with L2-normalised q and k.
+A_SPAN_LIMIT = 120.0
+A_BLOCK_SIZES = (64, 32, 16)  # `a_blocks` values
+
+
+def check_a_blocks(a_blocks, who: str) -> None:
+    """`a_blocks` as the A kernel takes it: sizes from A_BLOCK_SIZES, strictly decreasing; a one-line
+    ValueError naming the value otherwise."""
+    ok = isinstance(a_blocks, tuple) and all(b in A_BLOCK_SIZES for b in a_blocks)
+    if not ok or list(a_blocks) != sorted(set(a_blocks), reverse=True):
+        raise ValueError(f"{who}: a_blocks={a_blocks!r} must be a tuple of sizes from {A_BLOCK_SIZES}, largest first")
+
+
+def _block_pairs(q, k, g_ref, size, dot):
+    """A_qk (a ≥ b) and strict-lower A_kk (without β) over the row pairs inside each block of `size` rows, from
+    one reference per block: with P the G row at the block's middle, exp(G_a − G_b) = exp(G_a − P) · exp(P −
+    G_b) holds for any P, and each factor is at most 2^span (`_block_span`; bounded by A_SPAN_LIMIT). Two
+    [C, K] x [K, C] products (the a = b terms of A_qk included)."""
+    c = q.shape[0]
+    r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
+    ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    g = g_ref[...]
+    p = g_ref[(r // size) * size + size // 2, :]  # [C, K]: each row's block reference
+    left, right = jnp.exp2(g - p), jnp.exp2(p - g)
+    same = ra // size == rb // size
+    a_qk = jnp.where(same & (ra >= rb), dot(q * left, k * right, CONTRACT_LAST), 0.0)
+    a_kk = jnp.where(same & (ra > rb), dot(k * left, k * right, CONTRACT_LAST), 0.0)
+    return a_qk, a_kk
+
+
+def _block_span(g_ref, size):
+    """The largest decay span of the chunk's blocks of `size` rows, log2 units: max over rows and channels of
+    G_first − G_row (G decreases within a block). A NaN in G may pass where the max drops NaNs (the GPU's);
+    it makes the block form's entries NaN as it does the levels'."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (g_ref.shape[0],), 0)
+    return jnp.max(g_ref[(r // size) * size, :] - g_ref[...])
+
+
+def _a_pairs(q, k, g_ref, *, precision, levels, blocks=()):
+    """`_a_levels`, or with `blocks` (sizes from A_BLOCK_SIZES, largest first) the first size whose blocks'
+    decay span, plus log2 of the largest |q|, |k| element, this chunk keeps within A_SPAN_LIMIT: the pairs
+    inside those blocks by `_block_pairs`, the
+    pairs across them by the levels above (2h > size): 2 products at 64 rows, 4 at 32, 6 at 16 against 13. A
+    chunk whose gates are too strong for every size takes the levels (a runtime branch per chunk: the kernel
+    compiles every form it may take)."""
+    if not blocks or not levels:
+        return _a_levels(q, k, g_ref, precision=precision, levels=levels)
+    dot = _products(precision)
+
+    def with_blocks(size):
+        a_qk, a_kk = _block_pairs(q, k, g_ref, size, dot)
+        g = g_ref[...]
+        for i, (middle, keep) in enumerate(_level_masks(q.shape[0])[2]):
+            if q.shape[0] >> i > size:  # level h = C / 2^(i + 1): blocks of 2h rows, coarser than `size`
+                e = jnp.exp2(-jnp.abs(g - g_ref[middle, :]))
+                qe, ke = q * e, k * e
+                a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
+                a_kk += jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0)
+        return a_qk, a_kk
+
+    form = lambda: _a_levels(q, k, g_ref, precision=precision, levels=True)  # noqa: E731
+    # the operands' own magnitude (1 for L2-normalised q and k) takes its share of the limit
+    limit = A_SPAN_LIMIT - jnp.log2(jnp.maximum(jnp.maximum(jnp.max(jnp.abs(q)), jnp.max(jnp.abs(k))), 1.0))
+    for size in reversed(blocks):  # built innermost first: the largest size is tried first
+        form = functools.partial(
+            jax.lax.cond, _block_span(g_ref, size) <= limit, functools.partial(with_blocks, size), form
+        )
+    return form()
+
+
 def _a_levels(q, k, g_ref, *, precision, levels):
     """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, g_ref
     holding G·log2(e).
@@ -238,12 +315,12 @@ def _a_levels(q, k, g_ref, *, precision, levels):
 
 def _a_kernel(
     q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref, *, scale, l2norm, precision,
-    parts,
+    parts, blocks=(),
 ):  # fmt: skip
     """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g, β exp(G) ⊙ k (W's right factor, for the solve
-    kernel) and exp(G_C) of one chunk (`_a_levels`)."""
+    kernel) and exp(G_C) of one chunk (`_a_levels`; with `blocks`, `_a_pairs`)."""
     q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
-    a_qk, a_kk = _a_levels(q, k, g_ref, precision=precision, levels="levels" in parts)
+    a_qk, a_kk = _a_pairs(q, k, g_ref, precision=precision, levels="levels" in parts, blocks=blocks)
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
     akk_ref[...] = a_kk * beta_ref[...].astype(jnp.float32)[:, None]
     # the gated tiles 16 rows at a time: the [C, K] tiles above are dead by now, nothing large stays live
@@ -278,14 +355,14 @@ def _chunk_spec(width):
 _BETA_SPEC = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
 
 
-def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts):
+def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks=()):
     """`_a_kernel` over every chunk; g is G·log2(e) (`_chunk_cumsum`) -> (A_qk, β-scaled A_kk float32, q_g,
     k_g, β exp(G) ⊙ k, exp(G_C))."""
     b, t, n, dk = q.shape
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     return pl.pallas_call(
-        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts),
+        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, blocks=blocks),
         grid=(b, n, nc),
         in_specs=[_chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk), _BETA_SPEC],
         out_specs=[
@@ -320,15 +397,17 @@ def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, sol
 
 
 def _intra(
-    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann"
+    q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
+    a_blocks=(),
 ):  # fmt: skip
     """Phase 1 over every chunk: the cumsum, `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
-    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first)."""
+    [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first);
+    a_blocks: the A kernel's block forms to try (`_a_pairs`)."""
     a_warps, solve_warps = num_warps
     g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
     aqk, akk, qg, kg, kb, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
-        parts=parts,
+        parts=parts, blocks=a_blocks,
     )  # fmt: skip
     w, u = _solve_call(
         kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve
@@ -361,12 +440,13 @@ def _gate_spec(nc, dk):
         "state_every",
         "state_impl",
         "reset_chunks",
+        "a_blocks",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
-    state_impl="triton", reset_chunks=(),
+    state_impl="triton", reset_chunks=(), a_blocks=(),
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -390,9 +470,14 @@ def kda_chunked_pallas(
 
     state_impl: "triton" (`_state_kernel`) or "mosaic" (`state_mosaic.kda_state_pass_mosaic`: Hopper, or
     Mosaic GPU's interpreter with `interpret`; bf16 intermediates, K 64 or 128, V a multiple of 64, sequences
-    not packed; block_v, num_warps and num_stages are the Triton kernel's and do not apply to it)."""
+    not packed; block_v, num_warps and num_stages are the Triton kernel's and do not apply to it).
+
+    a_blocks (sizes from A_BLOCK_SIZES, largest first; empty: off): the A kernel forms the row pairs inside
+    blocks of the first size whose decay span the chunk keeps within A_SPAN_LIMIT from one reference row per
+    block, the rest by the levels (`_a_pairs`: fewer products for mild gates, the same values up to rounding)."""
     if state_impl not in ("triton", "mosaic"):
         raise ValueError(f"kda_chunked_pallas: state_impl={state_impl!r} must be 'triton' or 'mosaic'")
+    check_a_blocks(a_blocks, "kda_chunked_pallas")
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     nc = t // CHUNK
@@ -405,7 +490,7 @@ def kda_chunked_pallas(
             raise ValueError(f"kda_chunked_pallas: the Mosaic GPU state pass needs {why}")
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
-        parts=parts,
+        parts=parts, a_blocks=tuple(a_blocks),
     )  # fmt: skip
     if reset_chunks:
         if packed or not all(0 <= c < nc for c in reset_chunks):
