@@ -257,24 +257,17 @@ def _block_span(g_ref, size):
 def _a_pairs(q, k, g_ref, *, precision, levels, blocks=()):
     """`_a_levels`, or with `blocks` (sizes from A_BLOCK_SIZES, largest first) the first size whose blocks'
     decay span, plus log2 of the largest |q|, |k| element, this chunk keeps within A_SPAN_LIMIT: the pairs
-    inside those blocks by `_block_pairs`, the
-    pairs across them by the levels above (2h > size): 2 products at 64 rows, 4 at 32, 6 at 16 against 13. A
-    chunk whose gates are too strong for every size takes the levels (a runtime branch per chunk: the kernel
-    compiles every form it may take)."""
+    inside those blocks by `_block_pairs`, the pairs across them by the levels above (`_a_levels(above=)`):
+    2 products at 64 rows, 4 at 32, 6 at 16 against 13. A chunk whose gates are too strong for every size
+    takes the levels (a runtime branch per chunk: the kernel compiles every form it may take)."""
     if not blocks or not levels:
         return _a_levels(q, k, g_ref, precision=precision, levels=levels)
     dot = _products(precision)
 
     def with_blocks(size):
-        a_qk, a_kk = _block_pairs(q, k, g_ref, size, dot)
-        g = g_ref[...]
-        for i, (middle, keep) in enumerate(_level_masks(q.shape[0])[2]):
-            if q.shape[0] >> i > size:  # level h = C / 2^(i + 1): blocks of 2h rows, coarser than `size`
-                e = jnp.exp2(-jnp.abs(g - g_ref[middle, :]))
-                qe, ke = q * e, k * e
-                a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
-                a_kk += jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0)
-        return a_qk, a_kk
+        in_qk, in_kk = _block_pairs(q, k, g_ref, size, dot)
+        across_qk, across_kk = _a_levels(q, k, g_ref, precision=precision, levels=True, above=size)
+        return in_qk + across_qk, in_kk + across_kk
 
     form = lambda: _a_levels(q, k, g_ref, precision=precision, levels=True)  # noqa: E731
     # the operands' own magnitude (1 for L2-normalised q and k) takes its share of the limit
@@ -286,9 +279,10 @@ def _a_pairs(q, k, g_ref, *, precision, levels, blocks=()):
     return form()
 
 
-def _a_levels(q, k, g_ref, *, precision, levels):
+def _a_levels(q, k, g_ref, *, precision, levels, above=0):
     """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, g_ref
-    holding G·log2(e).
+    holding G·log2(e). above > 0 (`_a_pairs`): only the pairs of the levels whose blocks are coarser than
+    `above` rows, no a = b terms (the block form forms the rest).
 
     A pair of rows a > b is split by exactly one level h ∈ {32, 16, ..., 1} of a binary hierarchy over the
     chunk: the level whose block of 2h rows holds both, a in its upper half and b in its lower half. With P
@@ -300,12 +294,14 @@ def _a_levels(q, k, g_ref, *, precision, levels):
     13 products per chunk in all."""
     dot = _products(precision)
     ra, rb, hierarchy = _level_masks(q.shape[0])
-    a_qk = jnp.where(ra == rb, dot(q, k, CONTRACT_LAST), 0.0)
-    a_kk = jnp.zeros(a_qk.shape, jnp.float32)
+    a_kk = jnp.zeros(ra.shape, jnp.float32)
+    a_qk = a_kk if above else jnp.where(ra == rb, dot(q, k, CONTRACT_LAST), 0.0)
     if not levels:
         return a_qk, a_kk
     g = g_ref[...]  # [C, K]
-    for middle, keep in hierarchy:
+    for i, (middle, keep) in enumerate(hierarchy):
+        if q.shape[0] >> i <= above:  # level h = C / 2^(i + 1): blocks of 2h rows, not coarser than `above`
+            continue
         e = jnp.exp2(-jnp.abs(g - g_ref[middle, :]))
         qe, ke = q * e, k * e
         a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
