@@ -222,6 +222,8 @@ def layer_rows(bw, rate) -> list[dict]:
     return rows
 
 
+GATE_SCALE = 0.1  # prefill rows' log decays: -GATE_SCALE * softplus(N(0, 1)) per element
+
 PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 
 
@@ -258,20 +260,22 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
 
 
 def prefill_rows(
-    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_blocks=()
+    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_blocks=(), gate_scale=GATE_SCALE
 ) -> list[dict]:
     """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products),
-    and with a_blocks a second such row with `kda(a_blocks=)` (the A kernel's block forms)."""
+    and with a_blocks a second such row with `kda(a_blocks=)` (the A kernel's block forms). gate_scale: the log
+    decays are -gate_scale * softplus(N(0, 1)) per element (the default 0.1 keeps a chunk's decay span small;
+    larger scales push the A kernel's block forms onto the binary split)."""
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for n, t in ((n, t) for n in heads for t in lengths):
         ks = jax.random.split(jax.random.key(t + n), 5)
         q, k, v = (jax.random.normal(x, (1, t, n, DK), jnp.bfloat16) for x in ks[:3])
-        g = -jax.nn.softplus(jax.random.normal(ks[3], (1, t, n, DK))) * 0.1
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (1, t, n, DK))) * gate_scale
         beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, t, n)))
         nbytes = 4 * q.nbytes + g.nbytes + beta.nbytes
         flops = prefill_flops(t, n)
-        shape = f"B=1 T={t} N={n} K={DK} V={DV}"
+        shape = f"B=1 T={t} N={n} K={DK} V={DV}" + (f" gates x{gate_scale:g}" if gate_scale != GATE_SCALE else "")
         ref = jax.jit(
             lambda q, k, v, g, beta: kda(q, k, v, g, beta, impl="reference", form="chunked", chunk_size=CHUNK)
         )
@@ -376,6 +380,10 @@ def main() -> None:
         "64x4:bf16:substitution",
     )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
+    p.add_argument(
+        "--gate-scale", type=float, default=GATE_SCALE,
+        help=f"prefill rows' log decays are -scale * softplus(N(0, 1)) (default {GATE_SCALE:g})",
+    )  # fmt: skip
     p.add_argument("--a-blocks", default="", help="with --mosaic, also a row with kda(a_blocks=...), sizes as 64,16")
     p.add_argument(
         "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
@@ -387,6 +395,8 @@ def main() -> None:
         check_a_blocks(a_blocks, "kda")
     except ValueError:
         p.error(f"--a-blocks={args.a_blocks!r} must be sizes from {A_BLOCK_SIZES}, largest first, e.g. 64,16")
+    if not args.gate_scale > 0:
+        p.error(f"--gate-scale={args.gate_scale} must be > 0")
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     fla = fla_ops()
@@ -397,7 +407,8 @@ def main() -> None:
         rows += layer_rows(bw, rate)
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
-        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic, a_blocks)
+        rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic, a_blocks,
+                             args.gate_scale)  # fmt: skip
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0])
     title = (
