@@ -884,9 +884,10 @@ def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
-    """`benchmarks.linear_attention --only prefill --phases --mosaic --a-blocks 64,16` at a toy length: the jnp
-    reference, one Pallas variant and the two Mosaic rows (the second with the A kernel's block forms) checked
-    against it, and phase 1 with each of its parts left out (interpret mode); a bad --a-blocks is one line."""
+    """`benchmarks.linear_attention --only prefill --phases --mosaic --a-blocks 64,16 --gate-scale 2` at a toy
+    length: the jnp reference, one Pallas variant and the two Mosaic rows (the second with the A kernel's block
+    forms) checked against it, and phase 1 with each of its parts left out (interpret mode); the stronger gates
+    are named in the shape; a bad --a-blocks or --gate-scale is one line."""
     from benchmarks import linear_attention
 
     monkeypatch.setattr(linear_attention, "ceilings", benchmarks.common.ceilings)
@@ -894,7 +895,7 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
     argv = ["linear_attention", "--only", "prefill", "--prefill-lens", "128", "--heads", "1", "--variants",
             "32x4:bf16", "--phases", "--varlen-total", "0", "--no-record", "--mosaic", "--a-blocks",
-            "64,16"]  # fmt: skip
+            "64,16", "--gate-scale", "2"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     linear_attention.main()
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| prefill")]
@@ -905,6 +906,11 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     assert labels[4:] == [label for _, label in linear_attention.PHASE_PARTS], labels
     for r in rows[1:4]:
         assert float(r.split("rel err ")[1].split()[0]) < 2e-2, r
+    assert all(ln.split(" | ")[1] == "B=1 T=128 N=1 K=128 V=128 gates x2" for ln in rows), rows
+    monkeypatch.setattr(sys, "argv", ["linear_attention", "--gate-scale", "-1"])
+    with pytest.raises(SystemExit):
+        linear_attention.main()
+    assert "--gate-scale=-1.0 must be > 0" in capsys.readouterr().err
     monkeypatch.setattr(sys, "argv", ["linear_attention", "--a-blocks", "32,x"])
     with pytest.raises(SystemExit):
         linear_attention.main()
