@@ -382,7 +382,7 @@ def main() -> None:
     p.add_argument("--phases", action="store_true", help="also time the Pallas prefill's phase 1 alone")
     p.add_argument(
         "--gate-scale", type=float, default=GATE_SCALE,
-        help=f"prefill rows' log decays are -scale * softplus(N(0, 1)) (default {GATE_SCALE:g})",
+        help=f"prefill rows' log decays (not varlen's): -scale * softplus(N(0, 1)), default {GATE_SCALE:g}",
     )  # fmt: skip
     p.add_argument("--a-blocks", default="", help="with --mosaic, also a row with kda(a_blocks=...), sizes as 64,16")
     p.add_argument(
@@ -395,8 +395,8 @@ def main() -> None:
         check_a_blocks(a_blocks, "kda")
     except ValueError:
         p.error(f"--a-blocks={args.a_blocks!r} must be sizes from {A_BLOCK_SIZES}, largest first, e.g. 64,16")
-    if not args.gate_scale > 0:
-        p.error(f"--gate-scale={args.gate_scale} must be > 0")
+    if not 0 < args.gate_scale < float("inf"):
+        p.error(f"--gate-scale={args.gate_scale} must be finite and > 0")
     bw, rate = ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     fla = fla_ops()

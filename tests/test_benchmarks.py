@@ -907,10 +907,11 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     for r in rows[1:4]:
         assert float(r.split("rel err ")[1].split()[0]) < 2e-2, r
     assert all(ln.split(" | ")[1] == "B=1 T=128 N=1 K=128 V=128 gates x2" for ln in rows), rows
-    monkeypatch.setattr(sys, "argv", ["linear_attention", "--gate-scale", "-1"])
-    with pytest.raises(SystemExit):
-        linear_attention.main()
-    assert "--gate-scale=-1.0 must be > 0" in capsys.readouterr().err
+    for bad in ("-1", "inf"):
+        monkeypatch.setattr(sys, "argv", ["linear_attention", "--gate-scale", bad])
+        with pytest.raises(SystemExit):
+            linear_attention.main()
+        assert f"--gate-scale={float(bad)} must be finite and > 0" in capsys.readouterr().err
     monkeypatch.setattr(sys, "argv", ["linear_attention", "--a-blocks", "32,x"])
     with pytest.raises(SystemExit):
         linear_attention.main()
