@@ -68,6 +68,8 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
         for bn, bk, sk in GEMV_BLOCKS:  # one Pallas program per pair, output tile and split
             name = f"pallas per-pair gemv, block_n={bn} k={bk} split {sk or 'auto'}"
             variants[name] = dict(impl="pallas", form="gemv", block_n=bn, block_k=bk, split_k=sk)
+    if 1 < tokens <= 16:  # each touched expert read once for all its rows
+        variants["pallas expert gemv, split auto"] = dict(impl="pallas", form="expert_gemv")
     for bm, bn, bk, nw, ns in VARIANTS:
         variants[f"pallas grouped matmul, block_m={bm} n={bn} k={bk}, {nw} warps, {ns} stages"] = dict(
             impl="pallas", block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns

@@ -298,12 +298,15 @@ def _sparse_pick(heads: int, tiles_given: bool = False, forced: bool = False, **
     return Choice("pallas", None, f"Triton kernel (Mosaic GPU kernel not used: {why})")
 
 
-def _moe_pick(pairs: int, experts: int, forced: bool = False, **_) -> Choice:
+def _moe_pick(pairs: int, experts: int, forced: bool = False, tokens: int | None = None, **_) -> Choice:
     t = moe_tuning
     if forced:
         return Choice("pallas", "grouped", "use_pallas()")
     if pairs <= t.GEMV_MAX_PAIRS:
         return Choice("pallas", "gemv", f"{pairs} token-expert pairs <= {t.GEMV_MAX_PAIRS}: per-pair GEMV kernels")
+    if tokens is not None and tokens <= t.EXPERT_GEMV_MAX_TOKENS:
+        why = f"{tokens} tokens <= {t.EXPERT_GEMV_MAX_TOKENS}: each touched expert read once (expert GEMV kernels)"
+        return Choice("pallas", "expert_gemv", why)
     if experts > t.DENSE_MAX_EXPERTS:
         return Choice("pallas", "grouped", f"{experts} experts > {t.DENSE_MAX_EXPERTS}: ragged_dot reads all experts")
     if pairs >= t.GROUPED_MIN_PAIRS:

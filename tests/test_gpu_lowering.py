@@ -151,7 +151,7 @@ def test_kda_decode_step_kernel_lowers():
     assert _lowered_for_h200(run, q, state).count("xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("form,tokens", [("grouped", 40), ("gemv", 1)])
+@pytest.mark.parametrize("form,tokens", [("grouped", 40), ("gemv", 1), ("expert_gemv", 5)])
 @pytest.mark.parametrize("swiglu_limit", [None, 7.0])  # 7.0: the clamped SwiGLU's min / max in the kernels
 def test_moe_kernels_lower(form, tokens, swiglu_limit):
     from pallas_kernels.moe import moe_experts

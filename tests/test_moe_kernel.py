@@ -96,8 +96,9 @@ def test_reference_in_token_blocks_equals_one_pass():
 
 def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     """On a GPU, "auto" runs the grouped kernel for prefill-sized calls (>= GROUPED_MIN_PAIRS token-expert pairs)
-    or many experts, the GEMV kernels for one token's pairs, and XLA's ragged_dot for other decode-sized
-    calls over few experts; on CPU always the reference."""
+    or many experts, the GEMV kernels for one token's pairs, the expert-grouped GEMV kernels up to
+    EXPERT_GEMV_MAX_TOKENS tokens, and XLA's ragged_dot for other decode-sized calls over few experts; on CPU
+    always the reference."""
     from pallas_kernels.moe import api
     from pallas_kernels.moe import tuning as t
     from pallas_kernels.registry import resolve
@@ -112,12 +113,17 @@ def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     assert "name=moe_grouped_matmul" in traced(big)
     small = traced(big - 1)
     assert "pallas_call" not in small and "ragged_dot" in small
-    many = traced(6, e=t.DENSE_MAX_EXPERTS + 1)  # decode (12 pairs), but the dense product would read all experts
+    many = traced(t.EXPERT_GEMV_MAX_TOKENS + 1, e=t.DENSE_MAX_EXPERTS + 1)  # the dense product would read all
     assert "name=moe_grouped_matmul" in many
     for e in (4, t.DENSE_MAX_EXPERTS + 1):  # one token's pairs (<= GEMV_MAX_PAIRS): per-pair GEMV kernels
         one = traced(t.GEMV_MAX_PAIRS // 2, e=e)
         assert "name=moe_gate_up_gemv" in one and "ragged_dot" not in one
     assert "name=moe_gate_up_gemv" not in traced(t.GEMV_MAX_PAIRS // 2 + 1)
+    # a few tokens past one token's pairs (a verify block): the expert-grouped GEMV kernels, any expert count
+    for e in (4, t.DENSE_MAX_EXPERTS + 1):
+        few = traced(t.EXPERT_GEMV_MAX_TOKENS, e=e)
+        assert "name=moe_gate_up_expert_gemv" in few and "ragged_dot" not in few
+    assert "name=moe_gate_up_expert_gemv" not in traced(t.EXPERT_GEMV_MAX_TOKENS + 1)
     # grouped kernel rows: 16-row blocks until experts average 16 rows, and below SMALL_CALL_PAIRS
     assert api.auto_block_m(512, 256) == 16 and api.auto_block_m(16 * 256, 256) == 128
     assert api.auto_block_m(511, 4) == 16 and api.auto_block_m(512, 32) == 128
@@ -252,3 +258,65 @@ def test_gemv_with_shared_expert(dtype, fs):
     assert rel_err(moe_experts(x, idx, w, gate, up, down, impl="reference", shared=shared), ref) < 1e-6
     with pytest.raises(ValueError, match="shared expert weights"):
         moe_experts(x, idx, w, gate, up, down, shared=shared[:2])
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(2, 16),
+    d=st.sampled_from([16, 48, 80]),
+    f=st.sampled_from([16, 40, 32]),
+    e=st.sampled_from([3, 9, 40]),
+    k=st.integers(1, 3),
+    skew=st.sampled_from([0.0, 3.0]),
+    split_k=st.sampled_from([None, 1, 2]),
+)
+def test_expert_gemv_matches_reference(seed, n, d, f, e, k, skew, split_k):
+    """form="expert_gemv" (each touched expert's weights read once for all its rows) against the reference, for
+    calls touching few experts (skew crowds the tokens onto the first ones) and more experts than pairs."""
+    args = _case(seed, n, d, f, e, k, skew)
+    ref = moe_experts(*args, impl="reference")
+    got = moe_experts(*args, impl="pallas", form="expert_gemv", block_n=16, block_k=16, split_k=split_k, interpret=True)
+    assert got.shape == ref.shape and np.isfinite(np.asarray(got)).all()
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_group_by_expert_rows_and_pairs():
+    """Groups in ascending expert order, each group's rows in token order, padding rows naming token N, and each
+    pair pointing at its own row; groups past the touched experts carry expert −1."""
+    from pallas_kernels.moe.expert_gemv import GROUP_ROWS, group_by_expert
+
+    idx = jnp.array([[3, 1], [1, 0], [3, 2]], jnp.int32)  # 3 tokens touch 4 of 9 experts in 6 pairs
+    e_ids, row_token, pair_at = group_by_expert(idx, 9)
+    assert e_ids.tolist() == [0, 1, 2, 3, -1, -1]
+    assert [r[:3].tolist() for r in row_token[:4]] == [[1, 3, 3], [0, 1, 3], [2, 3, 3], [0, 2, 3]]
+    assert (np.asarray(row_token[:, 3:]) == 3).all() and (np.asarray(row_token[4:]) == 3).all()
+    expected = [[3 * GROUP_ROWS + 0, 1 * GROUP_ROWS + 0], [1 * GROUP_ROWS + 1, 0], [3 * GROUP_ROWS + 1, 2 * GROUP_ROWS]]
+    assert pair_at.tolist() == expected
+    with pytest.raises(ValueError, match="17 tokens > 16"):
+        group_by_expert(jnp.zeros((17, 2), jnp.int32), 9)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fs", [24, 40])  # 24 = F: the shared expert as one more group in the same launches
+def test_expert_gemv_with_shared_expert_and_swiglu_limit(dtype, fs):
+    x, idx, w, gate, up, down = _case(7, 5, 40, 24, 9, 3, 0.0)
+    ks = jax.random.split(jax.random.key(8), 3)
+    shapes = [(40, fs), (40, fs), (fs, 40)]
+    shared = tuple((jax.random.normal(kk, s) * s[0] ** -0.5).astype(dtype) for kk, s in zip(ks, shapes, strict=True))
+    x, gate, up, down = (a.astype(dtype) for a in (x, gate, up, down))
+    ref = moe_experts(x, idx, w, gate, up, down, impl="reference", shared=shared, swiglu_limit=0.5)
+    fn = lambda *a: moe_experts(  # noqa: E731
+        *a, impl="pallas", form="expert_gemv", block_n=16, block_k=16, interpret=True, shared=shared, swiglu_limit=0.5
+    )
+    got = fn(x, idx, w, gate, up, down)
+    jaxpr = str(jax.make_jaxpr(fn)(x, idx, w, gate, up, down))
+    assert "name=moe_gate_up_expert_gemv" in jaxpr and "name=moe_down_expert_gemv" in jaxpr
+    assert jaxpr.count("pallas_call") == 2  # the shared expert inside both launches, or beside them in XLA
+    assert rel_err(got, ref) < (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_expert_gemv_refuses_more_tokens_than_a_group_holds():
+    args = _case(0, 17, 16, 16, 4, 2, 0.0)
+    with pytest.raises(ValueError, match=r"form='expert_gemv' takes at most 16 tokens \(got 17\)"):
+        moe_experts(*args, impl="pallas", form="expert_gemv", interpret=True)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import registry
 from pallas_kernels._pallas import pow2
+from pallas_kernels.moe.expert_gemv import GROUP_ROWS, down_expert_gemv, gate_up_expert_gemv, group_by_expert
 from pallas_kernels.moe.gemv import auto_split_k, down_gemv, gate_up_gemv
 from pallas_kernels.moe.kernel import grouped_gate_up_pallas, grouped_matmul_pallas
 from pallas_kernels.moe.reference import (
@@ -31,7 +32,7 @@ from pallas_kernels.moe.tuning import (
 )
 
 # The algorithms `form=` names inside each impl.
-FORMS = {"reference": ("ragged_dot", "gather"), "pallas": ("grouped", "gemv")}
+FORMS = {"reference": ("ragged_dot", "gather"), "pallas": ("grouped", "gemv", "expert_gemv")}
 
 
 def auto_block_m(pairs: int, experts: int) -> int:
@@ -82,7 +83,10 @@ def moe_experts(
       per expert to whole blocks of `block_m` rows — default `auto_block_m` —, gate and up in one kernel
       writing SiLU(gate) ⊙ up, then down) or "gemv" (`gemv.gate_up_gemv` and `gemv.down_gemv`: one program
       per token-expert pair, output tile and contraction split, reading the pair's expert weights in place —
-      decode-sized calls; `split_k` a power of two, default `gemv.auto_split_k`);
+      decode-sized calls; `split_k` a power of two, default `gemv.auto_split_k`) or "expert_gemv"
+      (`expert_gemv`: the pairs grouped by expert, one program per touched expert, output tile and split,
+      each reading its expert's weights once for all of the call's rows routed to it — calls of at most
+      `expert_gemv.GROUP_ROWS` tokens, such as a speculative verify block; `split_k` as "gemv");
     - "auto": `registry.resolve("moe", ...)`.
     Tiles: `block_n` / `block_k` output and contraction tiles, powers of two (defaults `tuning.GROUPED_TILES`
     / `tuning.GEMV_TILES`); `num_warps` / `num_stages` Triton's parameters of the grouped kernels (defaults
@@ -117,12 +121,14 @@ def moe_experts(
             num_stages = min(num_stages, WIDE_OPERAND_MAX_STAGES)
     num_warps = num_warps or triton["num_warps"]
     if impl == "auto":  # before the tile defaults, which depend on the kernel
-        choice = registry.resolve("moe", impl, pairs=idx.size, experts=e)
+        choice = registry.resolve("moe", impl, pairs=idx.size, experts=e, tokens=n)
         impl, form = choice.impl, form or choice.form
     form = form or FORMS[impl][0]
     if form not in FORMS[impl]:
         raise ValueError(f"moe_experts: form={form!r} is not one of impl={impl!r}'s {FORMS[impl]}")
-    tiles = GEMV_TILES if form == "gemv" else GROUPED_TILES
+    if form == "expert_gemv" and n > GROUP_ROWS:
+        raise ValueError(f"moe_experts: form='expert_gemv' takes at most {GROUP_ROWS} tokens (got {n})")
+    tiles = GEMV_TILES if form in ("gemv", "expert_gemv") else GROUPED_TILES
     block_n = tiles[0] if block_n is None else block_n
     block_k = tiles[1] if block_k is None else block_k
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
@@ -138,8 +144,9 @@ def moe_experts(
     ):
         raise ValueError(f"moe_experts: shared expert weights {[a.shape for a in shared]} must be [D, Fs] x2, [Fs, D]")
     interpret = registry.interpret_default(interpret)
-    if form == "gemv" and shared is not None and shared[0].shape[1] == f:  # the shared expert in the same launches
-        return _experts_gemv(
+    experts_gemv = {"gemv": _experts_gemv, "expert_gemv": _experts_expert_gemv}.get(form)
+    if experts_gemv and shared is not None and shared[0].shape[1] == f:  # the shared expert in the same launches
+        return experts_gemv(
             x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared, limit=limit
         )
     if shared is not None:
@@ -153,10 +160,8 @@ def moe_experts(
         return moe_experts_reference(x, idx, w, gate_proj, up_proj, down_proj, swiglu_limit=limit)
     if form == "gather":
         return moe_experts_gather(x, idx, w, gate_proj, up_proj, down_proj, swiglu_limit=limit)
-    if form == "gemv":
-        return _experts_gemv(
-            x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, limit=limit
-        )
+    if experts_gemv:
+        return experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, limit=limit)
 
     k = idx.shape[1]
     order, sizes = sort_by_expert(idx, e)
@@ -247,6 +252,50 @@ def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, sp
     out = jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), y[:p, :d].reshape(n, k, d))
     # the shared expert rounded to x's dtype, as a separate SwiGLU returns it
     return out if shared is None else out + y[p:, :d].astype(x.dtype).astype(jnp.float32)
+
+
+def _experts_expert_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret,
+                         shared=None, limit=None):  # fmt: skip
+    """form="expert_gemv": the pairs grouped by expert (`expert_gemv.group_by_expert`), each touched expert's
+    weights read once for its rows, then each pair's row picked out and the weighted sum over k; the shared
+    expert (of the routed width F) as one more group of every token's row. Float32 rows take exact products
+    (no TF32), as "gemv"."""
+    n, d = x.shape
+    e, _, f = gate_proj.shape
+    bk_d, d_in = _tile(d, block_k)
+    bn_f, f_out = _tile(f, block_n)
+    bk_f, f_in = _tile(f_out, block_k)
+    bn_d, d_out = _tile(d, block_n)
+    e_ids, row_token, pair_at = group_by_expert(idx, e)
+    g = e_ids.shape[0]
+    s1 = split_k or auto_split_k(g, max(f_out, f_in), d_in, bn_f, bk_d)
+    s2 = split_k or auto_split_k(g, d_out, max(f_out, f_in), bn_d, bk_f)
+    d_in = -(-d_in // (s1 * bk_d)) * s1 * bk_d
+    f_pad = max(f_out, f_in)
+    f_pad = -(-f_pad // max(s2 * bk_f, bn_f)) * max(s2 * bk_f, bn_f)
+    # each group's 16 rows, gathered from x with one zero row past the tokens for the empty ones
+    rows = jnp.pad(x, [(0, GROUP_ROWS + 1 - n), (0, d_in - d)])  # rows n.. are zeros
+    x_groups = rows[row_token]  # [G, 16, D]
+    sh_gu = sh_d = None
+    if shared is not None:
+        x_groups = jnp.concatenate([x_groups, rows[None, :GROUP_ROWS]])  # the shared expert: every token
+        pad2 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, p1 - a.shape[0]), (0, p2 - a.shape[1])])  # noqa: E731
+        sh_gu = (pad2(shared[0], d_in, f_pad), pad2(shared[1], d_in, f_pad))
+        sh_d = (pad2(shared[2], f_pad, d_out),)
+    pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
+    precision = "ieee" if jnp.dtype(x.dtype).itemsize >= 4 else "tf32"
+    kw = dict(interpret=interpret, precision=precision, num_stages=3 if precision == "tf32" else 2)
+    gu = gate_up_expert_gemv(
+        e_ids, x_groups, pad3(gate_proj, d_in, f_pad), pad3(up_proj, d_in, f_pad), block_n=bn_f, block_k=bk_d,
+        split_k=s1, shared=sh_gu, **kw,
+    )  # fmt: skip
+    y = down_expert_gemv(
+        e_ids, gu, pad3(down_proj, f_pad, d_out), h_dtype=x.dtype, block_n=bn_d, block_k=bk_f, split_k=s2,
+        shared=sh_d, swiglu_limit=limit, **kw,
+    )  # fmt: skip
+    pairs = y[:g].reshape(g * GROUP_ROWS, d_out)[pair_at][..., :d]  # [N, k, D] float32, each pair's row
+    out = jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), pairs, precision=jax.lax.Precision.HIGHEST)
+    return out if shared is None else out + y[g, :n, :d].astype(x.dtype).astype(jnp.float32)
 
 
 def router_kernel_unsupported(x, w, n_group: int) -> str | None:

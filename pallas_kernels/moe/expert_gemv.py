@@ -1,0 +1,207 @@
+"""Pallas kernels: MoE experts for calls of a few tokens, one program per (touched expert, output tile, split).
+
+From two tokens on, a call's token-expert pairs share experts: the per-pair GEMV kernels (`gemv.py`) read an
+expert's weights once per pair, and `lax.ragged_dot` reads every expert's weights whatever the call touches.
+Here the pairs are grouped by expert first (in XLA: a sort of the P = N·k expert ids). Group g holds the rows of
+the tokens routed to expert e_g — at most N <= 16, one per token, since a token routes to an expert at most
+once — gathered into a [16, D] block padded with zero rows. Each program reads its slab of W[e_g] once and
+multiplies all 16 rows by it in one tensor-core product: the [16, BK] x [BK, BN] step that the per-pair
+kernels take with one row broadcast to 16 rows. So a call reads each touched expert's weights once.
+
+    Gate_g = X_g W_gate[e_g],  Up_g = X_g W_up[e_g]       (`gate_up_expert_gemv`, grid (G, F / BF, S): partials)
+    Y_g = (SiLU(Σ_s Gate_g) ⊙ Σ_s Up_g) W_down[e_g]       (`down_expert_gemv`,    grid (G, D / BD, S))
+
+The contraction is split S ways as in `gemv.py` (enough programs for a call that touches few experts). The
+gate / up partial sums go to the down kernel, which forms its slab of h itself (in the activations' dtype,
+after the SwiGLU limit's clamp when there is one). G = min(P, E) groups is static; groups past the experts a
+call touches carry expert id −1, and their programs write zeros without reading any weight. The shared
+expert is one more group holding every token's row, run through the shared weights in the same launches.
+
+Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). Contractions must be multiples of
+S x BK and output widths of BN (powers of two); `moe_experts(impl="pallas", form="expert_gemv")` pads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._pallas import triton_params
+from pallas_kernels.moe.reference import check_swiglu_limit, clamp_gate_up
+
+GROUP_ROWS = 16  # rows of one tensor-core tile: a group's tokens, zero-padded; also the most tokens a call has
+
+
+def _per_group(e_ref, routed, shared, n_routed, run, zero):
+    """run(weights) with group g's expert slabs (g < n_routed, expert id >= 0), with the shared expert's
+    (g >= n_routed), or zero() for a group past the touched experts (expert id −1: no weight read)."""
+    e = e_ref[0]
+    g = pl.program_id(0)
+    routed_group = g < n_routed if shared else True
+    pl.when(jnp.logical_and(routed_group, e >= 0))(lambda: run([lambda c, r=r: r[e, c, :] for r in routed]))
+    pl.when(jnp.logical_and(routed_group, e < 0))(zero)
+    if shared:
+        pl.when(g >= n_routed)(lambda: run([lambda c, r=r: r[c, :] for r in shared]))
+
+
+def _dot(a, b, precision):
+    prec = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed, precision):
+    *shared, g_ref, u_ref = refs
+
+    def run(w):
+        def body(kk, acc):
+            cols = pl.ds(kk * bk, bk)
+            xk = x_ref[:, cols]  # [16, BK]: the group's rows, read once for both products
+            return acc[0] + _dot(xk, w[0](cols), precision), acc[1] + _dot(xk, w[1](cols), precision)
+
+        zero = jnp.zeros(g_ref.shape, jnp.float32)
+        g, u = jax.lax.fori_loop(0, nk, body, (zero, zero))
+        g_ref[...] = g
+        u_ref[...] = u
+
+    def zero():
+        g_ref[...] = jnp.zeros(g_ref.shape, jnp.float32)
+        u_ref[...] = jnp.zeros(u_ref.shape, jnp.float32)
+
+    _per_group(e_ref, (wg_ref, wu_ref), shared, n_routed, run, zero)
+
+
+def _h_slab(g_ref, u_ref, cols, dtype, limit):
+    """The group's h [16, BK] on columns `cols` from the gate / up partial sums [S, 16, F]: SiLU(Σ gate) ⊙ Σ up
+    in `dtype` (the sums clamped first for a SwiGLU limit), as a separate SwiGLU of the products returns it."""
+    g, u = g_ref[0, :, cols], u_ref[0, :, cols]
+    for s in range(1, g_ref.shape[0]):  # S need not be a power of two: one partial at a time
+        g, u = g + g_ref[s, :, cols], u + u_ref[s, :, cols]
+    g, u = clamp_gate_up(g, u, limit)
+    return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
+
+
+def _down_kernel(e_ref, g_ref, u_ref, wd_ref, *refs, bk, nk, n_routed, precision, dtype, swiglu_limit):
+    *shared, y_ref = refs
+
+    def run(w):
+        def body(kk, acc):
+            cols = pl.ds(kk * bk, bk)
+            return acc + _dot(_h_slab(g_ref, u_ref, cols, dtype, swiglu_limit), w[0](cols), precision)
+
+        y_ref[...] = jax.lax.fori_loop(0, nk, body, jnp.zeros(y_ref.shape, jnp.float32))
+
+    def zero():
+        y_ref[...] = jnp.zeros(y_ref.shape, jnp.float32)
+
+    _per_group(e_ref, (wd_ref,), shared, n_routed, run, zero)
+
+
+def _group_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, shared, interpret,
+                num_warps, num_stages):  # fmt: skip
+    """Grid (groups, output tiles, contraction splits) -> n_out float32 partial sums [G, split_k, 16, N].
+    e_ids [G_routed] (G_routed <= G; the groups after them run the `shared` weights [K, N]); rows: arrays
+    [G, 16, K] or partial sums [G, S', 16, K], program (g, j, s) reading group g's slab s of each."""
+    g_all, rows_per_group, kdim = rows[0].shape[0], rows[0].shape[-2], rows[0].shape[-1]
+    n_routed = e_ids.shape[0]
+    if rows_per_group != GROUP_ROWS or any(r.shape[0] != g_all or r.shape[-2:] != rows[0].shape[-2:] for r in rows):
+        raise ValueError(f"{name}: row inputs {[r.shape for r in rows]} must be [G, (S,) {GROUP_ROWS}, K] alike")
+    if (g_all > n_routed) != bool(shared) or g_all < n_routed:
+        raise ValueError(f"{name}: {g_all} row groups for {n_routed} expert ids and {len(shared)} shared weights")
+    n_exp, _, width = weights[0].shape
+    if kdim % (split_k * block_k) or width % block_n:
+        raise ValueError(
+            f"{name}: contraction {kdim} must be a multiple of split_k * block_k = {split_k} * {block_k} and "
+            f"output width {width} of block_n = {block_n}"
+        )
+    if any(w.shape != (kdim, width) for w in shared):
+        raise ValueError(f"{name}: shared weights {[w.shape for w in shared]} must be [{kdim}, {width}]")
+    ks = kdim // split_k
+
+    def row_spec(r):
+        if r.ndim == 3:
+            return pl.BlockSpec((None, GROUP_ROWS, ks), lambda i, j, s: (i, 0, s))
+        return pl.BlockSpec((None, r.shape[1], GROUP_ROWS, ks), lambda i, j, s: (i, 0, 0, s))
+
+    out = jax.ShapeDtypeStruct((g_all, split_k, GROUP_ROWS, width), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(kernel, bk=block_k, nk=ks // block_k, n_routed=n_routed),
+        grid=(g_all, width // block_n, split_k),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j, s: (jnp.minimum(i, n_routed - 1),)),
+            *[row_spec(r) for r in rows],
+            *[pl.BlockSpec((n_exp, ks, block_n), lambda i, j, s: (0, s, j)) for _ in weights],
+            *[pl.BlockSpec((ks, block_n), lambda i, j, s: (s, j)) for _ in shared],
+        ],
+        out_specs=[pl.BlockSpec((None, None, GROUP_ROWS, block_n), lambda i, j, s: (i, s, 0, j))] * n_out,
+        out_shape=[out] * n_out,
+        interpret=interpret,
+        name=name,
+        **triton_params(interpret, num_warps, num_stages),
+    )(e_ids, *rows, *weights, *shared)
+
+
+_STATIC = ("block_n", "block_k", "split_k", "precision", "interpret", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gate_up_expert_gemv(
+    e_ids, x_groups, gate, up, *, block_n, block_k, split_k=1, precision="tf32", interpret=False, num_warps=4,
+    num_stages=3, shared=None,
+):  # fmt: skip
+    """e_ids [G] int32 (−1: no group), x_groups [G (+1), 16, D] each group's token rows (zero-padded; D a
+    multiple of split_k * block_k), gate / up [E, D, F] (F a multiple of block_n) -> (gate, up) partial sums
+    [G (+1), split_k, 16, F] float32: X_g gate[e_g] and X_g up[e_g] per contraction slab. shared: the shared
+    expert's (gate, up) [D, F], run on the last group of x_groups. precision "ieee": exact float32 products
+    (float32 operands), else the tensor cores' default."""
+    kernel = functools.partial(_gate_up_kernel, precision=precision)
+    g, u = _group_call(
+        kernel, "moe_gate_up_expert_gemv", e_ids, (x_groups,), (gate, up), 2, block_n=block_n, block_k=block_k,
+        split_k=split_k, shared=tuple(shared or ()), interpret=interpret, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return g, u
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "h_dtype", "swiglu_limit"))
+def down_expert_gemv(
+    e_ids, gate_up, down, *, h_dtype, block_n, block_k, split_k=1, precision="tf32", interpret=False,
+    num_warps=4, num_stages=3, shared=None, swiglu_limit=None,
+):  # fmt: skip
+    """e_ids [G], gate_up = `gate_up_expert_gemv`'s (gate, up) partial sums [G (+1), S', 16, F] (F a multiple
+    of split_k * block_k), down [E, F, D] (D a multiple of block_n) -> Y [G (+1), 16, D] float32: h_g down[e_g]
+    with h_g = SiLU(Σ gate) ⊙ Σ up formed per slab in h_dtype, the sums clamped first for a static SwiGLU
+    limit (`reference.clamp_gate_up`). shared: the shared expert's down [F, D] for the last group."""
+    limit = check_swiglu_limit(swiglu_limit, "down_expert_gemv")
+    kernel = functools.partial(_down_kernel, precision=precision, dtype=jnp.dtype(h_dtype), swiglu_limit=limit)
+    (y,) = _group_call(
+        kernel, "moe_down_expert_gemv", e_ids, tuple(gate_up), (down,), 1, block_n=block_n, block_k=block_k,
+        split_k=split_k, shared=tuple(shared or ()), interpret=interpret, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return jnp.sum(y, axis=1)
+
+
+def group_by_expert(idx, num_experts: int):
+    """A call's pairs grouped by expert, for `gate_up_expert_gemv`: idx [N, k] (N <= 16) ->
+    (e_ids [G] int32 the expert of each group, −1 past the touched ones; row_token [G, 16] int32 the token of
+    each group row, N for an empty row; pair_at [N, k] int32 the flat index g * 16 + row of each pair's row).
+    G = min(N·k, E). Groups follow expert ids in ascending order; a group's rows follow its tokens in order."""
+    n, k = idx.shape
+    if n > GROUP_ROWS:
+        raise ValueError(f"group_by_expert: {n} tokens > {GROUP_ROWS} (a group's rows are one 16-row tile)")
+    p = n * k
+    groups = min(p, num_experts)
+    flat = idx.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)  # pairs by expert, then by token (stable: flat order is token-major)
+    sorted_e = flat[order]
+    new = jnp.concatenate([jnp.ones((1,), bool), sorted_e[1:] != sorted_e[:-1]])
+    group = jnp.cumsum(new.astype(jnp.int32)) - 1  # [P] the group of each sorted pair
+    first = jnp.searchsorted(group, group, side="left", method="compare_all")  # its group's first sorted pair
+    row = jnp.arange(p, dtype=jnp.int32) - first.astype(jnp.int32)
+    e_ids = jnp.full((groups,), -1, jnp.int32).at[group].set(sorted_e, mode="drop")
+    row_token = jnp.full((groups, GROUP_ROWS), n, jnp.int32).at[group, row].set(order // k, mode="drop")
+    pair_at = jnp.zeros((p,), jnp.int32).at[order].set(group * GROUP_ROWS + row)
+    return e_ids, row_token, pair_at.reshape(n, k)
