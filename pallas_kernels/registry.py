@@ -304,11 +304,14 @@ def _moe_pick(pairs: int, experts: int, forced: bool = False, tokens: int | None
         return Choice("pallas", "grouped", "use_pallas()")
     if pairs <= t.GEMV_MAX_PAIRS:
         return Choice("pallas", "gemv", f"{pairs} token-expert pairs <= {t.GEMV_MAX_PAIRS}: per-pair GEMV kernels")
+    if experts > t.DENSE_MAX_EXPERTS:
+        return Choice("pallas", "grouped", f"{experts} experts > {t.DENSE_MAX_EXPERTS}: ragged_dot reads all experts")
     if tokens is not None and tokens <= t.EXPERT_GEMV_MAX_TOKENS:
         why = f"{tokens} tokens <= {t.EXPERT_GEMV_MAX_TOKENS}: each touched expert read once (expert GEMV kernels)"
         return Choice("pallas", "expert_gemv", why)
-    if experts > t.DENSE_MAX_EXPERTS:
-        return Choice("pallas", "grouped", f"{experts} experts > {t.DENSE_MAX_EXPERTS}: ragged_dot reads all experts")
+    if tokens is not None and tokens <= t.FEW_TOKENS_GROUPED_MAX:
+        why = f"{tokens} tokens <= {t.FEW_TOKENS_GROUPED_MAX}: grouped kernel, only the touched experts read"
+        return Choice("pallas", "grouped", why)
     if pairs >= t.GROUPED_MIN_PAIRS:
         return Choice("pallas", "grouped", f"{pairs} pairs >= {t.GROUPED_MIN_PAIRS}: grouped-matmul kernel")
     return Choice("reference", "ragged_dot", f"{pairs} pairs of {experts} experts: lax.ragged_dot is as fast")

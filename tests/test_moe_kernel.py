@@ -96,15 +96,15 @@ def test_reference_in_token_blocks_equals_one_pass():
 
 def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     """On a GPU, "auto" runs the grouped kernel for prefill-sized calls (>= GROUPED_MIN_PAIRS token-expert pairs)
-    or many experts, the GEMV kernels for one token's pairs, the expert-grouped GEMV kernels up to
-    EXPERT_GEMV_MAX_TOKENS tokens, and XLA's ragged_dot for other decode-sized calls over few experts; on CPU
-    always the reference."""
+    or many experts, the GEMV kernels for one token's pairs; over few experts the expert-grouped GEMV kernels up
+    to EXPERT_GEMV_MAX_TOKENS tokens, the grouped kernel up to FEW_TOKENS_GROUPED_MAX, and XLA's ragged_dot for
+    other decode-sized calls; on CPU always the reference."""
     from pallas_kernels.moe import api
     from pallas_kernels.moe import tuning as t
     from pallas_kernels.registry import resolve
 
-    def traced(n, e=4):
-        args = _case(0, n, 16, 16, e, 2, 0.0)
+    def traced(n, e=4, k=2):
+        args = _case(0, n, 16, 16, e, k, 0.0)
         return str(jax.make_jaxpr(lambda *a: moe_experts(*a, interpret=True))(*args))
 
     big = t.GROUPED_MIN_PAIRS // 2  # x k=2 pairs: exactly at the threshold
@@ -113,17 +113,21 @@ def test_auto_picks_kernel_on_gpu_from_pair_threshold(monkeypatch):
     assert "name=moe_grouped_matmul" in traced(big)
     small = traced(big - 1)
     assert "pallas_call" not in small and "ragged_dot" in small
-    many = traced(t.EXPERT_GEMV_MAX_TOKENS + 1, e=t.DENSE_MAX_EXPERTS + 1)  # the dense product would read all
+    many = traced(6, e=t.DENSE_MAX_EXPERTS + 1)  # decode (12 pairs), but the dense product would read all experts
     assert "name=moe_grouped_matmul" in many
     for e in (4, t.DENSE_MAX_EXPERTS + 1):  # one token's pairs (<= GEMV_MAX_PAIRS): per-pair GEMV kernels
         one = traced(t.GEMV_MAX_PAIRS // 2, e=e)
         assert "name=moe_gate_up_gemv" in one and "ragged_dot" not in one
     assert "name=moe_gate_up_gemv" not in traced(t.GEMV_MAX_PAIRS // 2 + 1)
-    # a few tokens past one token's pairs (a verify block): the expert-grouped GEMV kernels, any expert count
-    for e in (4, t.DENSE_MAX_EXPERTS + 1):
-        few = traced(t.EXPERT_GEMV_MAX_TOKENS, e=e)
-        assert "name=moe_gate_up_expert_gemv" in few and "ragged_dot" not in few
-    assert "name=moe_gate_up_expert_gemv" not in traced(t.EXPERT_GEMV_MAX_TOKENS + 1)
+    # a few tokens past one token's pairs (a verify block) over few experts: the expert-grouped GEMV kernels, then
+    # the grouped kernel; both read only the experts the call touches, where ragged_dot reads them all
+    few = traced(t.EXPERT_GEMV_MAX_TOKENS, e=16, k=8)  # k = 8 (Kimi): a 3-token block is 24 pairs
+    assert "name=moe_gate_up_expert_gemv" in few and "ragged_dot" not in few
+    more = traced(t.EXPERT_GEMV_MAX_TOKENS + 1, e=16, k=8)
+    assert "name=moe_gate_up_expert_gemv" not in more and "name=moe_grouped_matmul" in more
+    assert "name=moe_grouped_matmul" in traced(t.FEW_TOKENS_GROUPED_MAX, e=16, k=8)
+    assert "ragged_dot" in traced(t.FEW_TOKENS_GROUPED_MAX + 1, e=16, k=8)
+    assert "name=moe_grouped_matmul" in traced(t.EXPERT_GEMV_MAX_TOKENS, e=t.DENSE_MAX_EXPERTS + 1, k=8)
     # grouped kernel rows: 16-row blocks until experts average 16 rows, and below SMALL_CALL_PAIRS
     assert api.auto_block_m(512, 256) == 16 and api.auto_block_m(16 * 256, 256) == 128
     assert api.auto_block_m(511, 4) == 16 and api.auto_block_m(512, 32) == 128

@@ -12,6 +12,7 @@ from pallas_kernels.moe.gemv import auto_split_k, down_gemv, gate_up_gemv
 from pallas_kernels.moe.kernel import grouped_gate_up_pallas, grouped_matmul_pallas
 from pallas_kernels.moe.reference import (
     check_swiglu_limit,
+    clamp_gate_up,
     moe_experts_gather,
     moe_experts_reference,
     route_reference,
@@ -289,10 +290,11 @@ def _experts_expert_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, bloc
         e_ids, x_groups, pad3(gate_proj, d_in, f_pad), pad3(up_proj, d_in, f_pad), block_n=bn_f, block_k=bk_d,
         split_k=s1, shared=sh_gu, **kw,
     )  # fmt: skip
+    g_sum, u_sum = clamp_gate_up(jnp.sum(gu[0], axis=1), jnp.sum(gu[1], axis=1), limit)  # one XLA fusion
+    h = (jax.nn.silu(g_sum) * u_sum).astype(x.dtype)
     y = down_expert_gemv(
-        e_ids, gu, pad3(down_proj, f_pad, d_out), h_dtype=x.dtype, block_n=bn_d, block_k=bk_f, split_k=s2,
-        shared=sh_d, swiglu_limit=limit, **kw,
-    )  # fmt: skip
+        e_ids, h, pad3(down_proj, f_pad, d_out), block_n=bn_d, block_k=bk_f, split_k=s2, shared=sh_d, **kw
+    )
     pairs = y[:g].reshape(g * GROUP_ROWS, d_out)[pair_at][..., :d]  # [N, k, D] float32, each pair's row
     out = jnp.einsum("nk,nkd->nd", w.astype(jnp.float32), pairs, precision=jax.lax.Precision.HIGHEST)
     return out if shared is None else out + y[g, :n, :d].astype(x.dtype).astype(jnp.float32)

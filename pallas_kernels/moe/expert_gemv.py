@@ -9,11 +9,13 @@ multiplies all 16 rows by it in one tensor-core product: the [16, BK] x [BK, BN]
 kernels take with one row broadcast to 16 rows. So a call reads each touched expert's weights once.
 
     Gate_g = X_g W_gate[e_g],  Up_g = X_g W_up[e_g]       (`gate_up_expert_gemv`, grid (G, F / BF, S): partials)
-    Y_g = (SiLU(Σ_s Gate_g) ⊙ Σ_s Up_g) W_down[e_g]       (`down_expert_gemv`,    grid (G, D / BD, S))
+    Y_g = (SiLU(Σ_s Gate_g) ⊙ Σ_s Up_g) W_down[e_g]       (`down_expert_gemv`,    grid (G, D / BD, S'))
 
-The contraction is split S ways as in `gemv.py` (enough programs for a call that touches few experts). The
-gate / up partial sums go to the down kernel, which forms its slab of h itself (in the activations' dtype,
-after the SwiGLU limit's clamp when there is one). G = min(P, E) groups is static; groups past the experts a
+The contraction is split S ways as in `gemv.py` (enough programs for a call that touches few experts). XLA
+adds the gate / up partial sums and forms h in the activations' dtype between the two launches (after the
+SwiGLU limit's clamp when there is one): one small fusion, where forming it in the down kernel read 2 S
+float32 [16, BK] slabs a step beside a [BK, BN] weight slab (1.5x slower, docs/performance.md). G = min(P, E)
+groups is static; groups past the experts a
 call touches carry expert id −1, and their programs write zeros without reading any weight. The shared
 expert is one more group holding every token's row, run through the shared weights in the same launches.
 
@@ -30,7 +32,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
-from pallas_kernels.moe.reference import check_swiglu_limit, clamp_gate_up
 
 GROUP_ROWS = 16  # rows of one tensor-core tile: a group's tokens, zero-padded; also the most tokens a call has
 
@@ -73,23 +74,13 @@ def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed, preci
     _per_group(e_ref, (wg_ref, wu_ref), shared, n_routed, run, zero)
 
 
-def _h_slab(g_ref, u_ref, cols, dtype, limit):
-    """The group's h [16, BK] on columns `cols` from the gate / up partial sums [S, 16, F]: SiLU(Σ gate) ⊙ Σ up
-    in `dtype` (the sums clamped first for a SwiGLU limit), as a separate SwiGLU of the products returns it."""
-    g, u = g_ref[0, :, cols], u_ref[0, :, cols]
-    for s in range(1, g_ref.shape[0]):  # S need not be a power of two: one partial at a time
-        g, u = g + g_ref[s, :, cols], u + u_ref[s, :, cols]
-    g, u = clamp_gate_up(g, u, limit)
-    return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
-
-
-def _down_kernel(e_ref, g_ref, u_ref, wd_ref, *refs, bk, nk, n_routed, precision, dtype, swiglu_limit):
+def _down_kernel(e_ref, h_ref, wd_ref, *refs, bk, nk, n_routed, precision):
     *shared, y_ref = refs
 
     def run(w):
         def body(kk, acc):
             cols = pl.ds(kk * bk, bk)
-            return acc + _dot(_h_slab(g_ref, u_ref, cols, dtype, swiglu_limit), w[0](cols), precision)
+            return acc + _dot(h_ref[:, cols], w[0](cols), precision)
 
         y_ref[...] = jax.lax.fori_loop(0, nk, body, jnp.zeros(y_ref.shape, jnp.float32))
 
@@ -165,21 +156,18 @@ def gate_up_expert_gemv(
     return g, u
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "h_dtype", "swiglu_limit"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def down_expert_gemv(
-    e_ids, gate_up, down, *, h_dtype, block_n, block_k, split_k=1, precision="tf32", interpret=False,
-    num_warps=4, num_stages=3, shared=None, swiglu_limit=None,
+    e_ids, h, down, *, block_n, block_k, split_k=1, precision="tf32", interpret=False, num_warps=4, num_stages=3,
+    shared=None,
 ):  # fmt: skip
-    """e_ids [G], gate_up = `gate_up_expert_gemv`'s (gate, up) partial sums [G (+1), S', 16, F] (F a multiple
-    of split_k * block_k), down [E, F, D] (D a multiple of block_n) -> Y [G (+1), 16, D] float32: h_g down[e_g]
-    with h_g = SiLU(Σ gate) ⊙ Σ up formed per slab in h_dtype, the sums clamped first for a static SwiGLU
-    limit (`reference.clamp_gate_up`). shared: the shared expert's down [F, D] for the last group."""
-    limit = check_swiglu_limit(swiglu_limit, "down_expert_gemv")
-    kernel = functools.partial(_down_kernel, precision=precision, dtype=jnp.dtype(h_dtype), swiglu_limit=limit)
+    """e_ids [G], h [G (+1), 16, F] each group's SiLU(gate) ⊙ up (F a multiple of split_k * block_k), down
+    [E, F, D] (D a multiple of block_n) -> Y [G (+1), 16, D] float32: h_g down[e_g]. shared: the shared
+    expert's down [F, D] for the last group."""
     (y,) = _group_call(
-        kernel, "moe_down_expert_gemv", e_ids, tuple(gate_up), (down,), 1, block_n=block_n, block_k=block_k,
-        split_k=split_k, shared=tuple(shared or ()), interpret=interpret, num_warps=num_warps,
-        num_stages=num_stages,
+        functools.partial(_down_kernel, precision=precision), "moe_down_expert_gemv", e_ids, (h,), (down,), 1,
+        block_n=block_n, block_k=block_k, split_k=split_k, shared=tuple(shared or ()), interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return jnp.sum(y, axis=1)
 

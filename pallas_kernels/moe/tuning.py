@@ -6,13 +6,15 @@ GPU; the measurements are in docs/performance.md (section "MoE")."""
 # Which kernel `moe_experts(impl="auto")` runs on a GPU (`registry._moe_pick`):
 # - up to GEMV_MAX_PAIRS token-expert pairs (one decoded token) the per-pair GEMV kernels: each pair reads its
 #   expert's weights in place; from a few tokens on, pairs that share an expert read it again;
-# - up to EXPERT_GEMV_MAX_TOKENS tokens (a speculative verify block, a small batch) the expert-grouped GEMV
-#   kernels: each expert the call touches read once for all its rows;
 # - above DENSE_MAX_EXPERTS experts, or from GROUPED_MIN_PAIRS pairs, the grouped-matmul kernel
 #   (`lax.ragged_dot` reads every expert's weights at every call);
-# - else `lax.ragged_dot` (batched decode of models with few experts, where it is as fast).
+# - with at most DENSE_MAX_EXPERTS experts, up to EXPERT_GEMV_MAX_TOKENS tokens (a 3-token speculative verify
+#   block) the expert-grouped GEMV kernels (each expert the call touches read once for all its rows), up to
+#   FEW_TOKENS_GROUPED_MAX the grouped kernel (16-row blocks): both read only the touched experts;
+# - else `lax.ragged_dot` (batched decode of models with few experts).
 GEMV_MAX_PAIRS = 10  # one decoded token of Kimi, DeepSeek, GLM (k = 8) and Qwen3-Next (k = 10)
-EXPERT_GEMV_MAX_TOKENS = 16  # at most `expert_gemv.GROUP_ROWS`
+EXPERT_GEMV_MAX_TOKENS = 3  # at most `expert_gemv.GROUP_ROWS`
+FEW_TOKENS_GROUPED_MAX = 5  # a k = 4 verify block; at 16 tokens the runs disagree (docs/performance.md)
 DENSE_MAX_EXPERTS = 32
 GROUPED_MIN_PAIRS = 256
 
