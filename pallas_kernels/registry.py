@@ -383,7 +383,7 @@ TABLE: dict[str, Op] = {
         Op("mla_decode", "mla_decode.mla_decode", ("pallas",), True,
            "dense MLA decode: the paged pools read in place, the context split over the GPU at run time",
            _mla_decode_unsupported),
-        Op("moe", "moe.moe_experts", ("pallas",), True, "grouped-matmul or per-pair GEMV expert kernels",
+        Op("moe", "moe.moe_experts", ("pallas",), True, "grouped-matmul, per-pair or expert-grouped GEMV kernels",
            pick=_moe_pick, reference_form=lambda **_: "ragged_dot"),
         Op("moe_router", "moe.moe_route", ("pallas",), True, "router GEMV + one selection program per token",
            _router_unsupported),

@@ -285,6 +285,19 @@ def test_expert_gemv_matches_reference(seed, n, d, f, e, k, skew, split_k):
     assert rel_err(got, ref) < 1e-5
 
 
+@pytest.mark.parametrize("n, d, f, e, k", [(16, 200, 72, 32, 8), (16, 40, 24, 5, 3), (3, 130, 48, 32, 8)])
+def test_expert_gemv_default_tiles_and_full_groups(n, d, f, e, k):
+    """The default tiles on widths that are no multiple of them, a call of 16 tokens (the most a group holds)
+    with every token on expert 0 (one group of 16 rows) beside its other k - 1 experts, and more pairs than
+    experts (Kimi's k = 8 of 32)."""
+    x, _, w, gate, up, down = _case(n + d, n, d, f, e, k, 0.0)
+    others = 1 + jax.lax.top_k(jax.random.normal(jax.random.key(n), (n, e - 1)), k - 1)[1]  # distinct, never 0
+    idx = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), others.astype(jnp.int32)], axis=1)  # expert 0 for all
+    ref = moe_experts(x, idx, w, gate, up, down, impl="reference")
+    got = moe_experts(x, idx, w, gate, up, down, impl="pallas", form="expert_gemv", interpret=True)
+    assert rel_err(got, ref) < 1e-5
+
+
 def test_group_by_expert_rows_and_pairs():
     """Groups in ascending expert order, each group's rows in token order, padding rows naming token N, and each
     pair pointing at its own row; groups past the touched experts carry expert −1."""
@@ -303,7 +316,7 @@ def test_group_by_expert_rows_and_pairs():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("fs", [24, 40])  # 24 = F: the shared expert as one more group in the same launches
-def test_expert_gemv_with_shared_expert_and_swiglu_limit(dtype, fs):
+def test_expert_gemv_with_shared_expert_and_swiglu_limit(dtype, fs, monkeypatch):
     x, idx, w, gate, up, down = _case(7, 5, 40, 24, 9, 3, 0.0)
     ks = jax.random.split(jax.random.key(8), 3)
     shapes = [(40, fs), (40, fs), (fs, 40)]
@@ -313,6 +326,8 @@ def test_expert_gemv_with_shared_expert_and_swiglu_limit(dtype, fs):
     fn = lambda *a: moe_experts(  # noqa: E731
         *a, impl="pallas", form="expert_gemv", block_n=16, block_k=16, interpret=True, shared=shared, swiglu_limit=0.5
     )
+    if fs == 24:  # the routed width: the shared expert must ride in the kernels, not run through XLA beside them
+        monkeypatch.setattr(api, "swiglu_reference", lambda *a, **k: pytest.fail("shared expert ran through XLA"))
     got = fn(x, idx, w, gate, up, down)
     jaxpr = str(jax.make_jaxpr(fn)(x, idx, w, gate, up, down))
     assert "name=moe_gate_up_expert_gemv" in jaxpr and "name=moe_down_expert_gemv" in jaxpr

@@ -87,19 +87,22 @@ def moe_experts(
       decode-sized calls; `split_k` a power of two, default `gemv.auto_split_k`) or "expert_gemv"
       (`expert_gemv`: the pairs grouped by expert, one program per touched expert, output tile and split,
       each reading its expert's weights once for all of the call's rows routed to it — calls of at most
-      `expert_gemv.GROUP_ROWS` tokens, such as a speculative verify block; `split_k` as "gemv");
+      `expert_gemv.GROUP_ROWS` tokens, such as a speculative verify block; tiles and `split_k` as "gemv";
+      each token's expert ids distinct and in [0, E), as top-k routing gives);
     - "auto": `registry.resolve("moe", ...)`.
     Tiles: `block_n` / `block_k` output and contraction tiles, powers of two (defaults `tuning.GROUPED_TILES`
     / `tuning.GEMV_TILES`); `num_warps` / `num_stages` Triton's parameters of the grouped kernels (defaults
     by row block: `tuning.DECODE_TILES` for small blocks, else `tuning.PREFILL_TILES`, at most
     `WIDE_OPERAND_MAX_STAGES` stages for float32 operands).
     shared: the shared expert's (gate [D, Fs], up [D, Fs], down [Fs, D]), added as S(x) rounded to x's dtype
-    (what a separate SwiGLU of bf16 projections returns). With "gemv" and Fs = F it runs as one more
-    program row per token in the routed experts' two launches (its four projection kernels and their
-    epilogues saved at every decode step); otherwise as XLA products (`swiglu_reference`).
+    (what a separate SwiGLU of bf16 projections returns). With "gemv" or "expert_gemv" and Fs = F it runs in
+    the routed experts' two launches (one more program row per token, or one more group of every token's row:
+    its four projection kernels and their epilogues saved at every decode step); otherwise as XLA products
+    (`swiglu_reference`).
     swiglu_limit: the clamped SwiGLU (GLM-5.3-Flash) of every expert, the shared one included: with L, gate ←
     min(gate, L) and up ← clip(up, −L, L) on the float32 products before SiLU(gate) ⊙ up
-    (`reference.clamp_gate_up`, applied alike by every impl and form; a static float baked into the kernels).
+    (`reference.clamp_gate_up`, applied alike by every impl and form; a static float baked into the kernels,
+    or applied by XLA where "expert_gemv" forms h between its launches).
     None (the default): plain SwiGLU, the same program as without the argument. A ValueError unless None or a
     finite number > 0.
     """

@@ -8,16 +8,21 @@ once — gathered into a [16, D] block padded with zero rows. Each program reads
 multiplies all 16 rows by it in one tensor-core product: the [16, BK] x [BK, BN] step that the per-pair
 kernels take with one row broadcast to 16 rows. So a call reads each touched expert's weights once.
 
-    Gate_g = X_g W_gate[e_g],  Up_g = X_g W_up[e_g]       (`gate_up_expert_gemv`, grid (G, F / BF, S): partials)
-    Y_g = (SiLU(Σ_s Gate_g) ⊙ Σ_s Up_g) W_down[e_g]       (`down_expert_gemv`,    grid (G, D / BD, S'))
+    Gate_g = X_g W_gate[e_g],  Up_g = X_g W_up[e_g]    (`gate_up_expert_gemv`, grid (G, F / BF, S): partial sums)
+    h_g = SiLU(Σ_s Gate_g) ⊙ Σ_s Up_g                  (XLA, in the activations' dtype)
+    Y_g = h_g W_down[e_g]                              (`down_expert_gemv`,    grid (G, D / BD, S'))
 
 The contraction is split S ways as in `gemv.py` (enough programs for a call that touches few experts). XLA
 adds the gate / up partial sums and forms h in the activations' dtype between the two launches (after the
 SwiGLU limit's clamp when there is one): one small fusion, where forming it in the down kernel read 2 S
 float32 [16, BK] slabs a step beside a [BK, BN] weight slab (1.5x slower, docs/performance.md). G = min(P, E)
-groups is static; groups past the experts a
-call touches carry expert id −1, and their programs write zeros without reading any weight. The shared
-expert is one more group holding every token's row, run through the shared weights in the same launches.
+groups is static; groups past the experts a call touches carry expert id −1, and their programs write zeros
+without reading any weight. The shared expert is one more group holding every token's row, run through the
+shared weights in the same launches.
+
+Precondition (what top-k routing gives): a token's k expert ids are distinct and in [0, E). Repeated ids could
+put more than 16 rows in a group and ids outside the range name no expert; neither is checked (the ids are
+traced values), and both give wrong sums.
 
 Generic Pallas: Triton lowering on GPU, interpret mode on CPU (tests). Contractions must be multiples of
 S x BK and output widths of BN (powers of two); `moe_experts(impl="pallas", form="expert_gemv")` pads.
@@ -93,12 +98,12 @@ def _down_kernel(e_ref, h_ref, wd_ref, *refs, bk, nk, n_routed, precision):
 def _group_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, shared, interpret,
                 num_warps, num_stages):  # fmt: skip
     """Grid (groups, output tiles, contraction splits) -> n_out float32 partial sums [G, split_k, 16, N].
-    e_ids [G_routed] (G_routed <= G; the groups after them run the `shared` weights [K, N]); rows: arrays
-    [G, 16, K] or partial sums [G, S', 16, K], program (g, j, s) reading group g's slab s of each."""
-    g_all, rows_per_group, kdim = rows[0].shape[0], rows[0].shape[-2], rows[0].shape[-1]
+    e_ids [G_routed] (G_routed <= G; the groups after them run the `shared` weights [K, N]); rows [G, 16, K],
+    program (g, j, s) reading group g's slab s."""
+    g_all, rows_per_group, kdim = rows.shape
     n_routed = e_ids.shape[0]
-    if rows_per_group != GROUP_ROWS or any(r.shape[0] != g_all or r.shape[-2:] != rows[0].shape[-2:] for r in rows):
-        raise ValueError(f"{name}: row inputs {[r.shape for r in rows]} must be [G, (S,) {GROUP_ROWS}, K] alike")
+    if rows_per_group != GROUP_ROWS:
+        raise ValueError(f"{name}: rows {rows.shape} must be [G, {GROUP_ROWS}, K]")
     if (g_all > n_routed) != bool(shared) or g_all < n_routed:
         raise ValueError(f"{name}: {g_all} row groups for {n_routed} expert ids and {len(shared)} shared weights")
     n_exp, _, width = weights[0].shape
@@ -111,18 +116,13 @@ def _group_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, 
         raise ValueError(f"{name}: shared weights {[w.shape for w in shared]} must be [{kdim}, {width}]")
     ks = kdim // split_k
 
-    def row_spec(r):
-        if r.ndim == 3:
-            return pl.BlockSpec((None, GROUP_ROWS, ks), lambda i, j, s: (i, 0, s))
-        return pl.BlockSpec((None, r.shape[1], GROUP_ROWS, ks), lambda i, j, s: (i, 0, 0, s))
-
     out = jax.ShapeDtypeStruct((g_all, split_k, GROUP_ROWS, width), jnp.float32)
     return pl.pallas_call(
         functools.partial(kernel, bk=block_k, nk=ks // block_k, n_routed=n_routed),
         grid=(g_all, width // block_n, split_k),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j, s: (jnp.minimum(i, n_routed - 1),)),
-            *[row_spec(r) for r in rows],
+            pl.BlockSpec((None, GROUP_ROWS, ks), lambda i, j, s: (i, 0, s)),
             *[pl.BlockSpec((n_exp, ks, block_n), lambda i, j, s: (0, s, j)) for _ in weights],
             *[pl.BlockSpec((ks, block_n), lambda i, j, s: (s, j)) for _ in shared],
         ],
@@ -131,7 +131,7 @@ def _group_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, 
         interpret=interpret,
         name=name,
         **triton_params(interpret, num_warps, num_stages),
-    )(e_ids, *rows, *weights, *shared)
+    )(e_ids, rows, *weights, *shared)
 
 
 _STATIC = ("block_n", "block_k", "split_k", "precision", "interpret", "num_warps", "num_stages")
@@ -149,7 +149,7 @@ def gate_up_expert_gemv(
     (float32 operands), else the tensor cores' default."""
     kernel = functools.partial(_gate_up_kernel, precision=precision)
     g, u = _group_call(
-        kernel, "moe_gate_up_expert_gemv", e_ids, (x_groups,), (gate, up), 2, block_n=block_n, block_k=block_k,
+        kernel, "moe_gate_up_expert_gemv", e_ids, x_groups, (gate, up), 2, block_n=block_n, block_k=block_k,
         split_k=split_k, shared=tuple(shared or ()), interpret=interpret, num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
@@ -165,7 +165,7 @@ def down_expert_gemv(
     [E, F, D] (D a multiple of block_n) -> Y [G (+1), 16, D] float32: h_g down[e_g]. shared: the shared
     expert's down [F, D] for the last group."""
     (y,) = _group_call(
-        functools.partial(_down_kernel, precision=precision), "moe_down_expert_gemv", e_ids, (h,), (down,), 1,
+        functools.partial(_down_kernel, precision=precision), "moe_down_expert_gemv", e_ids, h, (down,), 1,
         block_n=block_n, block_k=block_k, split_k=split_k, shared=tuple(shared or ()), interpret=interpret,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -176,7 +176,8 @@ def group_by_expert(idx, num_experts: int):
     """A call's pairs grouped by expert, for `gate_up_expert_gemv`: idx [N, k] (N <= 16) ->
     (e_ids [G] int32 the expert of each group, −1 past the touched ones; row_token [G, 16] int32 the token of
     each group row, N for an empty row; pair_at [N, k] int32 the flat index g * 16 + row of each pair's row).
-    G = min(N·k, E). Groups follow expert ids in ascending order; a group's rows follow its tokens in order."""
+    G = min(N·k, E). Groups follow expert ids in ascending order; a group's rows follow its tokens in order.
+    Each token's ids must be distinct and in [0, E) (the module's precondition)."""
     n, k = idx.shape
     if n > GROUP_ROWS:
         raise ValueError(f"group_by_expert: {n} tokens > {GROUP_ROWS} (a group's rows are one 16-row tile)")
