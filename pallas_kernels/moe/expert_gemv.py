@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import triton_params
+from pallas_kernels.moe.gemv import check_slabs
 
 GROUP_ROWS = 16  # rows of one tensor-core tile: a group's tokens, zero-padded; also the most tokens a call has
 
@@ -106,14 +107,7 @@ def _group_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, 
         raise ValueError(f"{name}: rows {rows.shape} must be [G, {GROUP_ROWS}, K]")
     if (g_all > n_routed) != bool(shared) or g_all < n_routed:
         raise ValueError(f"{name}: {g_all} row groups for {n_routed} expert ids and {len(shared)} shared weights")
-    n_exp, _, width = weights[0].shape
-    if kdim % (split_k * block_k) or width % block_n:
-        raise ValueError(
-            f"{name}: contraction {kdim} must be a multiple of split_k * block_k = {split_k} * {block_k} and "
-            f"output width {width} of block_n = {block_n}"
-        )
-    if any(w.shape != (kdim, width) for w in shared):
-        raise ValueError(f"{name}: shared weights {[w.shape for w in shared]} must be [{kdim}, {width}]")
+    n_exp, width = check_slabs(name, weights, kdim, split_k, block_k, block_n, shared)
     ks = kdim // split_k
 
     out = jax.ShapeDtypeStruct((g_all, split_k, GROUP_ROWS, width), jnp.float32)

@@ -131,6 +131,20 @@ def _down_kernel(e_ref, *refs, bk, nk, n_routed, n_h, dtype, swiglu_limit):
     _routed_or_shared(e_ref, (wd_ref,), shared, n_routed, run)
 
 
+def check_slabs(name, weights, kdim, split_k, block_k, block_n, shared) -> tuple[int, int]:
+    """(experts, output width) of stacked weights [E, K, N], after checking that K splits into split_k slabs of
+    whole block_k steps, N into block_n tiles, and that the shared weights are [K, N]; a ValueError otherwise."""
+    n_exp, _, width = weights[0].shape
+    if kdim % (split_k * block_k) or width % block_n:
+        raise ValueError(
+            f"{name}: contraction {kdim} must be a multiple of split_k * block_k = {split_k} * {block_k} and "
+            f"output width {width} of block_n = {block_n}"
+        )
+    if any(w.shape != (kdim, width) for w in shared):
+        raise ValueError(f"{name}: shared weights {[w.shape for w in shared]} must be [{kdim}, {width}]")
+    return n_exp, width
+
+
 def _pair_call(
     kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, interpret, num_warps, num_stages,
     pairs_per_row=1, shared=(), shared_row_offset=0, kernel_kw=None,
@@ -150,14 +164,7 @@ def _pair_call(
         raise ValueError(f"{name}: {n_rows} rows x {pairs_per_row} pairs per row != {p} expert ids")
     if shared and not shared_row_offset and n_rows <= p:  # the rows after the P pairs' are the shared ones
         raise ValueError(f"{name}: {n_rows} rows leave none after the {p} pairs' for the shared expert")
-    n_exp, _, width = weights[0].shape
-    if kdim % (split_k * block_k) or width % block_n:
-        raise ValueError(
-            f"{name}: contraction {kdim} must be a multiple of split_k * block_k = {split_k} * {block_k} and "
-            f"output width {width} of block_n = {block_n}"
-        )
-    if any(w.shape != (kdim, width) for w in shared):
-        raise ValueError(f"{name}: shared weights {[w.shape for w in shared]} must be [{kdim}, {width}]")
+    n_exp, width = check_slabs(name, weights, kdim, split_k, block_k, block_n, shared)
     n_shared = (p // pairs_per_row if shared_row_offset else n_rows - p) if shared else 0
     ks = kdim // split_k
     out = jax.ShapeDtypeStruct((p + n_shared, split_k, width), jnp.float32)
