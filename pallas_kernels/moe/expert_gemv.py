@@ -15,7 +15,7 @@ kernels take with one row broadcast to 16 rows. So a call reads each touched exp
 The contraction is split S ways as in `gemv.py` (enough programs for a call that touches few experts). XLA
 adds the gate / up partial sums and forms h in the activations' dtype between the two launches (after the
 SwiGLU limit's clamp when there is one): one small fusion, where forming it in the down kernel read 2 S
-float32 [16, BK] slabs a step beside a [BK, BN] weight slab (1.5x slower, docs/performance.md). G = min(P, E)
+float32 [16, BK] slabs a step beside a [BK, BN] weight slab (1.4-1.6x slower, docs/performance.md). G = min(P, E)
 groups is static; groups past the experts a call touches carry expert id −1, and their programs write zeros
 without reading any weight. The shared expert is one more group holding every token's row, run through the
 shared weights in the same launches.
