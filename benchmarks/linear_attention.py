@@ -16,7 +16,9 @@ the GPU machine (`pip download --no-deps fla-core einops`).
     python -m benchmarks.linear_attention [--only decode|layer|prefill] [--mosaic] [--no-record]
 
 `--mosaic`: also the prefill with its state pass in Mosaic GPU (`kda(impl="mosaic")`, Hopper only); with
-`--phases` the state pass's share is the whole prefill less phase 1 alone, for both state passes.
+`--phases` the state pass's share is the whole prefill less phase 1 alone, for both state passes. Rows without
+a form in their label run `kda`'s defaults at the recorded commit (the A kernel's block forms: `tuning.A_BLOCKS`);
+`--a-blocks 64,16` or `--a-blocks split` adds a Mosaic row with those forms, or with the binary split alone.
 
 `--only layer`: a KDA layer's decode token between its projections and o_proj (`kda_decode_layer`'s fused
 kernel against the model's unfused step), B in {1, 16, 64}.
@@ -260,10 +262,11 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
 
 
 def prefill_rows(
-    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_blocks=(), gate_scale=GATE_SCALE
+    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_blocks=None, gate_scale=GATE_SCALE
 ) -> list[dict]:
     """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products),
-    and with a_blocks a second such row with `kda(a_blocks=)` (the A kernel's block forms). gate_scale: the log
+    and with a_blocks (not None) a second such row with `kda(a_blocks=)` (the A kernel's block forms; (): the
+    binary split alone). gate_scale: the log
     decays are -gate_scale * softplus(N(0, 1)) per element (the default 0.1 keeps a chunk's decay span small;
     larger scales push the A kernel's block forms onto the binary split)."""
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
@@ -293,10 +296,11 @@ def prefill_rows(
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
             label += f", {solve}" if solve != "neumann" else ""
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
-        for blocks in ((), tuple(a_blocks))[: 1 + bool(a_blocks)] if mosaic else ():
+        for blocks in (None, a_blocks)[: 1 + (a_blocks is not None)] if mosaic else ():
             fn = jax.jit(functools.partial(kda, impl="mosaic", a_blocks=blocks))
             label = "Mosaic GPU state pass (Triton phase 1), bf16 products"  # "auto" on sm_90 (tuning.py)
-            label += f", A block forms {','.join(map(str, blocks))}" if blocks else ""
+            if blocks is not None:  # None: the defaults, as the other rows
+                label += f", A block forms {','.join(map(str, blocks))}" if blocks else ", binary split"
             try:  # a failure to compile or run is a row, and the other rows stay
                 err = rel_err(jax.block_until_ready(fn(q, k, v, g, beta))[0], ref_o)
                 ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
@@ -384,17 +388,21 @@ def main() -> None:
         "--gate-scale", type=float, default=GATE_SCALE,
         help=f"prefill rows' log decays (not varlen's): -scale * softplus(N(0, 1)), default {GATE_SCALE:g}",
     )  # fmt: skip
-    p.add_argument("--a-blocks", default="", help="with --mosaic, also a row with kda(a_blocks=...), sizes as 64,16")
+    a_help = "with --mosaic, also a row with kda(a_blocks=...): sizes as 64,16, or 'split' (the binary split alone)"
+    p.add_argument("--a-blocks", default=None, help=a_help)
     p.add_argument(
         "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
     )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
-    try:
-        a_blocks = tuple(int(x) for x in args.a_blocks.split(",") if x)
-        check_a_blocks(a_blocks, "kda")
-    except ValueError:
-        p.error(f"--a-blocks={args.a_blocks!r} must be sizes from {A_BLOCK_SIZES}, largest first, e.g. 64,16")
+    a_blocks = () if args.a_blocks == "split" else args.a_blocks  # None: no such row
+    if isinstance(a_blocks, str):
+        try:
+            a_blocks = tuple(int(x) for x in a_blocks.split(","))
+            check_a_blocks(a_blocks, "kda")
+        except ValueError:
+            sizes = f"sizes from {A_BLOCK_SIZES}, largest first (e.g. 64,16), or split"
+            p.error(f"--a-blocks={args.a_blocks!r} must be {sizes}")
     if not 0 < args.gate_scale < float("inf"):
         p.error(f"--gate-scale={args.gate_scale} must be finite and > 0")
     bw, rate = ceilings()

@@ -902,9 +902,9 @@ def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
-    """`benchmarks.linear_attention --only prefill --phases --mosaic --a-blocks 64,16 --gate-scale 2` at a toy
-    length: the jnp reference, one Pallas variant and the two Mosaic rows (the second with the A kernel's block
-    forms) checked against it, and phase 1 with each of its parts left out (interpret mode); the stronger gates
+    """`benchmarks.linear_attention --only prefill --phases --mosaic --a-blocks split --gate-scale 2` at a toy
+    length: the jnp reference, one Pallas variant and the two Mosaic rows (kda's defaults; the binary split
+    alone) checked against it, and phase 1 with each of its parts left out (interpret mode); the stronger gates
     are named in the shape; a bad --a-blocks or --gate-scale is one line."""
     from benchmarks import linear_attention
 
@@ -913,14 +913,14 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
     argv = ["linear_attention", "--only", "prefill", "--prefill-lens", "128", "--heads", "1", "--variants",
             "32x4:bf16", "--phases", "--varlen-total", "0", "--no-record", "--mosaic", "--a-blocks",
-            "64,16", "--gate-scale", "2"]  # fmt: skip
+            "split", "--gate-scale", "2"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     linear_attention.main()
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| prefill")]
     labels = [ln.split(" | ")[2] for ln in rows]
     mosaic = "Mosaic GPU state pass (Triton phase 1), bf16 products"
     assert labels[:4] == ["jnp reference (XLA, chunked)", "pallas chunked, block_v=32, warps=4, bf16 products",
-                          mosaic, f"{mosaic}, A block forms 64,16"], labels  # fmt: skip
+                          mosaic, f"{mosaic}, binary split"], labels  # fmt: skip
     assert labels[4:] == [label for _, label in linear_attention.PHASE_PARTS], labels
     for r in rows[1:4]:
         assert float(r.split("rel err ")[1].split()[0]) < 2e-2, r
@@ -930,7 +930,8 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             linear_attention.main()
         assert f"--gate-scale={float(bad)} must be finite and > 0" in capsys.readouterr().err
-    monkeypatch.setattr(sys, "argv", ["linear_attention", "--a-blocks", "32,x"])
-    with pytest.raises(SystemExit):
-        linear_attention.main()
-    assert "--a-blocks='32,x' must be sizes from (64, 32, 16)" in capsys.readouterr().err
+    for bad in ("32,x", "16,64", ""):
+        monkeypatch.setattr(sys, "argv", ["linear_attention", "--a-blocks", bad])
+        with pytest.raises(SystemExit):
+            linear_attention.main()
+        assert f"--a-blocks={bad!r} must be sizes from (64, 32, 16)" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.linear_attention import kda, kda_decode_step, kda_decode_steps, kda_state_summary
+from pallas_kernels.linear_attention import tuning as kda_tuning
 from tests.conftest import examples, rel_err
 
 
@@ -322,9 +323,10 @@ def test_a_kernel_block_forms_follow_each_chunks_span():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_a_kernel_block_forms_match_the_reference(dtype):
+def test_a_kernel_block_forms_match_the_reference(dtype, monkeypatch):
     """The whole prefill with a_blocks against the float32 recurrence (bf16: bf16 products, same bound as the
-    binary split's tests); a_blocks out of order or of another size is a ValueError naming it."""
+    binary split's tests), taken on every path of kda and by default (tuning.A_BLOCKS); a_blocks out of order or of
+    another size is a ValueError naming it."""
     args = tuple(x.astype(dtype) if x.ndim == 4 and i != 3 else x for i, x in enumerate(_graded_gates(4)))
     ref_o, ref_s = kda(*args, impl="reference", form="recurrent")
     o, s = kda(*args, impl="pallas", interpret=True, block_v=16, a_blocks=(64, 16))
@@ -334,11 +336,16 @@ def test_a_kernel_block_forms_match_the_reference(dtype):
     cu = np.asarray([0, 100, 256])
     paths = [{}, {"state_every": 128}, {"cu_seqlens": cu}]
     paths += [{"impl": "mosaic"}, {"impl": "mosaic", "cu_seqlens": cu}] if dtype == jnp.bfloat16 else []
+    jaxpr = lambda call, **kw: str(jax.make_jaxpr(lambda *a: kda(*a, **call, **kw))(*args))  # noqa: E731
     for extra in paths:  # (the Mosaic state pass has branches of its own: counted on both sides)
         call = {"impl": "pallas", "interpret": True, **extra}
-        with_blocks = str(jax.make_jaxpr(lambda *a, c=call: kda(*a, a_blocks=(64, 16), **c))(*args))
-        without = str(jax.make_jaxpr(lambda *a, c=call: kda(*a, **c))(*args))
+        with_blocks, without = jaxpr(call, a_blocks=(64, 16)), jaxpr(call, a_blocks=())
         assert with_blocks.count("cond[") - without.count("cond[") == 2, extra
+        assert jaxpr(call) == jaxpr(call, a_blocks=kda_tuning.A_BLOCKS), extra  # the default
+    call = {"impl": "pallas", "interpret": True}
+    with monkeypatch.context() as m:  # the default is read from tuning.py at the call
+        m.setattr(kda_tuning, "A_BLOCKS", ())
+        assert jaxpr(call) == jaxpr(call, a_blocks=())
     for bad in ((16, 64), (48,), [64]):
         with pytest.raises(ValueError, match=r"a_blocks=.* must be a tuple of sizes from \(64, 32, 16\)"):
             kda(*args, impl="pallas", interpret=True, a_blocks=bad)

@@ -12,6 +12,7 @@ import numpy as np
 from pallas_kernels import registry
 from pallas_kernels._pallas import pow2
 from pallas_kernels.linear_attention import state_mosaic
+from pallas_kernels.linear_attention import tuning as kda_tuning
 from pallas_kernels.linear_attention.chunked import CHUNK, check_a_blocks, kda_chunked_pallas, kda_state_summary_pallas
 from pallas_kernels.linear_attention.decode import decode_step_pallas
 from pallas_kernels.linear_attention.layer_decode import decode_layer_pallas, verify_layer_pallas
@@ -60,7 +61,7 @@ def kda(
     cu_seqlens=None,
     solve: str = "neumann",
     state_every: int | None = None,
-    a_blocks: tuple[int, ...] = (),
+    a_blocks: tuple[int, ...] | None = None,
 ):
     """Gated delta rule with per-channel (g [B,T,N,K]) or per-head (g [B,T,N]) log decay.
 
@@ -81,7 +82,8 @@ def kda(
     "substitution" (row-by-row forward substitution in float32; opt-in), `a_blocks`: block sizes (from
     (64, 32, 16), largest first) the A kernel tries per chunk — the row pairs inside blocks of the first size
     whose decay the chunk's gates keep within range from one reference row per block (2 products at 64 rows,
-    6 at 16, against the 13 of the binary split, which chunks with stronger gates take; opt-in, not timed).
+    6 at 16, against the 13 of the binary split, which chunks with stronger gates take); None (default):
+    `tuning.A_BLOCKS`, () the binary split alone.
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
@@ -112,6 +114,7 @@ def kda(
         raise ValueError(f"kda: solve={solve!r} must be 'neumann' or 'substitution'")
     if precision not in (None, "tf32", "bf16", "ieee"):
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
+    a_blocks = kda_tuning.A_BLOCKS if a_blocks is None else a_blocks
     check_a_blocks(a_blocks, "kda")
     if impl == "auto" and form is None:
         why_not = _mosaic_why_not(q, precision, cu_seqlens, initial_state)

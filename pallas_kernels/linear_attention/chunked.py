@@ -251,7 +251,13 @@ def _block_span(g_ref, size):
     G_first − G_row (G decreases within a block). A NaN in G may pass where the max drops NaNs (the GPU's);
     it makes the block form's entries NaN as it does the levels'."""
     r = jax.lax.broadcasted_iota(jnp.int32, (g_ref.shape[0],), 0)
-    return jnp.max(g_ref[(r // size) * size, :] - g_ref[...])
+    return _max_of_tile(g_ref[(r // size) * size, :] - g_ref[...])
+
+
+def _max_of_tile(x):
+    """The largest element of a 2-D tile, one axis at a time: Pallas's Triton lowering of a reduction over
+    both axes fails for operands that carry a two-axis sharding (under an explicit mesh)."""
+    return jnp.max(jnp.max(x, axis=1))
 
 
 def _a_pairs(q, k, g_ref, *, precision, levels, blocks=()):
@@ -271,7 +277,7 @@ def _a_pairs(q, k, g_ref, *, precision, levels, blocks=()):
 
     form = lambda: _a_levels(q, k, g_ref, precision=precision, levels=True)  # noqa: E731
     # the operands' own magnitude (1 for L2-normalised q and k) takes its share of the limit
-    limit = A_SPAN_LIMIT - jnp.log2(jnp.maximum(jnp.maximum(jnp.max(jnp.abs(q)), jnp.max(jnp.abs(k))), 1.0))
+    limit = A_SPAN_LIMIT - jnp.log2(jnp.maximum(jnp.maximum(_max_of_tile(jnp.abs(q)), _max_of_tile(jnp.abs(k))), 1.0))
     for size in reversed(blocks):  # built innermost first: the largest size is tried first
         form = functools.partial(
             jax.lax.cond, _block_span(g_ref, size) <= limit, functools.partial(with_blocks, size), form

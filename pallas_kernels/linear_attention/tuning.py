@@ -7,6 +7,11 @@ prefill; the measurements are in docs/performance.md (section "KDA prefill")."""
 # keeps several [64, K] float32 tiles live at once and spills registers with fewer warps; the solve kernel's
 # chain of dependent [64, 64] products runs best at fewer.
 INTRA_WARPS = (8, 4)
+# The A kernel's block forms `kda(a_blocks=None)` takes (`chunked._a_pairs`: the row pairs inside blocks of 64, else
+# 16, rows from one reference row per block; chunks whose gates are too strong for both take the binary split). On:
+# the whole prefill 1.23-1.27x faster at 4K-128K tokens and 32-96 heads where 64-row blocks apply, 1.14x where only
+# 16-row ones do (docs/performance.md, "KDA prefill"; chunks that take the split alone were not timed).
+A_BLOCKS = (64, 16)
 # Software-pipelining stages of the state pass with bfloat16 intermediates: its loads of the next chunk's
 # tiles overlap this chunk's products.
 STATE_STAGES = 3
