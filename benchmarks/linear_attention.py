@@ -232,15 +232,16 @@ PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 def _intra_phase(q, k, v, g, beta, *, parts=None):
     """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
     its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
-    chunk cumsum that precedes it."""
+    chunk cumsum that precedes it. The A kernel's block forms as `kda`'s default (`tuning.A_BLOCKS`)."""
     from pallas_kernels._pallas import triton_params
+    from pallas_kernels.linear_attention import tuning as kda_tuning
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
     interpret = jax.default_backend() == "cpu"
     if parts == "cumsum":
         return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, INTRA_WARPS[0], 2))
     return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret,
-                  parts=PARTS if parts is None else frozenset(parts))  # fmt: skip
+                  parts=PARTS if parts is None else frozenset(parts), a_blocks=kda_tuning.A_BLOCKS)  # fmt: skip
 
 
 # --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
@@ -395,6 +396,8 @@ def main() -> None:
     )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
+    if args.a_blocks is not None and not args.mosaic:
+        p.error(f"--a-blocks={args.a_blocks!r} adds a Mosaic GPU row: it needs --mosaic")
     a_blocks = () if args.a_blocks == "split" else args.a_blocks  # None: no such row
     if isinstance(a_blocks, str):
         try:

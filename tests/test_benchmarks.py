@@ -931,7 +931,11 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
             linear_attention.main()
         assert f"--gate-scale={float(bad)} must be finite and > 0" in capsys.readouterr().err
     for bad in ("32,x", "16,64", ""):
-        monkeypatch.setattr(sys, "argv", ["linear_attention", "--a-blocks", bad])
+        monkeypatch.setattr(sys, "argv", ["linear_attention", "--mosaic", "--a-blocks", bad])
         with pytest.raises(SystemExit):
             linear_attention.main()
         assert f"--a-blocks={bad!r} must be sizes from (64, 32, 16)" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["linear_attention", "--a-blocks", "64,16"])
+    with pytest.raises(SystemExit):
+        linear_attention.main()
+    assert "--a-blocks='64,16' adds a Mosaic GPU row: it needs --mosaic" in capsys.readouterr().err

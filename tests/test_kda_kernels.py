@@ -292,7 +292,7 @@ def test_prefill_kernel_states_at_boundaries(t, every):
 def _graded_gates(seed, t=256, n=2, dk=32):
     """KDA inputs whose four 64-token chunks need, in order, the 64-, 16- and 32-row block forms of the A kernel
     and then the binary split (`chunked._a_pairs`): log decays of −0.05, −3, −2 and −12 per token on one channel
-    (spans in log2 over 63 / 31 / 15 steps against A_SPAN_LIMIT = 112), milder on the others."""
+    (spans in log2 over 63 / 31 / 15 steps against the A_SPAN_LIMIT of 100 to 116), milder on the others."""
     (q, k, v, _, beta), _ = _prefill_inputs(seed, 1, t, n, dk, dk, False, jnp.float32, False)
     per_chunk = jnp.repeat(jnp.asarray([-0.05, -3.0, -2.0, -12.0]), 64)[:t]
     mild = -0.02 * jax.nn.softplus(jax.random.normal(jax.random.key(seed + 1), (1, t, n, dk)))
@@ -320,6 +320,24 @@ def test_a_kernel_block_forms_follow_each_chunks_span():
     np.testing.assert_array_equal(aqk_b[3], aqk_l[3])
     for x, y in zip(levels[1:], blocks[1:], strict=True):  # W, U, q_g, k_g, exp(G_C)
         assert rel_err(y, x) < 1e-5
+
+
+@pytest.mark.parametrize("precision,takes_blocks", [("ieee", False), ("tf32", True), ("bf16", True)])
+def test_a_kernel_block_span_limit_follows_the_products_precision(precision, takes_blocks):
+    """16-row blocks whose decay (span 108 in log2) falls in the first half of each block: the factors of the
+    first rows reach 2^-108, where an element below 2^-18 is subnormal and may be flushed. float32 products
+    ("ieee", limit 100) take the binary split bit for bit; bf16 and TF32 (limits 116 and 114: what a flushed
+    element could add is under their rounding) take the block form."""
+    from pallas_kernels.linear_attention.chunked import _intra
+
+    (q, k, v, _, beta), _ = _prefill_inputs(5, 1, 64, 2, 32, 32, False, jnp.float32, False)
+    row = np.arange(64) % 16
+    log2_decay = np.where((row >= 1) & (row <= 8), -108 / 8, -0.01)  # 8 rows of the 15 steps carry the span
+    g = jnp.broadcast_to(jnp.asarray(log2_decay * np.log(2), jnp.float32)[None, :, None, None], q.shape)
+    kw = dict(scale=32**-0.5, l2norm=True, precision=precision, interpret=True)
+    split, blocks = (np.asarray(_intra(q, k, v, g, beta, a_blocks=b, **kw)[0]) for b in ((), (16,)))
+    assert np.array_equal(blocks, split) is not takes_blocks
+    assert np.abs(blocks - split).max() < 2e-2 * np.abs(split).max()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

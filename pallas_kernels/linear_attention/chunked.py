@@ -210,13 +210,17 @@ def _level_masks(c):
 
 
 # `a_blocks`: inside a block whose rows share one reference row P (`_block_pairs`), every operand factor
-# exp2(±(G − P)) is at most 2^span, span the block's decay in log2 (G_first − G_last, the largest over its
-# channels), so every operand element is at most |x| 2^span. A block form is taken while span plus log2 of the
-# largest |q|, |k| element (at least 0) stays within A_SPAN_LIMIT: operands below float32's and bfloat16's
-# 2^128. The kept entries (a ≥ b) are q_a·k_b weighted by exp2(G_a − G_b) <= 1; the masked a < b ones may
-# overflow, and a select (not a product) drops them. 120 admits 16-row blocks at GLM-5.3's safe gate (each g
-# above −5: 15 steps of 7.2 in log2 = 108) with L2-normalised q and k.
-A_SPAN_LIMIT = 120.0
+# exp2(±(G − P)) lies in [2^−span, 2^span], span the block's decay in log2 (G_first − G_last, the largest over its
+# channels). A block form is taken while span plus log2 of the largest |q|, |k| element (at least 0) stays within
+# the products' A_SPAN_LIMIT. Above: operands stay below float32's and bfloat16's 2^128. Below: an element x
+# scaled by 2^−span is subnormal where |x| < 2^(span − 126), and a GPU or CPU that flushes subnormals drops it;
+# such an x adds at most |q_a||x| to a kept entry, so the limit keeps 2^(limit − 126) under the products' own
+# rounding: 2^−10 for bf16 operands (rounding 2^−9), 2^−12 for TF32 (2^−11), 2^−26 for float32 ("ieee", 2^−24;
+# docs/performance.md, "KDA prefill"). The kept entries (a ≥ b) are q_a·k_b weighted by exp2(G_a − G_b) <= 1;
+# the masked a < b ones may overflow, and a select (not a product) drops them. With bf16 or TF32 products the
+# limits admit 16-row blocks at GLM-5.3's safe gate (each g above −5: 15 steps of 7.2 in log2 = 108) with
+# L2-normalised q and k.
+A_SPAN_LIMIT = {"bf16": 116.0, "tf32": 114.0, "ieee": 100.0}
 A_BLOCK_SIZES = (64, 32, 16)  # `a_blocks` values
 
 
@@ -262,7 +266,7 @@ def _max_of_tile(x):
 
 def _a_pairs(q, k, g_ref, *, precision, levels, blocks=()):
     """`_a_levels`, or with `blocks` (sizes from A_BLOCK_SIZES, largest first) the first size whose blocks'
-    decay span, plus log2 of the largest |q|, |k| element, this chunk keeps within A_SPAN_LIMIT: the pairs
+    decay span, plus log2 of the largest |q|, |k| element, this chunk keeps within A_SPAN_LIMIT[precision]: the pairs
     inside those blocks by `_block_pairs`, the pairs across them by the levels above (`_a_levels(above=)`):
     2 products at 64 rows, 4 at 32, 6 at 16 against 13. A chunk whose gates are too strong for every size
     takes the levels (a runtime branch per chunk: the kernel compiles every form it may take)."""
@@ -277,7 +281,8 @@ def _a_pairs(q, k, g_ref, *, precision, levels, blocks=()):
 
     form = lambda: _a_levels(q, k, g_ref, precision=precision, levels=True)  # noqa: E731
     # the operands' own magnitude (1 for L2-normalised q and k) takes its share of the limit
-    limit = A_SPAN_LIMIT - jnp.log2(jnp.maximum(jnp.maximum(_max_of_tile(jnp.abs(q)), _max_of_tile(jnp.abs(k))), 1.0))
+    largest = jnp.maximum(_max_of_tile(jnp.abs(q)), _max_of_tile(jnp.abs(k)))
+    limit = A_SPAN_LIMIT[precision] - jnp.log2(jnp.maximum(largest, 1.0))
     for size in reversed(blocks):  # built innermost first: the largest size is tried first
         form = functools.partial(
             jax.lax.cond, _block_span(g_ref, size) <= limit, functools.partial(with_blocks, size), form

@@ -9,8 +9,8 @@ prefill; the measurements are in docs/performance.md (section "KDA prefill")."""
 INTRA_WARPS = (8, 4)
 # The A kernel's block forms `kda(a_blocks=None)` takes (`chunked._a_pairs`: the row pairs inside blocks of 64, else
 # 16, rows from one reference row per block; chunks whose gates are too strong for both take the binary split). On:
-# the whole prefill 1.23-1.27x faster at 4K-128K tokens and 32-96 heads where 64-row blocks apply, 1.14x where only
-# 16-row ones do (docs/performance.md, "KDA prefill"; chunks that take the split alone were not timed).
+# the whole prefill 1.23-1.27x faster at 4K-128K tokens and 32-96 heads where 64-row blocks apply, 1.14x at gates
+# that leave 16-row ones (docs/performance.md, "KDA prefill"; a prefill whose chunks all take the split: untimed).
 A_BLOCKS = (64, 16)
 # Software-pipelining stages of the state pass with bfloat16 intermediates: its loads of the next chunk's
 # tiles overlap this chunk's products.
