@@ -246,6 +246,34 @@ def test_variable_length_batch_equals_separate_sequences(impl):
         kda(q, k, v, g, beta, cu_seqlens=[0, 3])
 
 
+def test_packed_inputs_read_in_place_equal_the_laid_out_copy():
+    """`kda_chunked_pallas(rows=)`: phase 1 reads each chunk's rows from the packed inputs by the row table and
+    zeros the rows past its valid ones. Bit for bit what the same kernels give on the inputs copied into the
+    chunk layout, with the input rows no chunk owns set to NaN (a pad row that read one would make the state
+    NaN) and the last chunk's pad rows pointing past the input's end."""
+    from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
+
+    (q, k, v, g, beta), _ = _prefill_inputs(3, 1, 150, 2, 16, 32, False, jnp.float32, False)
+    first, valid = np.array([0, 50, 114]), np.array([30, 64, 36])
+    q, k, v, g, beta = (x.at[:, 30:50].set(jnp.nan) for x in (q, k, v, g, beta))
+    src = np.where(np.arange(64) < valid[:, None], first[:, None] + np.arange(64), -1).reshape(-1)
+
+    def laid_out(x):
+        keep = (src >= 0).reshape((1, -1) + (1,) * (x.ndim - 2))
+        return jnp.where(keep, x[:, np.maximum(src, 0)], 0.0)
+
+    s0 = jax.random.normal(jax.random.key(1), (1, 2, 16, 32))
+    kw = dict(scale=0.25, l2norm=True, block_v=16, precision="ieee", interpret=True, a_blocks=(64, 16))
+    rows = (jnp.asarray(first, jnp.int32), jnp.asarray(valid, jnp.int32))
+    o, s = kda_chunked_pallas(q, k, v, g, beta, s0, rows=rows, **kw)
+    o_copy, s_copy = kda_chunked_pallas(*(laid_out(x) for x in (q, k, v, g, beta)), s0, **kw)
+    assert o.shape == (1, 192, 2, 32) and bool(jnp.isfinite(s).all())
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_copy))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_copy))
+    with pytest.raises(ValueError, match="must be two int32"):
+        kda_chunked_pallas(q, k, v, g, beta, s0, rows=(rows[0], rows[1].astype(jnp.int16)), **kw)
+
+
 def test_auto_runs_the_prefill_kernel_on_gpu(monkeypatch):
     """On a GPU, "auto" prefills through the Pallas kernels (bf16 products for bf16 inputs) and decodes a single
     token through the recurrence; on CPU the jnp chunked form."""

@@ -95,8 +95,9 @@ def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
 
 def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
     """Sequences whose lengths are whole blocks (all but the last) keep their places in both packed layouts:
-    the call packs by a zero pad and unpacks by a slice, no gather (where one moved rows far below copy speed
-    on the GPU), and the results are those of each sequence alone. Mosaic: blocks of E = 128 (VARLEN_BLOCKS
+    phase 1 reads the inputs in place (`kda_chunked_pallas(rows=)`, no XLA copy of them in any layout) and o
+    comes back by a slice, no gather (where one moved rows far below copy speed on the GPU), and the results
+    are those of each sequence alone. Mosaic: blocks of E = 128 (VARLEN_BLOCKS
     raised to 4), lengths 128, 256, 100; Triton: whole chunks, lengths 64, 192, 100."""
     from pallas_kernels.linear_attention import api
 
@@ -115,7 +116,7 @@ def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
             assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2, (impl, i)
     every, starts, _, resets, total, _ = api._block_layout(np.asarray([128, 256, 100]))
     assert (every, starts.tolist(), resets, total) == (128, [0, 128, 384], (2, 6), 512)
-    # one sequence not a whole block moves the ones after it: gathered again
+    # one sequence not a whole block moves the ones after it: o is gathered back
     cu = np.asarray([0, 100, 228])
     args, _ = _prefill_inputs(11, 1, 228, 2, 64, 64, False, jnp.bfloat16, False)
     assert "gather" in str(jax.make_jaxpr(lambda *a: kda(*a, impl="mosaic", cu_seqlens=cu, interpret=True))(*args))

@@ -221,13 +221,17 @@ def _gather_rows(x, src):
     return jnp.where(mask, rows, jnp.zeros((), rows.dtype))
 
 
-def _pack_rows(x, src):
-    """x [1, T, ...] -> x[:, src] with zeros where src < 0, [1, len(src), ...]: where the layout keeps every
-    token in place (src = 0, 1, ..., T − 1 then padding) a zero pad at the end, else a gather (`_gather_rows`)."""
-    t = x.shape[1]
-    if src.size >= t and (src[:t] == np.arange(t)).all() and (src[t:] < 0).all():
-        return jnp.pad(x, [(0, 0), (0, src.size - t)] + [(0, 0)] * (x.ndim - 2))
-    return _gather_rows(x, src[None])
+def _chunk_rows(src):
+    """A chunk-aligned layout's slots -> the kernels' row table (`kda_chunked_pallas(rows=)`): src [64·chunks]
+    (the token of each slot, -1 for padding; every sequence starts at a chunk boundary, so a chunk's tokens
+    are consecutive from its first slot) -> (first token, tokens) per chunk, int32."""
+    slots = src.reshape(-1, CHUNK)
+    valid = (slots >= 0).sum(axis=1)
+    first = np.where(valid > 0, slots[:, 0], 0)
+    expect = np.where(np.arange(CHUNK) < valid[:, None], first[:, None] + np.arange(CHUNK), -1)
+    if not (slots == expect).all():  # the layouts below never make one; a guard for a new one
+        raise AssertionError("kda: a packed layout whose chunks do not hold consecutive tokens from their start")
+    return jnp.asarray(first, jnp.int32), jnp.asarray(valid, jnp.int32)
 
 
 def _unpack_rows(o, token_slot):
@@ -253,7 +257,8 @@ def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
 def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     """The Pallas path of a packed batch: each sequence zero-padded to whole 64-token chunks and laid end to
     end ([1, Σ ceil(L_s / 64)·64, ...]: at most 63 pad tokens per sequence, where a batch padded to the
-    longest sequence would compute S x T_max), the state pass resetting the state at each sequence's first
+    longest sequence would compute S x T_max; the inputs read in place by phase 1, `kda_chunked_pallas(rows=)`,
+    and o unpacked from the layout), the state pass resetting the state at each sequence's first
     chunk and writing it out at its last (`kda_chunked_pallas(seq_start=, seq_count=)`: one state-pass
     program per sequence, head and V-block)."""
     cu = _sequence_offsets(cu_seqlens, q)
@@ -269,15 +274,15 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     if s0.shape != (n_seq, n, dk, dv):
         raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
     o, s = _kda_pallas(
-        *(_pack_rows(x, src) for x in (q, k, v, g, beta)), s0,
-        seq_chunks=(jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32)), **kw,
+        q, k, v, g, beta, s0, seq_chunks=(jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32)),
+        rows=_chunk_rows(src), **kw,
     )  # fmt: skip
     return _unpack_rows(o, token_slot), s
 
 
 def _pack_index(starts, lengths, total: int):
     """Sequence i's tokens at packed slots [starts_i, starts_i + lengths_i) of `total` -> (src [total]: the token
-    of each slot, -1 for padding (`_pack_rows` packs by it), token_slot [T]: the slot of each token (unpacks))."""
+    of each slot, -1 for padding (`_chunk_rows`), token_slot [T]: the slot of each token (unpacks))."""
     token_slot = np.concatenate([np.arange(int(a), int(a) + int(n)) for a, n in zip(starts, lengths, strict=True)])
     src = np.full(total, -1)
     src[token_slot] = np.arange(token_slot.size)
@@ -291,8 +296,8 @@ def _block_layout(lengths: np.ndarray):
     zero padding. The first chunk of every sequence but one that starts the layout is reset
     (`kda_chunked_pallas(reset_chunks=)`: the pass starts that chunk from a zero state), and zero tokens leave
     the state unchanged, so the snapshot at the last block's end is the sequence's final state. Sequences
-    whose lengths are multiples of E (all but the last) are laid out where they already are: packing is
-    then zero padding at the end, no gather (`_pack_rows`). E is the multiple of
+    whose lengths are multiples of E (all but the last) are laid out where they already are: o is then
+    unpacked by a slice, no gather (`_unpack_rows`). E is the multiple of
     CHUNK, from the one that makes about VARLEN_BLOCKS snapshots up to twice it, that lays out the fewest tokens.
     Returns (E, token start per sequence, snapshot index per sequence (-1: empty), reset chunks, total tokens
     laid out, tokens of the chunk-aligned packing); None when every sequence is empty."""
@@ -322,14 +327,14 @@ def _block_layout(lengths: np.ndarray):
 def _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw):
     """Packed sequences from zero states through one unpacked prefill (`_block_layout`): the state pass
     that runs a single sequence (the Mosaic GPU one) with each sequence's first chunk reset and the final
-    states read from its snapshots. Packed and unpacked as `_varlen_packed` does (`_pack_rows`)."""
+    states read from its snapshots. The inputs read in place and o unpacked as in `_varlen_packed`."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
     every, starts, snaps, resets, total, _ = _block_layout(lengths)
     n, dk, dv = q.shape[2], q.shape[3], v.shape[3]
     src, token_slot = _pack_index(starts, lengths, total)
     o, _, states = _kda_pallas(
-        *(_pack_rows(x, src) for x in (q, k, v, g, beta)), None, state_every=every, reset_chunks=resets, **kw
+        q, k, v, g, beta, None, state_every=every, reset_chunks=resets, rows=_chunk_rows(src), **kw
     )  # fmt: skip
     zero = jnp.zeros((1, n, dk, dv), jnp.float32)
     final = jnp.concatenate([states[:, j] if j >= 0 else zero for j in snaps.tolist()], axis=0)
@@ -374,14 +379,16 @@ def _check_mosaic(q, precision: str, interpret) -> None:
 
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
-    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", reset_chunks=(), a_blocks=(),
+    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", reset_chunks=(), a_blocks=(), rows=None,
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16, >= 64 for the Mosaic GPU
     state pass, `state_impl="mosaic"`), runs, unpads.
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged.
     seq_chunks: (first chunk, chunk count) per chunk-aligned packed sequence; initial_state then [S,N,K,V].
     state_every (a multiple of 64): the states after every state_every tokens come back third.
-    reset_chunks: `kda_chunked_pallas`'s (chunks of the unpadded T)."""
+    reset_chunks: `kda_chunked_pallas`'s (chunks of the unpadded T).
+    rows (`_chunk_rows`): packed inputs read in place, `kda_chunked_pallas`'s; T is then the layout's
+    (64·chunks, no time padding) and o comes back in the layout."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     if block_v <= 0 or block_v & (block_v - 1):
@@ -394,7 +401,7 @@ def _kda_pallas(
         _check_mosaic(q, precision, interpret)
     least = 64 if state_impl == "mosaic" else 16  # the Mosaic kernel's tiles are 64 bf16 columns wide
     pk, pv = max(least, pow2(dk)), max(least, pow2(dv))
-    tp = -(-t // CHUNK) * CHUNK
+    tp = t if rows is not None else -(-t // CHUNK) * CHUNK
     pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, tp - t), *[(0, p) for p in w]])  # noqa: E731
     q, k, g = pad(q, 0, pk - dk), pad(k, 0, pk - dk), pad(g.astype(jnp.float32), 0, pk - dk)
     v, beta = pad(v, 0, pv - dv), pad(beta.astype(jnp.float32), 0)
@@ -407,6 +414,9 @@ def _kda_pallas(
         extra["state_every"] = state_every
     if reset_chunks:
         extra["reset_chunks"] = tuple(reset_chunks)
+    if rows is not None:
+        extra["rows"] = rows
+        t = rows[0].shape[0] * CHUNK
     out = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,

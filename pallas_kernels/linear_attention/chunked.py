@@ -74,25 +74,52 @@ def _products(precision: str):
     return dot
 
 
-def _cumsum_kernel(g_ref, o_ref):
-    o_ref[...] = jnp.cumsum(g_ref[...].astype(jnp.float32), axis=0) * LOG2E
+def _source_rows(table, ref, first, n):
+    """Rows [first, first + n) of this program's chunk (grid axis 2) of a phase-1 input. Without a table ref is the
+    chunk's own block [C, ...]. With table = (first source row, valid rows) refs [chunks] (packed sequences
+    read in place, `kda_chunked_pallas(rows=)`) ref is the whole packed input [T_in, ...] of this head: the rows
+    are read by index from the chunk's first source row, and rows past its valid ones (the padding after a
+    sequence's end) are zeros — a select, so whatever the next sequence holds there, NaN included, is dropped."""
+    if table is None:
+        return ref[pl.ds(first, n)]
+    src_ref, valid_ref = table
+    c = pl.program_id(2)
+    r = first + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+    idx = jnp.minimum(src_ref[c] + r, ref.shape[0] - 1)  # a pad row may point past the input's end
+    keep = r < valid_ref[c]
+    if len(ref.shape) == 1:
+        return jnp.where(keep, ref[idx], jnp.zeros((), ref.dtype))
+    return jnp.where(keep[:, None], ref[idx, :], jnp.zeros((), ref.dtype))
 
 
-def _chunk_cumsum(g, *, interpret, params):
+def _split_table(refs, in_place: bool):
+    """A phase-1 kernel's refs -> (the row table or None, the other refs)."""
+    return (tuple(refs[:2]), refs[2:]) if in_place else (None, refs)
+
+
+def _cumsum_kernel(*refs, in_place=False):
+    table, (g_ref, o_ref) = _split_table(refs, in_place)
+    o_ref[...] = jnp.cumsum(_source_rows(table, g_ref, 0, CHUNK).astype(jnp.float32), axis=0) * LOG2E
+
+
+def _chunk_cumsum(g, *, interpret, params, rows=None):
     """G·log2(e): the running sum of the log decays within each 64-token chunk in base 2 (the kernels take
-    exp2, one instruction, where exp would cost several), float32 [B, T, N, K]."""
+    exp2, one instruction, where exp would cost several), float32 [B, T, N, K]; with `rows` (packed inputs
+    read in place, `kda_chunked_pallas`) [1, 64·chunks, N, K] in the chunk-aligned layout."""
     b, t, n, dk = g.shape
     spec = pl.BlockSpec((None, CHUNK, None, dk), lambda i, h, c: (i, c, h, 0))
+    if rows is not None:
+        t = rows[0].shape[0] * CHUNK
     return pl.pallas_call(
-        _cumsum_kernel,
+        functools.partial(_cumsum_kernel, in_place=rows is not None),
         grid=(b, n, t // CHUNK),
-        in_specs=[spec],
+        in_specs=[*_table_specs(rows), _source_spec(g, rows)],
         out_specs=spec,
-        out_shape=jax.ShapeDtypeStruct(g.shape, jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((b, t, n, dk), jnp.float32),
         interpret=interpret,
         name="kda_chunk_cumsum",
         **params,
-    )(g)
+    )(*(rows or ()), g)
 
 
 def _inv_norm(x, l2norm: bool):
@@ -187,10 +214,10 @@ def _summary_kernel(w_ref, u_ref, kg_ref, gl_ref, s0_ref, s_ref, *, nc, precisio
     s_ref[...] = jax.lax.fori_loop(0, nc, body, s0_ref[...].astype(jnp.float32))
 
 
-def _normed_rows(q_ref, k_ref, start, n, *, scale, l2norm):
-    """Rows [start, start + n) of the chunk: L2-normalised q (times scale) and k, float32 [n, K]."""
-    q = q_ref[pl.ds(start, n), :].astype(jnp.float32)
-    k = k_ref[pl.ds(start, n), :].astype(jnp.float32)
+def _normed_rows(table, q_ref, k_ref, start, n, *, scale, l2norm):
+    """Rows [start, start + n) of the chunk (`_source_rows`): L2-normalised q (times scale) and k, float32 [n, K]."""
+    q = _source_rows(table, q_ref, start, n).astype(jnp.float32)
+    k = _source_rows(table, k_ref, start, n).astype(jnp.float32)
     return q * (_inv_norm(q, l2norm) * scale)[:, None], k * _inv_norm(k, l2norm)[:, None]
 
 
@@ -320,58 +347,82 @@ def _a_levels(q, k, g_ref, *, precision, levels, above=0):
     return a_qk, a_kk
 
 
-def _a_kernel(
-    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref, *, scale, l2norm, precision,
-    parts, blocks=(),
-):  # fmt: skip
+def _a_kernel(*refs, scale, l2norm, precision, parts, blocks=(), in_place=False):
     """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g, β exp(G) ⊙ k (W's right factor, for the solve
-    kernel) and exp(G_C) of one chunk (`_a_levels`; with `blocks`, `_a_pairs`)."""
-    q, k = _normed_rows(q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
+    kernel) and exp(G_C) of one chunk (`_a_levels`; with `blocks`, `_a_pairs`). q, k, β through
+    `_source_rows` (in place: the packed inputs), G in the chunk layout."""
+    table, refs = _split_table(refs, in_place)
+    q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref = refs
+    q, k = _normed_rows(table, q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
     a_qk, a_kk = _a_pairs(q, k, g_ref, precision=precision, levels="levels" in parts, blocks=blocks)
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
-    akk_ref[...] = a_kk * beta_ref[...].astype(jnp.float32)[:, None]
+    akk_ref[...] = a_kk * _source_rows(table, beta_ref, 0, CHUNK).astype(jnp.float32)[:, None]
     # the gated tiles 16 rows at a time: the [C, K] tiles above are dead by now, nothing large stays live
     g_last = g_ref[CHUNK - 1, :]  # [K]
     gl_ref[...] = jnp.exp2(g_last)[:, None]
     for s in range(0, CHUNK, SUB):
         rows = pl.ds(s, SUB)
-        q, k = _normed_rows(q_ref, k_ref, s, SUB, scale=scale, l2norm=l2norm)
+        q, k = _normed_rows(table, q_ref, k_ref, s, SUB, scale=scale, l2norm=l2norm)
         gs = g_ref[rows, :]
         eg = jnp.exp2(gs)
+        beta = _source_rows(table, beta_ref, s, SUB).astype(jnp.float32)
         qg_ref[rows, :] = (eg * q).astype(qg_ref.dtype)
         kg_ref[rows, :] = (jnp.exp2(g_last[None, :] - gs) * k).astype(kg_ref.dtype)
-        kb_ref[rows, :] = (beta_ref[rows].astype(jnp.float32)[:, None] * eg * k).astype(kb_ref.dtype)
+        kb_ref[rows, :] = (beta[:, None] * eg * k).astype(kb_ref.dtype)
 
 
-def _solve_kernel(kb_ref, v_ref, beta_ref, akk_ref, w_ref, u_ref, *, precision, solve, parts):
+def _solve_kernel(*refs, precision, solve, parts, in_place=False):
+    """W and U of one chunk; v, β through `_source_rows`, k_b and A_kk in the chunk layout."""
+    table, (kb_ref, v_ref, beta_ref, akk_ref, w_ref, u_ref) = _split_table(refs, in_place)
     dot = _products(precision)
     dot_solve = _products("tf32" if precision == "bf16" else precision)  # the inverse's chain stays float32
     f32 = jnp.float32
     t_inv = jnp.eye(CHUNK, dtype=f32)
     if "solve" in parts:  # A_kk is this kernel's input: substitution reads its rows without a barrier
         t_inv = _unit_lower_inverse(akk_ref[...], dot_solve, solve, lambda i: akk_ref[i, :])
-    beta = beta_ref[...].astype(f32)[:, None]
+    beta = _source_rows(table, beta_ref, 0, CHUNK).astype(f32)[:, None]
     w_ref[...] = dot(t_inv, kb_ref[...].astype(f32)).astype(w_ref.dtype)
-    u_ref[...] = dot(t_inv, beta * v_ref[...].astype(f32)).astype(u_ref.dtype)
+    u_ref[...] = dot(t_inv, beta * _source_rows(table, v_ref, 0, CHUNK).astype(f32)).astype(u_ref.dtype)
 
 
 def _chunk_spec(width):
     return pl.BlockSpec((None, CHUNK, None, width), lambda i, h, c: (i, c, h, 0))
 
 
-_BETA_SPEC = pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
+def _source_spec(x, rows):
+    """A phase-1 input's block (x [B, T, N, ...]): the chunk's rows, or with `rows` (read in place) the whole
+    packed input of the head, rows picked in the kernel (`_source_rows`)."""
+    if rows is None:
+        if x.ndim == 3:
+            return pl.BlockSpec((None, CHUNK, None), lambda i, h, c: (i, c, h))
+        return _chunk_spec(x.shape[-1])
+    if x.ndim == 3:
+        return pl.BlockSpec((None, x.shape[1], None), lambda i, h, c: (0, 0, h))
+    return pl.BlockSpec((None, x.shape[1], None, x.shape[-1]), lambda i, h, c: (0, 0, h, 0))
 
 
-def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks=()):
-    """`_a_kernel` over every chunk; g is G·log2(e) (`_chunk_cumsum`) -> (A_qk, β-scaled A_kk float32, q_g,
-    k_g, β exp(G) ⊙ k, exp(G_C))."""
-    b, t, n, dk = q.shape
+def _table_specs(rows):
+    """The row table's blocks: both [chunks] int32 arrays whole in every program."""
+    if rows is None:
+        return []
+    return [pl.BlockSpec((rows[0].shape[0],), lambda i, h, c: (0,))] * 2
+
+
+def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks=(), rows=None):
+    """`_a_kernel` over every chunk; g is G·log2(e) in the chunk layout (`_chunk_cumsum`) -> (A_qk, β-scaled
+    A_kk float32, q_g, k_g, β exp(G) ⊙ k, exp(G_C)); q, k, beta read in place with `rows`."""
+    b, t, n, dk = g.shape
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    kernel = functools.partial(
+        _a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, blocks=blocks,
+        in_place=rows is not None,
+    )  # fmt: skip
     return pl.pallas_call(
-        functools.partial(_a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, blocks=blocks),
+        kernel,
         grid=(b, n, nc),
-        in_specs=[_chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk), _BETA_SPEC],
+        in_specs=[*_table_specs(rows), _source_spec(q, rows), _source_spec(k, rows), _chunk_spec(dk),
+                  _source_spec(beta, rows)],  # fmt: skip
         out_specs=[
             _chunk_spec(CHUNK), _chunk_spec(CHUNK), _chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk),
             pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
@@ -383,41 +434,45 @@ def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, pa
         interpret=interpret,
         name="kda_chunk_a",
         **triton_params(interpret, num_warps, 2),
-    )(q, k, g, beta)  # fmt: skip
+    )(*(rows or ()), q, k, g, beta)  # fmt: skip
 
 
-def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, solve):
-    """`_solve_kernel` over every chunk: kb = β exp(G) ⊙ k from the A kernel -> (W, U)."""
+def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, solve, rows=None):
+    """`_solve_kernel` over every chunk: kb = β exp(G) ⊙ k from the A kernel -> (W, U); v, beta read in place
+    with `rows`."""
     b, t, n, dk = kb.shape
     dv = v.shape[-1]
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     return pl.pallas_call(
-        functools.partial(_solve_kernel, precision=precision, solve=solve, parts=parts),
+        functools.partial(_solve_kernel, precision=precision, solve=solve, parts=parts, in_place=rows is not None),
         grid=(b, n, t // CHUNK),
-        in_specs=[_chunk_spec(dk), _chunk_spec(dv), _BETA_SPEC, _chunk_spec(CHUNK)],
+        in_specs=[*_table_specs(rows), _chunk_spec(dk), _source_spec(v, rows), _source_spec(beta, rows),
+                  _chunk_spec(CHUNK)],  # fmt: skip
         out_specs=[_chunk_spec(dk), _chunk_spec(dv)],
         out_shape=[jax.ShapeDtypeStruct((b, t, n, dk), inter), jax.ShapeDtypeStruct((b, t, n, dv), inter)],
         interpret=interpret,
         name="kda_chunk_solve",
         **triton_params(interpret, num_warps, 2),
-    )(kb, v, beta, akk)  # fmt: skip
+    )(*(rows or ()), kb, v, beta, akk)  # fmt: skip
 
 
 def _intra(
     q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
-    a_blocks=(),
+    a_blocks=(), rows=None,
 ):  # fmt: skip
     """Phase 1 over every chunk: the cumsum, `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
     [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first);
-    a_blocks: the A kernel's block forms to try (`_a_pairs`)."""
+    a_blocks: the A kernel's block forms to try (`_a_pairs`); rows: packed inputs read in place
+    (`kda_chunked_pallas`), the outputs in the chunk layout."""
     a_warps, solve_warps = num_warps
-    g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2))
+    g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2), rows=rows)
     aqk, akk, qg, kg, kb, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
-        parts=parts, blocks=a_blocks,
+        parts=parts, blocks=a_blocks, rows=rows,
     )  # fmt: skip
     w, u = _solve_call(
-        kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve
+        kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve,
+        rows=rows,
     )  # fmt: skip
     return aqk, w, u, qg, kg, gl
 
@@ -453,10 +508,18 @@ def _gate_spec(nc, dk):
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
-    state_impl="triton", reset_chunks=(), a_blocks=(),
+    state_impl="triton", reset_chunks=(), a_blocks=(), rows=None,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
+
+    rows (first source row, valid rows) int32 [chunks]: packed inputs read in place. B = 1 and the inputs hold
+    T_in tokens (any count); the kernels run over T = 64·chunks tokens laid out chunk by chunk, chunk c
+    holding input rows [first_c, first_c + valid_c) then valid_c < 64 zero rows (g = 0, beta = 0: the state
+    unchanged). Only phase 1 reads the inputs, so only its three kernels read by index
+    (`_source_rows`); from then on everything, o included, is in the layout. This is the packed sequences'
+    path (`api._varlen_packed`, `api._varlen_blocks`): XLA copying five inputs into the layout moved ~2.7 GB
+    at 32K tokens and 32 heads, about a quarter of the prefill (docs/performance.md, "KDA prefill").
 
     state_every (a multiple of 64, not with packed sequences): also the states after every state_every tokens,
     [B, T // state_every, N, K, V] float32 (third): the state pass stores its on-chip state at those chunk
@@ -487,6 +550,12 @@ def kda_chunked_pallas(
     check_a_blocks(a_blocks, "kda_chunked_pallas")
     b, t, n, dk = q.shape
     dv = v.shape[-1]
+    if rows is not None:
+        nc = rows[0].shape[0] if rows[0].ndim == 1 else -1
+        if b != 1 or nc < 1 or any(r.shape != (nc,) or r.dtype != jnp.int32 for r in rows):
+            shapes = [(r.shape, r.dtype.name) for r in rows]
+            raise ValueError(f"kda_chunked_pallas: rows={shapes} must be two int32 [chunks] arrays, batch 1 (got {b})")
+        t = nc * CHUNK
     nc = t // CHUNK
     packed = seq_start is not None
     params = triton_params(interpret, num_warps, num_stages or state_stages(precision))
@@ -497,7 +566,7 @@ def kda_chunked_pallas(
             raise ValueError(f"kda_chunked_pallas: the Mosaic GPU state pass needs {why}")
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
-        parts=parts, a_blocks=tuple(a_blocks),
+        parts=parts, a_blocks=tuple(a_blocks), rows=rows,
     )  # fmt: skip
     if reset_chunks:
         if packed or not all(0 <= c < nc for c in reset_chunks):
@@ -533,7 +602,7 @@ def kda_chunked_pallas(
         seq, gate = functools.partial(_seq_spec, t), _gate_spec(nc, dk)
     every, count = 0, 0
     out_specs = [seq(block_v, tile=True), state]
-    out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((b, t, n, dv), q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
     if state_every is not None:
         if packed or state_every <= 0 or state_every % CHUNK:
             raise ValueError(
