@@ -15,7 +15,8 @@ the GPU machine (`pip download --no-deps fla-core einops`).
 
     python -m benchmarks.linear_attention [--only decode|layer|prefill] [--mosaic] [--no-record]
 
-`--mosaic`: also the prefill with its state pass in Mosaic GPU (`kda(impl="mosaic")`, Hopper only); with
+`--mosaic`: also the prefill with its state pass in Mosaic GPU (`kda(impl="mosaic")`, Hopper only; for the
+varlen batch the block layout "auto" takes on sm_90); with
 `--phases` the state pass's share is the whole prefill less phase 1 alone, for both state passes. Rows without
 a form in their label run `kda`'s defaults at the recorded commit (the A kernel's block forms: `tuning.A_BLOCKS`);
 `--a-blocks 64,16` or `--a-blocks split` adds a Mosaic row with those forms, or with the binary split alone.
@@ -340,8 +341,11 @@ def varlen_offsets(total: int, seqs: int = 8) -> np.ndarray:
     return np.concatenate([[0], cuts, [total]])
 
 
-def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N) -> list[dict]:
-    """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all."""
+def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N, mosaic: bool = False) -> list[dict]:
+    """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all:
+    `impl="pallas"` (the chunk-aligned packing, one Triton state-pass program per sequence) and with `mosaic`
+    `impl="mosaic"` (the block layout through the Mosaic GPU state pass: what "auto" runs on sm_90 for packed
+    sequences from zero states)."""
     cu = varlen_offsets(total, seqs)
     ks = jax.random.split(jax.random.key(total + 1), 5)
     q, k, v = (jax.random.normal(x, (1, total, n, DK), jnp.bfloat16) for x in ks[:3])
@@ -360,6 +364,12 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N) -> list[di
     ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
     impl = "pallas chunked, packed chunk-aligned (defaults)"
     rows.append(row("prefill varlen", shape, impl, ms, flops, nbytes, bw, rate, err))
+    if mosaic:
+        fn = jax.jit(functools.partial(kda, impl="mosaic", cu_seqlens=cu))
+        err = rel_err(fn(q, k, v, g, beta)[0], ref_o)
+        ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
+        impl = "Mosaic GPU state pass (Triton phase 1), block layout"
+        rows.append(row("prefill varlen", shape, impl, ms, flops, nbytes, bw, rate, err))
     if fla is not None:
         torch, chunk_kda, _ = fla
         tq, tk, tv, tg, tb = _to_torch(q, k, v, g, beta)
@@ -421,7 +431,7 @@ def main() -> None:
         rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic, a_blocks,
                              args.gate_scale)  # fmt: skip
         if args.varlen_total:
-            rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0])
+            rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0], mosaic=args.mosaic)
     title = (
         f"KDA kernels (N={N} heads, K=V={DK}); ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
