@@ -38,6 +38,7 @@ import numpy as np
 
 from benchmarks.common import ceilings, median_ms, rel_err, report, roofline_row
 from pallas_kernels.linear_attention import kda, kda_decode_step
+from pallas_kernels.linear_attention import tuning as kda_tuning
 from pallas_kernels.linear_attention.chunked import A_BLOCK_SIZES, check_a_blocks
 
 N, DK, DV, CHUNK = 32, 128, 128, 64
@@ -235,7 +236,6 @@ def _intra_phase(q, k, v, g, beta, *, parts=None):
     its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
     chunk cumsum that precedes it. The A kernel's block forms as `kda`'s default (`tuning.A_BLOCKS`)."""
     from pallas_kernels._pallas import triton_params
-    from pallas_kernels.linear_attention import tuning as kda_tuning
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
     interpret = jax.default_backend() == "cpu"
@@ -344,8 +344,8 @@ def varlen_offsets(total: int, seqs: int = 8) -> np.ndarray:
 def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N, mosaic: bool = False) -> list[dict]:
     """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all:
     `impl="pallas"` (the chunk-aligned packing, one Triton state-pass program per sequence) and with `mosaic`
-    `impl="mosaic"` (the block layout through the Mosaic GPU state pass: what "auto" runs on sm_90 for packed
-    sequences from zero states)."""
+    `impl="mosaic"` under each `tuning.VARLEN_LAYOUT`: the block layout (what "auto" runs on sm_90 for packed
+    sequences from zero states while the tuning says "blocks") and one program per sequence ("sequences")."""
     cu = varlen_offsets(total, seqs)
     ks = jax.random.split(jax.random.key(total + 1), 5)
     q, k, v = (jax.random.normal(x, (1, total, n, DK), jnp.bfloat16) for x in ks[:3])
@@ -364,11 +364,15 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N, mosaic: bo
     ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
     impl = "pallas chunked, packed chunk-aligned (defaults)"
     rows.append(row("prefill varlen", shape, impl, ms, flops, nbytes, bw, rate, err))
-    if mosaic:
-        fn = jax.jit(functools.partial(kda, impl="mosaic", cu_seqlens=cu))
-        err = rel_err(fn(q, k, v, g, beta)[0], ref_o)
+    for layout, label in (("blocks", "block layout"), ("sequences", "one program per sequence")) if mosaic else ():
+        kept, kda_tuning.VARLEN_LAYOUT = kda_tuning.VARLEN_LAYOUT, layout  # read when the call is traced
+        try:
+            fn = jax.jit(functools.partial(kda, impl="mosaic", cu_seqlens=cu))
+            err = rel_err(fn(q, k, v, g, beta)[0], ref_o)
+        finally:
+            kda_tuning.VARLEN_LAYOUT = kept
         ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
-        impl = "Mosaic GPU state pass (Triton phase 1), block layout"
+        impl = f"Mosaic GPU state pass (Triton phase 1), {label}"
         rows.append(row("prefill varlen", shape, impl, ms, flops, nbytes, bw, rate, err))
     if fla is not None:
         torch, chunk_kda, _ = fla

@@ -903,15 +903,19 @@ def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypat
 @pytest.mark.slow
 def test_kda_varlen_rows_time_both_state_passes(monkeypatch):
     """The varlen batch's rows: the reference, the chunk-aligned packing (Triton state pass) and with `mosaic`
-    the block layout through the Mosaic GPU state pass (what "auto" runs on sm_90), each checked against the
-    reference (interpret mode, 3 sequences of 256 tokens in all, one head)."""
+    the Mosaic GPU state pass under both `tuning.VARLEN_LAYOUT`s (the block layout, one program per sequence),
+    each checked against the reference (interpret mode, 3 sequences of 256 tokens in all, one head)."""
     from benchmarks import linear_attention
 
     monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
     rows = linear_attention.varlen_rows(1e12, 1e14, None, 256, seqs=3, n=1, mosaic=True)
     impls = [r["impl"] for r in rows]
+    mosaic = "Mosaic GPU state pass (Triton phase 1)"
     assert impls == ["jnp reference (XLA, chunked)", "pallas chunked, packed chunk-aligned (defaults)",
-                     "Mosaic GPU state pass (Triton phase 1), block layout"], impls  # fmt: skip
+                     f"{mosaic}, block layout", f"{mosaic}, one program per sequence"], impls  # fmt: skip
+    from pallas_kernels.linear_attention import tuning
+
+    assert tuning.VARLEN_LAYOUT == "blocks"  # put back after the rows
     for r in rows[1:]:
         assert float(r["check vs reference"].split("rel err ")[1]) < 2e-2, r
 

@@ -170,15 +170,6 @@ def test_mosaic_state_pass_refusals_name_the_value():
     wide = _prefill_inputs(0, 1, 64, 1, 200, 16, False, jnp.bfloat16, False)[0]
     with pytest.raises(ValueError, match=r"K <= 128 \(got 200\)"):
         kda(*wide, impl="mosaic", interpret=True)
-    s2 = jnp.zeros((2, 1, 16, 16), jnp.float32)
-    with pytest.raises(ValueError, match=r"from zero states \(got initial states for 2 sequences\)"):
-        kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], initial_state=s2, interpret=True)
-    from pallas_kernels.linear_attention import api
-
-    with pytest.MonkeyPatch.context() as mp:  # one block per call: 30 and 34 tokens take 128 each
-        mp.setattr(api, "VARLEN_BLOCKS", 1)
-        with pytest.raises(ValueError, match=r"1.1x their 128 chunk-aligned tokens \(got 256 for 2 sequences\)"):
-            kda(*args, impl="mosaic", cu_seqlens=[0, 30, 64], interpret=True)
     if not registry.is_sm90():
         with pytest.raises(ValueError, match="needs a Hopper"):
             kda(*args, impl="mosaic", interpret=False)
@@ -186,9 +177,8 @@ def test_mosaic_state_pass_refusals_name_the_value():
         kda_chunked_pallas(*args, s0, scale=1.0, l2norm=True, block_v=16, precision="tf32", state_impl="mosaic")
     with pytest.raises(ValueError, match="state_impl='cutlass'"):
         kda_chunked_pallas(*args, s0, scale=1.0, l2norm=True, block_v=16, interpret=True, state_impl="cutlass")
-    assert unsupported(128, 128, 64, jnp.bfloat16, True).startswith("sequences not packed")
-    assert unsupported(128, 96, 64, jnp.bfloat16, False) == "V a multiple of 64 (got 96)"
-    assert unsupported(128, 128, 64, jnp.bfloat16, False) is None
+    assert unsupported(128, 96, 64, jnp.bfloat16) == "V a multiple of 64 (got 96)"
+    assert unsupported(128, 128, 64, jnp.bfloat16) is None
     s = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     ok = (s((1, 128, 1, 64), bf), s((1, 128, 1, 64), bf), s((1, 128, 1, 64), bf), s((1, 128, 1, 64), bf),
@@ -199,6 +189,39 @@ def test_mosaic_state_pass_refusals_name_the_value():
         jax.eval_shape(kda_state_pass_mosaic, *ok[:6], s((1, 1, 64, 64), bf))
     with pytest.raises(ValueError, match="state_every a positive multiple of 64 .got 96"):
         jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a, state_every=96), *ok)
+    seqs = (s((1,), jnp.int32), s((1,), jnp.int32))
+    with pytest.raises(ValueError, match=r"without state_every or resets \(got .*state_every 64"):
+        jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a[:7], state_every=64, seqs=a[7:]), *ok, *seqs)
+
+
+def test_packed_sequences_one_program_each_through_the_mosaic_state_pass(monkeypatch):
+    """`kda(impl="mosaic", cu_seqlens=)` where the block layout does not take the pack (initial states here;
+    or `tuning.VARLEN_LAYOUT = "sequences"`): the chunk-aligned packing with one Mosaic GPU program per (head,
+    value block, sequence), each walking its own chunks from its own state (the step count read from memory).
+    The same outputs as the Triton pass's one program per sequence and as each sequence alone; an empty
+    sequence keeps its state; "auto" takes it for every pack once VARLEN_LAYOUT says "sequences"."""
+    from pallas_kernels.linear_attention import tuning
+
+    lengths = [70, 0, 130, 64, 5]  # an empty sequence, one of whole chunks, one shorter than a chunk
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    args, _ = _prefill_inputs(12, 1, int(cu[-1]), 2, 64, 128, False, jnp.bfloat16, False)
+    s0 = jax.random.normal(jax.random.key(4), (len(lengths), 2, 64, 128))
+    o, s = kda(*args, impl="mosaic", cu_seqlens=cu, initial_state=s0, interpret=not NATIVE)
+    o_t, s_t = kda(*args, impl="pallas", cu_seqlens=cu, initial_state=s0, interpret=not NATIVE)
+    assert rel_err(o, o_t) < 5e-3 and rel_err(s, s_t) < 5e-3
+    assert bool((s[1] == s0[1]).all())
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        if a < b:
+            ref_o, ref_s = kda(*(x[:, a:b] for x in args), initial_state=s0[i : i + 1], impl="reference")
+            assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2, i
+    assert _state_pass_traced(*args, cu_seqlens=cu, initial_state=s0) == "triton"  # "blocks": not for states
+    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "sequences")
+    assert _state_pass_traced(*args, cu_seqlens=cu, initial_state=s0) == "mosaic"
+    assert _state_pass_traced(*args, cu_seqlens=cu) == "mosaic"
+    o2, s2 = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)  # zero states, one program each
+    zero = jnp.zeros_like(s0)
+    o2_t, s2_t = kda(*args, impl="pallas", cu_seqlens=cu, initial_state=zero, interpret=not NATIVE)
+    assert rel_err(o2, o2_t) < 5e-3 and rel_err(s2, s2_t) < 5e-3
 
 
 def _state_pass_traced(*args, **kw) -> str:
@@ -271,6 +294,12 @@ for t, n, dk, dv, every, resets in ((32768, 32, 128, 128, None, False), (4096, 4
     traced = kda_state_pass_mosaic.trace(*args, state_every=every, resets=resets)
     lowered = traced.lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+# packed sequences, one program each: the pipeline's step count and first chunk read from memory
+args = (S((1, 8192, 4, 128), bf), S((1, 8192, 4, 128), bf), S((1, 8192, 4, 128), bf), S((1, 8192, 4, 128), bf),
+        S((1, 8192, 4, 64), bf), S((1, 128, 4, 128, 1), jnp.float32), S((3, 4, 128, 128), jnp.float32))
+seqs = (S((3,), jnp.int32), S((3,), jnp.int32))
+traced = jax.jit(lambda *a: kda_state_pass_mosaic(*a[:7], seqs=a[7:])).trace(*args, *seqs)
+assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 print("lowered")
 """
 

@@ -86,10 +86,12 @@ def kda(
     `tuning.A_BLOCKS`, () the binary split alone.
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
-    The Pallas path lays the sequences end to end, each padded to whole 64-token chunks, with the state reset
-    at each sequence start; "mosaic" (zero initial states only) runs them as one sequence of blocks of E
-    tokens, each sequence in whole blocks (its first chunk reset, zero padding after it), reading the final
-    states from snapshots (`_block_layout`; sequences of a multiple of E tokens stay where they are, no
+    The Pallas path lays the sequences end to end, each padded to whole 64-token chunks (phase 1 reads the
+    packed inputs in place), one state-pass program per (sequence, head, value block) from its own state;
+    "mosaic" does the same with the Mosaic GPU state pass, except that with `tuning.VARLEN_LAYOUT = "blocks"`
+    (the default) packs from zero states that the block layout fits run as one sequence of blocks of E
+    tokens, each sequence in whole blocks (its first chunk reset, zero padding after it), the final states
+    read from snapshots (`_block_layout`; sequences of a multiple of E tokens stay where they are, no
     gather; the reset selects a zero state, so a sequence whose state overflows to inf / NaN leaves the
     others finite);
     the jnp forms run them as one batch padded to the longest (pads at each row's end change no state).
@@ -130,7 +132,7 @@ def kda(
         )  # fmt: skip
     if cu_seqlens is not None:
         if impl == "mosaic":
-            why = _mosaic_why_not(q, precision, cu_seqlens, initial_state)
+            why = _mosaic_why_not(q, precision, None)
             if why is not None:
                 raise ValueError(f"kda: impl='mosaic' needs {why}")
         if impl in ("pallas", "mosaic"):
@@ -138,7 +140,7 @@ def kda(
                       precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps,
                       solve=solve, a_blocks=a_blocks)  # fmt: skip
             if impl == "mosaic":
-                return _varlen_blocks(q, k, v, g, beta, cu_seqlens, {**kw, "state_impl": "mosaic"})
+                return _mosaic_varlen(q, k, v, g, beta, cu_seqlens, initial_state, {**kw, "state_impl": "mosaic"})
             return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)  # fmt: skip
         return _varlen(
             q, k, v, g, beta, cu_seqlens, initial_state,
@@ -258,9 +260,9 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     """The Pallas path of a packed batch: each sequence zero-padded to whole 64-token chunks and laid end to
     end ([1, Σ ceil(L_s / 64)·64, ...]: at most 63 pad tokens per sequence, where a batch padded to the
     longest sequence would compute S x T_max; the inputs read in place by phase 1, `kda_chunked_pallas(rows=)`,
-    and o unpacked from the layout), the state pass resetting the state at each sequence's first
-    chunk and writing it out at its last (`kda_chunked_pallas(seq_start=, seq_count=)`: one state-pass
-    program per sequence, head and V-block)."""
+    and o unpacked from the layout), the state pass (Triton, or Mosaic GPU with kw["state_impl"]) starting
+    each sequence from its initial state at its first chunk and writing it out at its last
+    (`kda_chunked_pallas(seq_start=, seq_count=)`: one state-pass program per sequence, head and V-block)."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
     n_seq, n, dk, dv = lengths.size, q.shape[2], q.shape[3], v.shape[3]
@@ -341,22 +343,42 @@ def _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw):
     return _unpack_rows(o, token_slot), final
 
 
+def _blocks_why_not(q, cu_seqlens, initial_state) -> str | None:
+    """What the block layout (`_varlen_blocks`) needs that these packed sequences lack (None: it takes them):
+    zero initial states, a non-empty sequence, at most VARLEN_MAX_PAD x the chunk-aligned tokens."""
+    n_seq = len(cu_seqlens) - 1
+    if initial_state is not None:
+        return f"packed sequences from zero states (got initial states for {n_seq} sequences)"
+    layout = _block_layout(np.diff(_sequence_offsets(cu_seqlens, q)))
+    if layout is None:
+        return f"a non-empty packed sequence (got {n_seq} empty ones)"
+    total, aligned = layout[4:]
+    if total > VARLEN_MAX_PAD * aligned:
+        return (f"packed sequences laid out as one in at most {VARLEN_MAX_PAD}x their {aligned} chunk-aligned "
+                f"tokens (got {total} for {n_seq} sequences)")  # fmt: skip
+    return None
+
+
+def _mosaic_varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
+    """Packed sequences through the Mosaic GPU state pass: the block layout (`_varlen_blocks`, one program per
+    head and value block walking every sequence) where `tuning.VARLEN_LAYOUT` is "blocks" and it takes them,
+    else the chunk-aligned packing with one program per (head, value block, sequence) (`_varlen_packed`)."""
+    if kda_tuning.VARLEN_LAYOUT == "blocks" and _blocks_why_not(q, cu_seqlens, initial_state) is None:
+        return _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw)
+    return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)
+
+
 def _mosaic_why_not(q, precision, cu_seqlens, initial_state=None) -> str | None:
-    """What impl="mosaic" needs that this call lacks (None: it can take it): for "auto"
-    (`registry._kda_prefill_pick`) and, as a ValueError, for impl="mosaic" (`_check_mosaic`). Packed sequences
-    (`_varlen_blocks`) start from zero states and must fit its block layout."""
+    """What the Mosaic GPU state pass needs that this call lacks (None: it can take it): for "auto"
+    (`registry._kda_prefill_pick`) and, as a ValueError, for impl="mosaic" (`_check_mosaic`, without
+    cu_seqlens). Packed sequences: with `tuning.VARLEN_LAYOUT` "blocks" "auto" takes only those the block
+    layout takes (`_blocks_why_not`; the rest keep the Triton pass); with "sequences" any (`_varlen_packed`:
+    one Mosaic program per sequence); impl="mosaic" takes any (`_mosaic_varlen`)."""
     kmax = max(state_mosaic.HEAD_DIMS)
-    if cu_seqlens is not None:
-        n_seq = len(cu_seqlens) - 1
-        if initial_state is not None:
-            return f"packed sequences from zero states (got initial states for {n_seq} sequences)"
-        layout = _block_layout(np.diff(_sequence_offsets(cu_seqlens, q)))
-        if layout is None:
-            return f"a non-empty packed sequence (got {n_seq} empty ones)"
-        total, aligned = layout[4:]
-        if total > VARLEN_MAX_PAD * aligned:
-            return (f"packed sequences laid out as one in at most {VARLEN_MAX_PAD}x their {aligned} chunk-aligned "
-                    f"tokens (got {total} for {n_seq} sequences)")  # fmt: skip
+    if cu_seqlens is not None and kda_tuning.VARLEN_LAYOUT == "blocks":
+        why = _blocks_why_not(q, cu_seqlens, initial_state)
+        if why is not None:
+            return why
     if jnp.dtype(q.dtype) != jnp.bfloat16:
         return f"bfloat16 inputs (got {jnp.dtype(q.dtype).name})"
     if _pallas_precision(precision, q) != "bf16":

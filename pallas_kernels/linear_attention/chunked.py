@@ -539,8 +539,9 @@ def kda_chunked_pallas(
     (`api._varlen_blocks`).
 
     state_impl: "triton" (`_state_kernel`) or "mosaic" (`state_mosaic.kda_state_pass_mosaic`: Hopper, or
-    Mosaic GPU's interpreter with `interpret`; bf16 intermediates, K 64 or 128, V a multiple of 64, sequences
-    not packed; block_v, num_warps and num_stages are the Triton kernel's and do not apply to it).
+    Mosaic GPU's interpreter with `interpret`; bf16 intermediates, K 64 or 128, V a multiple of 64; packed
+    sequences as in the Triton pass, one program per (head, V-block, sequence); block_v, num_warps and
+    num_stages are the Triton kernel's and do not apply to it).
 
     a_blocks (sizes from A_BLOCK_SIZES, largest first; empty: off): the A kernel forms the row pairs inside
     blocks of the first size whose decay span the chunk keeps within A_SPAN_LIMIT from one reference row per
@@ -558,10 +559,19 @@ def kda_chunked_pallas(
         t = nc * CHUNK
     nc = t // CHUNK
     packed = seq_start is not None
+    if packed:
+        n_seq = s0.shape[0]
+        counts = None if seq_count is None else seq_count.shape
+        if b != 1 or seq_start.shape != (n_seq,) or counts != (n_seq,):
+            raise ValueError(
+                f"kda_chunked_pallas: packed sequences need a batch of one and seq_start / seq_count of the "
+                f"{n_seq} initial states' length, got batch {b}, seq_start {seq_start.shape}, seq_count {counts}"
+            )
+        seq_start, seq_count = seq_start.astype(jnp.int32), seq_count.astype(jnp.int32)
     params = triton_params(interpret, num_warps, num_stages or state_stages(precision))
     if state_impl == "mosaic":
         inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
-        why = state_mosaic.unsupported(dk, dv, t, inter, packed, q.dtype)
+        why = state_mosaic.unsupported(dk, dv, t, inter, q.dtype)
         if why is not None:
             raise ValueError(f"kda_chunked_pallas: the Mosaic GPU state pass needs {why}")
     aqk, w, u, qg, kg, gl = _intra(
@@ -575,7 +585,7 @@ def kda_chunked_pallas(
     if state_impl == "mosaic":
         out = state_mosaic.kda_state_pass_mosaic(
             w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret,
-            resets=bool(reset_chunks),
+            resets=bool(reset_chunks), seqs=(seq_start, seq_count) if packed else None,
         )  # fmt: skip
         if state_every is None:
             return out
@@ -584,15 +594,8 @@ def kda_chunked_pallas(
         return o, s, jnp.moveaxis(snaps.reshape(b, n, count, dk, dv), 2, 1)
     state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     if packed:
-        n_seq = s0.shape[0]
-        counts = None if seq_count is None else seq_count.shape
-        if b != 1 or seq_start.shape != (n_seq,) or counts != (n_seq,):
-            raise ValueError(
-                f"kda_chunked_pallas: packed sequences need a batch of one and seq_start / seq_count of the "
-                f"{n_seq} initial states' length, got batch {b}, seq_start {seq_start.shape}, seq_count {counts}"
-            )
         maps = [pl.BlockSpec((n_seq,), lambda i, h, j: (0,))] * 2
-        extra = (seq_start.astype(jnp.int32), seq_count.astype(jnp.int32))
+        extra = (seq_start, seq_count)
         seq = lambda width, tile=False: pl.BlockSpec(  # noqa: E731 — every sequence's program sees row 0's slab
             (None, t, None, width), (lambda i, h, j: (0, 0, h, j)) if tile else (lambda i, h, j: (0, 0, h, 0))
         )

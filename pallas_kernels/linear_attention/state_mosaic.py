@@ -18,10 +18,15 @@ Why: the state pass is a chain of 512 dependent chunk steps at 32K tokens, one p
 the Triton kernel spends ~2.5 us a step (latency of small products and their layout changes), the whole
 pass ~1.3 ms of a 4.2 ms prefill (docs/performance.md#kda-prefill).
 
+Packed sequences (`seqs=`: chunk-aligned, each sequence's chunks consecutive): one warpgroup per (head, 64 value
+columns, sequence) walks only that sequence's chunks from its own initial state (the pipeline's step count
+read from memory), so the sequences' recurrences run side by side, as many programs as one sequence has times
+the sequences; the programs come longest sequence first (the grid's slowest axis), so the long chains start
+in the first wave.
+
 Constraints: bfloat16 intermediates (`precision="bf16"`), K of 64 or 128 (shared memory: two stages of the
 five input tiles plus S, V', the two o slots and a float32 [K, 64] buffer fit sm_90's 227 KiB at K = 128),
-V a multiple of 64, T a multiple of 64. Packed sequences (`seq_start`) stay with the Triton kernel.
-On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`).
+V a multiple of 64, T a multiple of 64. On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`).
 """
 
 from __future__ import annotations
@@ -55,11 +60,9 @@ def _tiled():
     return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
 
 
-def unsupported(dk: int, dv: int, t: int, inter_dtype, packed: bool, out_dtype=jnp.bfloat16) -> str | None:
+def unsupported(dk: int, dv: int, t: int, inter_dtype, out_dtype=jnp.bfloat16) -> str | None:
     """Why the Mosaic state pass cannot take this call (None: it can): out_dtype is the output's (it writes
     bfloat16)."""
-    if packed:
-        return "sequences not packed (packed sequences reach it laid out as one, `api._block_layout`)"
     if jnp.dtype(inter_dtype) != jnp.bfloat16:
         return f'bfloat16 intermediates (precision="bf16"; got {jnp.dtype(inter_dtype).name})'
     if jnp.dtype(out_dtype) != jnp.bfloat16:
@@ -73,20 +76,29 @@ def unsupported(dk: int, dv: int, t: int, inter_dtype, packed: bool, out_dtype=j
     return None
 
 
-def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *rest, nc, every, resets):
+def _kernel(*refs, nc, every, resets, packed):
+    """One (row, head, value block), or with `packed` one (head, value block, sequence): the sequence's first
+    chunk, chunk count and index come from the three int32 tables before the usual refs."""
     plgpu = _plgpu()
+    if packed:
+        first_ref, count_ref, seq_ref, *refs = refs
+    w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *rest = refs
     snap_ref, (s16, vn, o_slots, f32, bar) = (rest[0], rest[1:]) if every else (None, rest)
     wgmma_layout = plgpu.Layout.WGMMA
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
     cols = pl.ds(j * BLOCK_V, BLOCK_V)
     dk = s0_ref.shape[2]
+    first, steps, row, state = 0, nc, b, b  # chunks [first, first + steps) of input row `row`, state `state`
+    if packed:  # program b takes the b-th longest sequence
+        first, steps, row, state = first_ref[b], count_ref[b], 0, seq_ref[b]
 
-    plgpu.copy_gmem_to_smem(s0_ref.at[b, h, :, cols], f32, bar)
+    plgpu.copy_gmem_to_smem(s0_ref.at[state, h, :, cols], f32, bar)
     plgpu.barrier_wait(bar)
     s_init = plgpu.load(f32, layout=wgmma_layout)
 
     def body(idx, w_s, u_s, qg_s, kg_s, aqk_s, gl_s, s):
-        (c,) = idx
+        (step,) = idx
+        c = step + first  # the chunk in the layout
         # read before the first barrier below: the pipeline refills this chunk's input slots once the body
         # returns, and the barriers order every warp's reads of them before that
         decay = plgpu.load(gl_s, layout=wgmma_layout.reduce(1))
@@ -108,11 +120,11 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref,
             plgpu.wgmma(acc_o, aqk_s, vn)  # o = q_g S + A_qk V'
             plgpu.wgmma(acc_s, kg_s.transpose((1, 0)), vn)
             o = plgpu.wgmma_accumulator_load(acc_o, wait_n=1)  # k_gᵀ V' may still run
-            slot = o_slots.at[c % 2]
+            slot = o_slots.at[step % 2]
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's copy of two chunks ago has read it
             slot[...] = o.astype(slot.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(slot, o_ref.at[b, pl.ds(c * CHUNK, CHUNK), h, cols])
+            plgpu.copy_smem_to_gmem(slot, o_ref.at[row, pl.ds(c * CHUNK, CHUNK), h, cols])
             return plgpu.wgmma_accumulator_load(acc_s, wait_n=0)
 
         update = pl.run_scoped(
@@ -135,32 +147,32 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref,
         return s
 
     tiled = _tiled()
-    tile = lambda width: plgpu.BlockSpec((CHUNK, width), lambda c: (c, 0), transforms=tiled)  # noqa: E731
-    gate = plgpu.BlockSpec((None, dk), lambda c: (c, 0))  # exp(G_C) of the chunk [K]
+    tile = lambda width: plgpu.BlockSpec((CHUNK, width), lambda c: (c + first, 0), transforms=tiled)  # noqa: E731
+    gate = plgpu.BlockSpec((None, dk), lambda c: (c + first, 0))  # exp(G_C) of the chunk [K]
     s_end = plgpu.emit_pipeline(
         body,
-        grid=(nc,),
+        grid=(steps,),  # read from memory with packed sequences: a sequence of no chunk runs no step
         in_specs=[tile(dk), tile(BLOCK_V), tile(dk), tile(dk), tile(CHUNK), gate],
         max_concurrent_steps=STAGES,
         init_carry=s_init,
     )(
-        w_ref.at[b, :, h, :],
-        u_ref.at[b, :, h, cols],
-        qg_ref.at[b, :, h, :],
-        kg_ref.at[b, :, h, :],
-        aqk_ref.at[b, :, h, :],
-        gl_ref.at[b, :, h, :],
+        w_ref.at[row, :, h, :],
+        u_ref.at[row, :, h, cols],
+        qg_ref.at[row, :, h, :],
+        kg_ref.at[row, :, h, :],
+        aqk_ref.at[row, :, h, :],
+        gl_ref.at[row, :, h, :],
     )
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     f32[...] = s_end
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(f32, s_ref.at[b, h, :, cols])
+    plgpu.copy_smem_to_gmem(f32, s_ref.at[state, h, :, cols])
     plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(jax.jit, static_argnames=("state_every", "interpret", "resets"))
 def kda_state_pass_mosaic(
-    w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False, resets: bool = False
+    w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False, resets: bool = False, seqs=None
 ):
     """The state pass over phase 1's intermediates: w, qg, kg [B, T, N, K], u [B, T, N, V], aqk [B, T, N, 64]
     (bfloat16); gl [B, T / 64, N, K, 1] float32 (exp(G_C) per chunk); s0 [B, N, K, V] float32 ->
@@ -170,18 +182,28 @@ def kda_state_pass_mosaic(
     `unsupported` lists the constraints; a call outside them is a ValueError naming the value.
     interpret: False (compile for the GPU), True (Mosaic GPU's interpreter) or a `plgpu.InterpretGPUParams`
     (the interpreter with those settings, e.g. its race detector). resets: chunks whose gl is RESET_MARK start
-    from a zero state (a select per chunk; off, the kernel has none)."""
+    from a zero state (a select per chunk; off, the kernel has none).
+    seqs (first chunk, chunk count) int32 [S]: packed sequences in a batch of one (each sequence's chunks
+    consecutive in the layout; chunks of none are not read and their o rows not written): s0 and the final
+    states are then [S, N, K, V], a sequence of no chunk keeps its s0; not with state_every or resets."""
     plgpu = _plgpu()
     b, t, n, dk = w.shape
     dv = u.shape[-1]
-    why = unsupported(dk, dv, t, w.dtype, packed=False)
+    n_seq = b if seqs is None else s0.shape[0]
+    why = unsupported(dk, dv, t, w.dtype)
     shapes_ok = (
         u.shape == (b, t, n, dv)
         and qg.shape == kg.shape == w.shape
         and aqk.shape == (b, t, n, CHUNK)
         and gl.shape == (b, t // CHUNK, n, dk, 1)
-        and s0.shape == (b, n, dk, dv)
+        and s0.shape == (n_seq, n, dk, dv)
     )
+    if why is None and seqs is not None:
+        ok = b == 1 and all(x.shape == (n_seq,) and x.dtype == jnp.int32 for x in seqs) and len(seqs) == 2
+        if not ok or state_every is not None or resets:
+            got = [(x.shape, x.dtype.name) for x in seqs]
+            why = (f"packed sequences as two int32 [S] arrays over a batch of one, without state_every or resets "
+                   f"(got seqs {got}, batch {b}, state_every {state_every}, resets {resets})")  # fmt: skip
     dtypes_ok = all(x.dtype == jnp.bfloat16 for x in (u, qg, kg, aqk)) and gl.dtype == s0.dtype == jnp.float32
     if why is None and not shapes_ok:
         why = (f"consistent shapes (w {w.shape}, u {u.shape}, qg {qg.shape}, kg {kg.shape}, aqk {aqk.shape}, "
@@ -208,7 +230,7 @@ def kda_state_pass_mosaic(
     out_type = [jax.ShapeDtypeStruct(u.shape, jnp.bfloat16), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
     if every:
         out_type.append(jax.ShapeDtypeStruct((b, n, count * dk, dv), jnp.float32))
-    kernel = functools.partial(_kernel, nc=nc, every=every, resets=resets)
+    kernel = functools.partial(_kernel, nc=nc, every=every, resets=resets, packed=seqs is not None)
 
     def kda_state_mosaic(*refs):  # named for profiles: the kernel takes its body's name
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch)
@@ -216,7 +238,13 @@ def kda_state_pass_mosaic(
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     kw = dict(interpret=interpret) if interpret else {}
-    grid = dict(grid=(b, n, dv // BLOCK_V), grid_names=("b", "h", "j"))
+    tables = ()
+    if seqs is None:
+        grid = dict(grid=(b, n, dv // BLOCK_V), grid_names=("b", "h", "j"))
+    else:  # the sequence axis slowest, longest first: the long chains start in the first wave
+        order = jnp.argsort(-seqs[1], stable=True).astype(jnp.int32)
+        tables = (seqs[0][order], seqs[1][order], order)
+        grid = dict(grid=(n, dv // BLOCK_V, n_seq), grid_names=("h", "j", "b"))
     return plgpu.kernel(kda_state_mosaic, out_type=tuple(out_type), **grid, **kw)(
-        w, u, qg, kg, aqk, gl.reshape(b, t // CHUNK, n, dk), s0
+        *tables, w, u, qg, kg, aqk, gl.reshape(b, t // CHUNK, n, dk), s0
     )
