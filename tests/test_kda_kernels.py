@@ -220,6 +220,21 @@ def test_state_summary_kernel_matches_reference(seed, t, dk, dv, scalar):
     assert rel_err(s_from_summary, s_end) < 1e-5
 
 
+def test_state_summary_kernel_takes_the_prefills_block_forms(monkeypatch):
+    """The summary's phase 1 is the prefill's, with `tuning.A_BLOCKS` read when it is traced: the block forms'
+    span test (a max over the chunk) is in the kernel with the default and not with () (the binary split), and
+    both match the reference."""
+    (_, k, v, g, beta), _ = _prefill_inputs(7, 1, 100, 2, 16, 16, False, jnp.float32, False)
+    g = g * 0.02
+    ref_m, ref_e = kda_state_summary(k, v, g, beta, impl="reference", chunk_size=16)
+    for blocks in ((64, 16), ()):
+        monkeypatch.setattr(kda_tuning, "A_BLOCKS", blocks)
+        run = lambda *a: kda_state_summary(*a, impl="pallas", precision="ieee", interpret=True)  # noqa: E731
+        m, e = run(k, v, g, beta)
+        assert rel_err(m, ref_m) < 1e-5 and rel_err(e, ref_e) < 1e-5, blocks
+        assert ("reduce_max" in str(jax.make_jaxpr(run)(k, v, g, beta))) == bool(blocks), blocks
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_variable_length_batch_equals_separate_sequences(impl):

@@ -465,8 +465,8 @@ def kda_state_summary(
 ):
     """Context-parallel state summary of one sequence shard: (M [B,N,K,K], E [B,N,K,V]) float32 with
     S_end = M S_start + E. impl: "reference" (chunk-wise jnp), "pallas" (`chunked.kda_state_summary_pallas`,
-    the prefill's two phases on the augmented state [M | E]) or "auto" (`registry.resolve("kda_summary")`:
-    the kernel is opt-in)."""
+    the prefill's two phases on the augmented state [M | E], its A kernel with `tuning.A_BLOCKS` as `kda`'s
+    default) or "auto" (`registry.resolve("kda_summary")`: the kernel is opt-in)."""
     impl = registry.resolve("kda_summary", impl).impl
     if impl != "pallas":
         return _kda_state_summary(k, v, g, beta, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
@@ -482,7 +482,7 @@ def kda_state_summary(
         pad(k, 0, pk - dk), pad(v, 0, pv - dv), pad(g.astype(jnp.float32), 0, pk - dk),
         pad(beta.astype(jnp.float32), 0),
         l2norm=use_qk_l2norm, block_v=min(block_v, width & -width), precision=precision or "tf32",
-        interpret=registry.interpret_default(interpret),
+        interpret=registry.interpret_default(interpret), a_blocks=kda_tuning.A_BLOCKS,
     )  # fmt: skip
     return m[:, :, :dk, :dk], e[:, :, :dk, :dv]
 

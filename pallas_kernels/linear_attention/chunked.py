@@ -636,9 +636,11 @@ def kda_chunked_pallas(
     return o, s, jnp.moveaxis(snaps.reshape(b, n, count, dk, dv), 2, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages"))
+@functools.partial(
+    jax.jit, static_argnames=("l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages", "a_blocks")
+)
 def kda_state_summary_pallas(
-    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=None
+    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=None, a_blocks=()
 ):
     """The affine map of a sequence shard, S_end = M S_start + E (docs/architecture.md §4), from the same two
     phases.
@@ -646,12 +648,16 @@ def kda_state_summary_pallas(
     The state pass is affine in S: S ← M_c S + k_gᵀ U with M_c S = exp(G_C) ⊙ S − k_gᵀ (W S). Running it on
     the augmented state [M | E] [K, K + V], started from [I | 0], with U replaced by [0 | U], leaves
     [M | E] at the end. k, g [B, T, N, K]; v [B, T, N, V]; beta [B, T, N] (same constraints as
-    `kda_chunked_pallas`, K + V a multiple of block_v) -> (M [B, N, K, K], E [B, N, K, V]) float32."""
+    `kda_chunked_pallas`, K + V a multiple of block_v) -> (M [B, N, K, K], E [B, N, K, V]) float32.
+    a_blocks: the A kernel's block forms, as `kda_chunked_pallas`'s."""
+    check_a_blocks(a_blocks, "kda_state_summary_pallas")
     b, t, n, dk = k.shape
     dv = v.shape[-1]
     nc = t // CHUNK
     params = triton_params(interpret, num_warps, num_stages or state_stages(precision))
-    _, w, u, _, kg, gl = _intra(k, k, v, g, beta, scale=1.0, l2norm=l2norm, precision=precision, interpret=interpret)
+    _, w, u, _, kg, gl = _intra(
+        k, k, v, g, beta, scale=1.0, l2norm=l2norm, precision=precision, interpret=interpret, a_blocks=tuple(a_blocks)
+    )
     u_aug = jnp.concatenate([jnp.zeros((b, t, n, dk), jnp.float32), u], axis=-1)
     eye = jnp.eye(dk, dk + dv, dtype=jnp.float32)
     s0 = jnp.broadcast_to(eye, (b, n, dk, dk + dv))
