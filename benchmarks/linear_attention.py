@@ -16,7 +16,7 @@ the GPU machine (`pip download --no-deps fla-core einops`).
     python -m benchmarks.linear_attention [--only decode|layer|prefill] [--mosaic] [--no-record]
 
 `--mosaic`: also the prefill with its state pass in Mosaic GPU (`kda(impl="mosaic")`, Hopper only; for the
-varlen batch the block layout "auto" takes on sm_90); with
+varlen batch a row per `tuning.VARLEN_LAYOUT`: the block layout, one program per sequence); with
 `--phases` the state pass's share is the whole prefill less phase 1 alone, for both state passes. Rows without
 a form in their label run `kda`'s defaults at the recorded commit (the A kernel's block forms: `tuning.A_BLOCKS`);
 `--a-blocks 64,16` or `--a-blocks split` adds a Mosaic row with those forms, or with the binary split alone.
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import ceilings, median_ms, rel_err, report, roofline_row
+from pallas_kernels.linear_attention import api as kda_api
 from pallas_kernels.linear_attention import kda, kda_decode_step
 from pallas_kernels.linear_attention import tuning as kda_tuning
 from pallas_kernels.linear_attention.chunked import A_BLOCK_SIZES, check_a_blocks
@@ -365,6 +366,10 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N, mosaic: bo
     impl = "pallas chunked, packed chunk-aligned (defaults)"
     rows.append(row("prefill varlen", shape, impl, ms, flops, nbytes, bw, rate, err))
     for layout, label in (("blocks", "block layout"), ("sequences", "one program per sequence")) if mosaic else ():
+        why = kda_api._blocks_why_not(q, cu, None) if layout == "blocks" else None
+        if why is not None:  # impl="mosaic" would run the other layout: no row under this label
+            print(f"  prefill varlen | {shape} | no block-layout row: it needs {why}")
+            continue
         kept, kda_tuning.VARLEN_LAYOUT = kda_tuning.VARLEN_LAYOUT, layout  # read when the call is traced
         try:
             fn = jax.jit(functools.partial(kda, impl="mosaic", cu_seqlens=cu))

@@ -906,9 +906,16 @@ def test_kda_varlen_rows_time_both_state_passes(monkeypatch):
     the Mosaic GPU state pass under both `tuning.VARLEN_LAYOUT`s (the block layout, one program per sequence),
     each checked against the reference (interpret mode, 3 sequences of 256 tokens in all, one head)."""
     from benchmarks import linear_attention
+    from pallas_kernels.linear_attention import api
 
     monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
+    ran = []  # which layout each traced call took
+    for name in ("_varlen_blocks", "_varlen_packed"):
+        real = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _real=real, _name=name, **k: (ran.append(_name), _real(*a, **k))[1])
     rows = linear_attention.varlen_rows(1e12, 1e14, None, 256, seqs=3, n=1, mosaic=True)
+    runs = [name for i, name in enumerate(ran) if i == 0 or ran[i - 1] != name]  # a call may trace twice
+    assert runs == ["_varlen_packed", "_varlen_blocks", "_varlen_packed"], ran
     impls = [r["impl"] for r in rows]
     mosaic = "Mosaic GPU state pass (Triton phase 1)"
     assert impls == ["jnp reference (XLA, chunked)", "pallas chunked, packed chunk-aligned (defaults)",

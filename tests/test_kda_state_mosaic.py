@@ -107,8 +107,17 @@ def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
         cu = np.concatenate([[0], np.cumsum(lengths)])
         args, _ = _prefill_inputs(10, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
         run = lambda *a, impl=impl, cu=cu: kda(*a, impl=impl, cu_seqlens=cu, interpret=not NATIVE)  # noqa: E731
-        text = str(jax.make_jaxpr(run)(*args))
+        jaxpr = jax.make_jaxpr(run)(*args)
+        text = str(jaxpr)
         assert "gather" not in text, impl
+        # nothing made of the inputs before the kernels: no pad, no copy into the layout's token count
+        first = [e.params.get("name") for e in jaxpr.jaxpr.eqns].index("kda_chunked_pallas")
+        before = [(e.params.get("name", str(e.primitive)), v.aval.shape) for e in jaxpr.jaxpr.eqns[:first]
+                  for v in e.outvars]  # fmt: skip
+        assert all(name != "_pad" and shape[1:2] != (512 if impl == "mosaic" else 384,) for name, shape in before), (
+            impl,
+            before,
+        )
         o, s = run(*args)
         assert o.shape == args[2].shape and s.shape == (3, 2, 64, 64)
         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
@@ -199,7 +208,9 @@ def test_packed_sequences_one_program_each_through_the_mosaic_state_pass(monkeyp
     or `tuning.VARLEN_LAYOUT = "sequences"`): the chunk-aligned packing with one Mosaic GPU program per (head,
     value block, sequence), each walking its own chunks from its own state (the step count read from memory).
     The same outputs as the Triton pass's one program per sequence and as each sequence alone; an empty
-    sequence keeps its state; "auto" takes it for every pack once VARLEN_LAYOUT says "sequences"."""
+    sequence keeps its state; "auto" takes it for every pack once VARLEN_LAYOUT says "sequences"; with "blocks"
+    impl="mosaic" takes it for packs the block layout pads too much; an all-empty pack runs nothing; a
+    misspelt VARLEN_LAYOUT is an error, not the other layout."""
     from pallas_kernels.linear_attention import tuning
 
     lengths = [70, 0, 130, 64, 5]  # an empty sequence, one of whole chunks, one shorter than a chunk
@@ -222,6 +233,21 @@ def test_packed_sequences_one_program_each_through_the_mosaic_state_pass(monkeyp
     zero = jnp.zeros_like(s0)
     o2_t, s2_t = kda(*args, impl="pallas", cu_seqlens=cu, initial_state=zero, interpret=not NATIVE)
     assert rel_err(o2, o2_t) < 5e-3 and rel_err(s2, s2_t) < 5e-3
+    # "blocks" again: zero states the block layout pads past VARLEN_MAX_PAD (one block a call) take this path too
+    from pallas_kernels.linear_attention import api
+
+    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "blocks")
+    monkeypatch.setattr(api, "VARLEN_BLOCKS", 1)
+    assert api._blocks_why_not(args[0], cu, None).startswith("packed sequences laid out as one in at most 1.1x")
+    o3, s3 = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
+    assert bool((o3 == o2).all()) and bool((s3 == s2).all())
+    # every sequence empty: nothing runs, zeros out, the states as given
+    empty = tuple(x[:, :0] for x in args)
+    o4, s4 = kda(*empty, impl="mosaic", cu_seqlens=[0, 0, 0], initial_state=s0[:2], interpret=not NATIVE)
+    assert o4.shape == (1, 0, 2, 128) and bool((s4 == s0[:2]).all())
+    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "sequence")
+    with pytest.raises(ValueError, match=r"tuning.VARLEN_LAYOUT='sequence' must be 'blocks' or 'sequences'"):
+        kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
 
 
 def _state_pass_traced(*args, **kw) -> str:

@@ -359,11 +359,19 @@ def _blocks_why_not(q, cu_seqlens, initial_state) -> str | None:
     return None
 
 
+def _varlen_layout() -> str:
+    """`tuning.VARLEN_LAYOUT`, checked (a misspelt value is a one-line ValueError, not the other layout)."""
+    layout = kda_tuning.VARLEN_LAYOUT
+    if layout not in ("blocks", "sequences"):
+        raise ValueError(f"kda: tuning.VARLEN_LAYOUT={layout!r} must be 'blocks' or 'sequences'")
+    return layout
+
+
 def _mosaic_varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     """Packed sequences through the Mosaic GPU state pass: the block layout (`_varlen_blocks`, one program per
     head and value block walking every sequence) where `tuning.VARLEN_LAYOUT` is "blocks" and it takes them,
     else the chunk-aligned packing with one program per (head, value block, sequence) (`_varlen_packed`)."""
-    if kda_tuning.VARLEN_LAYOUT == "blocks" and _blocks_why_not(q, cu_seqlens, initial_state) is None:
+    if _varlen_layout() == "blocks" and _blocks_why_not(q, cu_seqlens, initial_state) is None:
         return _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw)
     return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)
 
@@ -375,7 +383,7 @@ def _mosaic_why_not(q, precision, cu_seqlens, initial_state=None) -> str | None:
     layout takes (`_blocks_why_not`; the rest keep the Triton pass); with "sequences" any (`_varlen_packed`:
     one Mosaic program per sequence); impl="mosaic" takes any (`_mosaic_varlen`)."""
     kmax = max(state_mosaic.HEAD_DIMS)
-    if cu_seqlens is not None and kda_tuning.VARLEN_LAYOUT == "blocks":
+    if cu_seqlens is not None and _varlen_layout() == "blocks":
         why = _blocks_why_not(q, cu_seqlens, initial_state)
         if why is not None:
             return why
@@ -424,11 +432,17 @@ def _kda_pallas(
     least = 64 if state_impl == "mosaic" else 16  # the Mosaic kernel's tiles are 64 bf16 columns wide
     pk, pv = max(least, pow2(dk)), max(least, pow2(dv))
     tp = t if rows is not None else -(-t // CHUNK) * CHUNK
-    pad = lambda x, *w: jnp.pad(x, [(0, 0), (0, tp - t), *[(0, p) for p in w]])  # noqa: E731
+
+    def pad(x, *w):  # none where nothing is added: packed inputs reach the kernels as they are
+        widths = [(0, 0), (0, tp - t), *[(0, p) for p in w]]
+        return x if not any(hi for _, hi in widths) else jnp.pad(x, widths)
+
     q, k, g = pad(q, 0, pk - dk), pad(k, 0, pk - dk), pad(g.astype(jnp.float32), 0, pk - dk)
     v, beta = pad(v, 0, pv - dv), pad(beta.astype(jnp.float32), 0)
     if initial_state is None:
         s0 = jnp.zeros((b, n, pk, pv), jnp.float32)  # (packed sequences always pass theirs)
+    elif (pk, pv) == (dk, dv):
+        s0 = initial_state.astype(jnp.float32)
     else:
         s0 = jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, pk - dk), (0, pv - dv)])
     extra = {} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])

@@ -21,8 +21,8 @@ pass ~1.3 ms of a 4.2 ms prefill (docs/performance.md#kda-prefill).
 Packed sequences (`seqs=`: chunk-aligned, each sequence's chunks consecutive): one warpgroup per (head, 64 value
 columns, sequence) walks only that sequence's chunks from its own initial state (the pipeline's step count
 read from memory), so the sequences' recurrences run side by side, as many programs as one sequence has times
-the sequences; the programs come longest sequence first (the grid's slowest axis), so the long chains start
-in the first wave.
+the sequences; the programs come longest sequence first (the grid's first axis, the slowest: Mosaic GPU
+launches a row-major grid's last axis fastest), so the long chains start in the first wave.
 
 Constraints: bfloat16 intermediates (`precision="bf16"`), K of 64 or 128 (shared memory: two stages of the
 five input tiles plus S, V', the two o slots and a float32 [K, 64] buffer fit sm_90's 227 KiB at K = 128),
@@ -239,12 +239,11 @@ def kda_state_pass_mosaic(
         interpret = plgpu.InterpretGPUParams()
     kw = dict(interpret=interpret) if interpret else {}
     tables = ()
-    if seqs is None:
-        grid = dict(grid=(b, n, dv // BLOCK_V), grid_names=("b", "h", "j"))
-    else:  # the sequence axis slowest, longest first: the long chains start in the first wave
+    if seqs is not None:  # program b takes the b-th longest sequence: the long chains start in the first wave
         order = jnp.argsort(-seqs[1], stable=True).astype(jnp.int32)
         tables = (seqs[0][order], seqs[1][order], order)
-        grid = dict(grid=(n, dv // BLOCK_V, n_seq), grid_names=("h", "j", "b"))
+    # the first axis slowest (row-major: Mosaic GPU launches the last axis fastest)
+    grid = dict(grid=(n_seq, n, dv // BLOCK_V), grid_names=("b", "h", "j"))
     return plgpu.kernel(kda_state_mosaic, out_type=tuple(out_type), **grid, **kw)(
         *tables, w, u, qg, kg, aqk, gl.reshape(b, t // CHUNK, n, dk), s0
     )

@@ -25,7 +25,7 @@ WIDE_STATE_STAGES = 1
 VERIFY_BLOCK_V = 32
 
 # Whether "auto" runs the state pass in Mosaic GPU (`state_mosaic.py`) on a Hopper GPU where it takes the call
-# (bf16 inputs and products, K <= 128; packed sequences from zero states as one, `api._block_layout`). On: the whole
+# (bf16 inputs and products, K <= 128; packed sequences as VARLEN_LAYOUT below says). On: the whole
 # 32K prefill ran faster with it than with the Triton state pass at 64 and 96 heads, and level at 32
 # (docs/performance.md, "KDA prefill").
 MOSAIC_STATE_PASS = True
