@@ -261,6 +261,22 @@ def test_variable_length_batch_equals_separate_sequences(impl):
         kda(q, k, v, g, beta, cu_seqlens=[0, 3])
 
 
+def test_packed_sequences_with_padded_channels_and_per_head_decay():
+    """The packed path where the inputs are not what the kernels take as they are: K = 24 and V = 20 (padded to
+    32 channels: the channel pad is the one copy left) and a per-head g [1, T, N] (broadcast over K): each
+    sequence's outputs and final state equal the recurrence over it alone."""
+    lengths = [5, 70, 33]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    (q, k, v, g, beta), _ = _prefill_inputs(21, 1, int(cu[-1]), 2, 24, 20, True, jnp.float32, False)
+    s0 = jax.random.normal(jax.random.key(6), (3, 2, 24, 20))
+    o, s = kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, impl="pallas", precision="ieee", interpret=True)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        ref_o, ref_s = kda(
+            *(x[:, a:b] for x in (q, k, v, g, beta)), initial_state=s0[i : i + 1], impl="reference", form="recurrent"
+        )
+        assert rel_err(o[:, a:b], ref_o) < 1e-5 and rel_err(s[i : i + 1], ref_s) < 1e-5, i
+
+
 def test_packed_inputs_read_in_place_equal_the_laid_out_copy():
     """`kda_chunked_pallas(rows=)`: phase 1 reads each chunk's rows from the packed inputs by the row table and
     zeros the rows past its valid ones. Bit for bit what the same kernels give on the inputs copied into the
