@@ -874,7 +874,8 @@ def test_profile_stage_topk_runs_each_selection_and_refuses_others(tmp_path, mon
 
 def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypatch, capsys):
     """`profile_stage --stage kda_prefill --varlen-seqs 3`: the tokens packed as `linear_attention`'s varlen
-    batch of that many sequences (its lengths in the title; the CPU runs the jnp form, no device kernels)."""
+    batch of that many sequences (its lengths and `--varlen-layout` in the title, the tuning put back after;
+    the CPU runs the jnp form, no device kernels)."""
     import pallas_kernels.linear_attention as la
     from benchmarks import profile_stage
     from benchmarks.linear_attention import varlen_offsets
@@ -892,7 +893,12 @@ def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypat
     profile_stage.main()
     cu = varlen_offsets(256, 3).tolist()
     assert len(cu) == 4 and cu[0] == 0 and cu[-1] == 256 and seen and all(x == cu for x in seen)
-    assert f"3 packed sequences (lengths {np.diff(cu).tolist()})" in capsys.readouterr().out
+    assert f"3 packed sequences (lengths {np.diff(cu).tolist()}), layout default" in capsys.readouterr().out
+    from pallas_kernels.linear_attention import tuning
+
+    monkeypatch.setattr(sys, "argv", [*argv, "--varlen-layout", "sequences"])
+    profile_stage.main()
+    assert ", layout sequences" in capsys.readouterr().out and tuning.VARLEN_LAYOUT == "blocks"  # put back
     for bad in ("-1", "257"):
         monkeypatch.setattr(sys, "argv", [*argv[:5], f"--varlen-seqs={bad}", *argv[7:]])
         with pytest.raises(SystemExit):
