@@ -154,8 +154,8 @@ def test_a_reset_chunk_isolates_the_sequences_after_it(state_impl):
 
 def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
     """The interpreter's happens-before race detector over the TMA pipeline, the o slots and the snapshot buffer
-    (4 chunks, a snapshot every 2): none found. It models the TMA engine and the warpgroup as separate threads,
-    not the warps inside the warpgroup."""
+    (4 chunks, a snapshot every 2), and over the packed form (one program per sequence): none found. It models
+    the TMA engine and the warpgroup as separate threads, not the warps inside the warpgroup."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -167,6 +167,13 @@ def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
     o, s, snaps = kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s0, state_every=128, interpret=params)
     jax.block_until_ready((o, s, snaps))
     assert not get_races().races_found
+    # packed sequences, one program each (3, 0 and 1 chunks): the pipeline's step count read from memory
+    seqs = (jnp.asarray([0, 3, 3], jnp.int32), jnp.asarray([3, 0, 1], jnp.int32))
+    s3 = jnp.concatenate([s0, s0 * 0.5, -s0])
+    o, s = kda_state_pass_mosaic(w, u, qg, kg, aqk, gl, s3, seqs=seqs, interpret=params)
+    jax.block_until_ready((o, s))
+    assert not get_races().races_found
+    assert bool((s[1] == s3[1]).all())  # no chunk: its state as given
 
 
 def test_mosaic_state_pass_refusals_name_the_value():
