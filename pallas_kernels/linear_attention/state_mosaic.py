@@ -18,8 +18,8 @@ Why: the state pass is a chain of 512 dependent chunk steps at 32K tokens, one p
 the Triton kernel spends ~2.5 us a step (latency of small products and their layout changes), the whole
 pass ~1.3 ms of a 4.2 ms prefill (docs/performance.md#kda-prefill).
 
-Packed sequences (`seqs=`: chunk-aligned, each sequence's chunks consecutive): one warpgroup per (head, 64 value
-columns, sequence) walks only that sequence's chunks from its own initial state (the pipeline's step count
+Packed sequences (`seqs=`: chunk-aligned, each sequence's chunks consecutive): one warpgroup per (sequence, head,
+64 value columns) walks only that sequence's chunks from its own initial state (the pipeline's step count
 read from memory), so the sequences' recurrences run side by side, as many programs as one sequence has times
 the sequences; the programs come longest sequence first (the grid's first axis, the slowest: Mosaic GPU
 launches a row-major grid's last axis fastest), so the long chains start in the first wave.
@@ -77,7 +77,7 @@ def unsupported(dk: int, dv: int, t: int, inter_dtype, out_dtype=jnp.bfloat16) -
 
 
 def _kernel(*refs, nc, every, resets, packed):
-    """One (row, head, value block), or with `packed` one (head, value block, sequence): the sequence's first
+    """One (row, head, value block), or with `packed` one (sequence, head, value block): the sequence's first
     chunk, chunk count and index come from the three int32 tables before the usual refs."""
     plgpu = _plgpu()
     if packed:
