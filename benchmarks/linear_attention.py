@@ -345,8 +345,8 @@ def varlen_offsets(total: int, seqs: int = 8) -> np.ndarray:
 def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N, mosaic: bool = False) -> list[dict]:
     """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all:
     `impl="pallas"` (the chunk-aligned packing, one Triton state-pass program per sequence) and with `mosaic`
-    `impl="mosaic"` under each `tuning.VARLEN_LAYOUT`: the block layout (what "auto" runs on sm_90 for packed
-    sequences from zero states while the tuning says "blocks") and one program per sequence ("sequences")."""
+    `impl="mosaic"` under each `tuning.VARLEN_LAYOUT`: the block layout ("blocks", opt-in) and one program per
+    sequence ("sequences": what "auto" runs on sm_90 for packed sequences by default)."""
     cu = varlen_offsets(total, seqs)
     ks = jax.random.split(jax.random.key(total + 1), 5)
     q, k, v = (jax.random.normal(x, (1, total, n, DK), jnp.bfloat16) for x in ks[:3])

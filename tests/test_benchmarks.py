@@ -896,9 +896,11 @@ def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypat
     assert f"3 packed sequences (lengths {np.diff(cu).tolist()}), layout default" in capsys.readouterr().out
     from pallas_kernels.linear_attention import tuning
 
-    monkeypatch.setattr(sys, "argv", [*argv, "--varlen-layout", "sequences"])
+    kept = tuning.VARLEN_LAYOUT
+    other = {"blocks": "sequences", "sequences": "blocks"}[kept]
+    monkeypatch.setattr(sys, "argv", [*argv, "--varlen-layout", other])
     profile_stage.main()
-    assert ", layout sequences" in capsys.readouterr().out and tuning.VARLEN_LAYOUT == "blocks"  # put back
+    assert f", layout {other}" in capsys.readouterr().out and tuning.VARLEN_LAYOUT == kept  # put back
     for bad in ("-1", "257"):
         monkeypatch.setattr(sys, "argv", [*argv[:5], f"--varlen-seqs={bad}", *argv[7:]])
         with pytest.raises(SystemExit):
@@ -912,8 +914,9 @@ def test_kda_varlen_rows_time_both_state_passes(monkeypatch):
     the Mosaic GPU state pass under both `tuning.VARLEN_LAYOUT`s (the block layout, one program per sequence),
     each checked against the reference (interpret mode, 3 sequences of 256 tokens in all, one head)."""
     from benchmarks import linear_attention
-    from pallas_kernels.linear_attention import api
+    from pallas_kernels.linear_attention import api, tuning
 
+    kept = tuning.VARLEN_LAYOUT
     monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
     ran = []  # which layout each traced call took
     for name in ("_varlen_blocks", "_varlen_packed"):
@@ -926,9 +929,7 @@ def test_kda_varlen_rows_time_both_state_passes(monkeypatch):
     mosaic = "Mosaic GPU state pass (Triton phase 1)"
     assert impls == ["jnp reference (XLA, chunked)", "pallas chunked, packed chunk-aligned (defaults)",
                      f"{mosaic}, block layout", f"{mosaic}, one program per sequence"], impls  # fmt: skip
-    from pallas_kernels.linear_attention import tuning
-
-    assert tuning.VARLEN_LAYOUT == "blocks"  # put back after the rows
+    assert tuning.VARLEN_LAYOUT == kept  # put back after the rows
     for r in rows[1:]:
         assert float(r["check vs reference"].split("rel err ")[1]) < 2e-2, r
 

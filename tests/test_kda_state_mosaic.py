@@ -2,6 +2,8 @@
 the CPU against the Triton state pass and the float32 reference, its sm_90 lowering where the CUDA plugin's
 Python files are, and its refusals."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,30 +96,31 @@ def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
 
 
 def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
-    """Sequences whose lengths are whole blocks (all but the last) keep their places in both packed layouts:
+    """Sequences whose lengths are whole blocks (all but the last) keep their places in every packed layout:
     phase 1 reads the inputs in place (`kda_chunked_pallas(rows=)`, no XLA copy of them in any layout) and o
-    comes back by a slice, no gather (where one moved rows far below copy speed on the GPU), and the results
-    are those of each sequence alone. Mosaic: blocks of E = 128 (VARLEN_BLOCKS
-    raised to 4), lengths 128, 256, 100; Triton: whole chunks, lengths 64, 192, 100."""
-    from pallas_kernels.linear_attention import api
+    comes back by a slice, no gather of values (where one moved rows far below copy speed on the GPU; the
+    per-sequence Mosaic pass orders its [S] int32 tables longest first), and the results are those of each
+    sequence alone. Mosaic block layout: blocks of E = 128 (VARLEN_BLOCKS raised to 4), lengths 128, 256, 100;
+    one program per sequence (Mosaic, the default layout, and Triton): whole chunks, lengths 64, 192, 100."""
+    from pallas_kernels.linear_attention import api, tuning
 
     monkeypatch.setattr(api, "VARLEN_MAX_PAD", 2.0)
     monkeypatch.setattr(api, "VARLEN_BLOCKS", 4)
-    for impl, lengths in (("mosaic", [128, 256, 100]), ("pallas", [64, 192, 100])):
+    cases = (("mosaic", "blocks", [128, 256, 100], 512), ("mosaic", "sequences", [64, 192, 100], 384),
+             ("pallas", "sequences", [64, 192, 100], 384))  # fmt: skip
+    for impl, layout, lengths, laid_out in cases:
+        monkeypatch.setattr(tuning, "VARLEN_LAYOUT", layout)
         cu = np.concatenate([[0], np.cumsum(lengths)])
         args, _ = _prefill_inputs(10, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
         run = lambda *a, impl=impl, cu=cu: kda(*a, impl=impl, cu_seqlens=cu, interpret=not NATIVE)  # noqa: E731
         jaxpr = jax.make_jaxpr(run)(*args)
-        text = str(jaxpr)
-        assert "gather" not in text, impl
+        gathers = re.findall(r"\w+:(\w+)\[([\d,]*)\] = gather\[", str(jaxpr))
+        assert all(dtype == "i32" and size == "3" for dtype, size in gathers), (impl, layout, gathers)
         # nothing made of the inputs before the kernels: no pad, no copy into the layout's token count
         first = [e.params.get("name") for e in jaxpr.jaxpr.eqns].index("kda_chunked_pallas")
         before = [(e.params.get("name", str(e.primitive)), v.aval.shape) for e in jaxpr.jaxpr.eqns[:first]
                   for v in e.outvars]  # fmt: skip
-        assert all(name != "_pad" and shape[1:2] != (512 if impl == "mosaic" else 384,) for name, shape in before), (
-            impl,
-            before,
-        )
+        assert all(name != "_pad" and shape[1:2] != (laid_out,) for name, shape in before), (impl, layout, before)
         o, s = run(*args)
         assert o.shape == args[2].shape and s.shape == (3, 2, 64, 64)
         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
@@ -126,6 +129,7 @@ def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
     every, starts, _, resets, total, _ = api._block_layout(np.asarray([128, 256, 100]))
     assert (every, starts.tolist(), resets, total) == (128, [0, 128, 384], (2, 6), 512)
     # one sequence not a whole block moves the ones after it: o is gathered back
+    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "blocks")
     cu = np.asarray([0, 100, 228])
     args, _ = _prefill_inputs(11, 1, 228, 2, 64, 64, False, jnp.bfloat16, False)
     assert "gather" in str(jax.make_jaxpr(lambda *a: kda(*a, impl="mosaic", cu_seqlens=cu, interpret=True))(*args))
@@ -211,13 +215,14 @@ def test_mosaic_state_pass_refusals_name_the_value():
 
 
 def test_packed_sequences_one_program_each_through_the_mosaic_state_pass(monkeypatch):
-    """`kda(impl="mosaic", cu_seqlens=)` where the block layout does not take the pack (initial states here;
-    or `tuning.VARLEN_LAYOUT = "sequences"`): the chunk-aligned packing with one Mosaic GPU program per (head,
-    value block, sequence), each walking its own chunks from its own state (the step count read from memory).
-    The same outputs as the Triton pass's one program per sequence and as each sequence alone; an empty
-    sequence keeps its state; "auto" takes it for every pack once VARLEN_LAYOUT says "sequences"; with "blocks"
-    impl="mosaic" takes it for packs the block layout pads too much; an all-empty pack runs nothing; a
-    misspelt VARLEN_LAYOUT is an error, not the other layout."""
+    """`kda(impl="mosaic", cu_seqlens=)` under `tuning.VARLEN_LAYOUT = "sequences"` (the default), or under
+    "blocks" where the block layout does not take the pack: the chunk-aligned packing with one Mosaic GPU
+    program per (head, value block, sequence), each walking its own chunks from its own state (the step count
+    read from memory). The same outputs as the Triton pass's one program per sequence and as each sequence
+    alone; an empty sequence keeps its state; "auto" takes it for every pack while VARLEN_LAYOUT says
+    "sequences"; with "blocks" "auto" leaves packs with initial states to the Triton pass and impl="mosaic"
+    takes it for packs the block layout pads too much; an all-empty pack runs nothing; a misspelt
+    VARLEN_LAYOUT is an error, not the other layout."""
     from pallas_kernels.linear_attention import tuning
 
     lengths = [70, 0, 130, 64, 5]  # an empty sequence, one of whole chunks, one shorter than a chunk
@@ -232,8 +237,7 @@ def test_packed_sequences_one_program_each_through_the_mosaic_state_pass(monkeyp
         if a < b:
             ref_o, ref_s = kda(*(x[:, a:b] for x in args), initial_state=s0[i : i + 1], impl="reference")
             assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2, i
-    assert _state_pass_traced(*args, cu_seqlens=cu, initial_state=s0) == "triton"  # "blocks": not for states
-    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "sequences")
+    assert tuning.VARLEN_LAYOUT == "sequences"
     assert _state_pass_traced(*args, cu_seqlens=cu, initial_state=s0) == "mosaic"
     assert _state_pass_traced(*args, cu_seqlens=cu) == "mosaic"
     o2, s2 = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)  # zero states, one program each
@@ -244,6 +248,7 @@ def test_packed_sequences_one_program_each_through_the_mosaic_state_pass(monkeyp
     from pallas_kernels.linear_attention import api
 
     monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "blocks")
+    assert _state_pass_traced(*args, cu_seqlens=cu, initial_state=s0) == "triton"  # "blocks": not for states
     monkeypatch.setattr(api, "VARLEN_BLOCKS", 1)
     assert api._blocks_why_not(args[0], cu, None).startswith("packed sequences laid out as one in at most 1.1x")
     o3, s3 = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
@@ -268,9 +273,9 @@ def _state_pass_traced(*args, **kw) -> str:
 
 def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypatch):
     """Off in `linear_attention/tuning.py`, "auto" on a Hopper GPU keeps the Triton kernels. On (the default),
-    it runs the Mosaic GPU state pass on sm_90 for the calls it takes (inside `use_pallas()` too) and the Triton
-    one for the rest (packed sequences that pad more than 10% laid out for it, float32 inputs, K > 128, another
-    GPU)."""
+    it runs the Mosaic GPU state pass on sm_90 for the calls it takes (inside `use_pallas()` too; packed
+    sequences in any layout under `VARLEN_LAYOUT = "sequences"`, the default) and the Triton one for the rest
+    (float32 inputs, K > 128, another GPU; under "blocks", packs that pad more than 10% laid out for it)."""
     from pallas_kernels.linear_attention import tuning
     from pallas_kernels.linear_attention.api import _mosaic_why_not
 
@@ -283,6 +288,12 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
     assert _mosaic_why_not(q, None, None) is None
     from pallas_kernels.linear_attention import api
 
+    assert tuning.VARLEN_LAYOUT == "sequences"
+    monkeypatch.setattr(api, "VARLEN_BLOCKS", 1)  # read only by the block layout
+    assert _mosaic_why_not(q, None, [0, 30, 64]) is None and _mosaic_why_not(q[:, :0], None, [0, 0, 0]) is None
+    assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "mosaic"
+    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "blocks")
+    monkeypatch.setattr(api, "VARLEN_BLOCKS", 128)
     assert _mosaic_why_not(q, None, [0, 30, 64]) is None  # blocks of 64: the chunk-aligned 128 tokens
     monkeypatch.setattr(api, "VARLEN_BLOCKS", 1)  # one block per call: 30 and 34 tokens take 128 each
     assert _mosaic_why_not(q, None, [0, 30, 64]) == (
@@ -303,7 +314,8 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
         assert got.impl == want and reason in got.reason, (device, got)
     with registry.assume_device("gpu", "9.0"), pallas_kernels.use_pallas():
         assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=None).impl == "mosaic"
-    # whole calls: the Mosaic pass where it takes the call, the Triton one for packed sequences or float32 inputs
+    # whole calls ("blocks" still): the Mosaic pass where it takes the call, the Triton one for packs the block
+    # layout pads too much or float32 inputs
     assert _state_pass_traced(*args) == "mosaic"
     assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "triton"  # 256 of 128 tokens (one block a call)
     long_args, _ = _prefill_inputs(0, 1, 1280, 1, 64, 64, False, jnp.bfloat16, False)

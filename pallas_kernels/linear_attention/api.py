@@ -88,11 +88,11 @@ def kda(
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks (phase 1 reads the
     packed inputs in place), one state-pass program per (sequence, head, value block) from its own state;
-    "mosaic" does the same with the Mosaic GPU state pass, except that with `tuning.VARLEN_LAYOUT = "blocks"`
-    (the default) packs from zero states that the block layout fits run as one sequence of blocks of E
-    tokens, each sequence in whole blocks (its first chunk reset, zero padding after it), the final states
-    read from snapshots (`_block_layout`; sequences of a multiple of E tokens stay where they are, no
-    gather; the reset selects a zero state, so a sequence whose state overflows to inf / NaN leaves the
+    "mosaic" does the same with the Mosaic GPU state pass (`tuning.VARLEN_LAYOUT = "sequences"`, the default),
+    except that with "blocks" (opt-in) packs from zero states that the block layout fits run as one sequence of
+    blocks of E tokens, each sequence in whole blocks (its first chunk reset, zero padding after it), the
+    final states read from snapshots (`_block_layout`; sequences of a multiple of E tokens stay where they
+    are, no gather; the reset selects a zero state, so a sequence whose state overflows to inf / NaN leaves the
     others finite);
     the jnp forms run them as one batch padded to the longest (pads at each row's end change no state).
     state_every=E (a positive int; not with cu_seqlens): also the states after every E tokens, a third output

@@ -35,9 +35,9 @@ MOSAIC_STATE_PASS = True
 # only where it computes at most VARLEN_MAX_PAD x the tokens of the chunk-aligned packing (else the Triton pass).
 VARLEN_BLOCKS = 128
 VARLEN_MAX_PAD = 1.1
-# How the Mosaic GPU state pass takes packed sequences: "blocks" (the layout above: one program per head and
-# value block walks every sequence, 64 programs at 32 heads; "auto" takes it only for packs it fits, the rest keep
-# the Triton pass) or "sequences" (the chunk-aligned packing, one program per head, value block and sequence,
-# longest first; any pack, initial states included). "blocks" was measured (docs/performance.md, "KDA prefill");
-# "sequences" is the one kda(impl="mosaic") takes where the block layout does not, and is not yet timed.
-VARLEN_LAYOUT = "blocks"
+# How the Mosaic GPU state pass takes packed sequences: "sequences" (the chunk-aligned packing, one program per
+# head, value block and sequence, longest first; any pack, initial states included) or "blocks" (the layout above:
+# one program per head and value block walks every sequence, 64 programs at 32 heads; "auto" takes it only for
+# packs it fits, the rest keep the Triton pass). "sequences" ran the whole packed prefill faster than "blocks"
+# (8 sequences, 32K tokens, 32 heads; docs/performance.md, "KDA prefill").
+VARLEN_LAYOUT = "sequences"
