@@ -101,12 +101,13 @@ def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
     comes back by a slice, no gather of values (where one moved rows far below copy speed on the GPU; the
     per-sequence Mosaic pass orders its [S] int32 tables longest first), and the results are those of each
     sequence alone. Mosaic block layout: blocks of E = 128 (VARLEN_BLOCKS raised to 4), lengths 128, 256, 100;
-    one program per sequence (Mosaic, the default layout, and Triton): whole chunks, lengths 64, 192, 100."""
+    Triton, one program per sequence: whole chunks, lengths 64, 192, 100. The Mosaic pass one program per
+    sequence (the default layout) writes o in the sequences' rows whatever their lengths (70, 130, 100)."""
     from pallas_kernels.linear_attention import api, tuning
 
     monkeypatch.setattr(api, "VARLEN_MAX_PAD", 2.0)
     monkeypatch.setattr(api, "VARLEN_BLOCKS", 4)
-    cases = (("mosaic", "blocks", [128, 256, 100], 512), ("mosaic", "sequences", [64, 192, 100], 384),
+    cases = (("mosaic", "blocks", [128, 256, 100], 512), ("mosaic", "sequences", [70, 130, 100], 448),
              ("pallas", "sequences", [64, 192, 100], 384))  # fmt: skip
     for impl, layout, lengths, laid_out in cases:
         monkeypatch.setattr(tuning, "VARLEN_LAYOUT", layout)
@@ -158,8 +159,10 @@ def test_a_reset_chunk_isolates_the_sequences_after_it(state_impl):
 
 def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
     """The interpreter's happens-before race detector over the TMA pipeline, the o slots and the snapshot buffer
-    (4 chunks, a snapshot every 2), and over the packed form (one program per sequence): none found. It models
-    the TMA engine and the warpgroup as separate threads, not the warps inside the warpgroup."""
+    (4 chunks, a snapshot every 2), and over the packed form (one program per sequence; then with o in the
+    sequences' own rows, partial last chunks through the side buffer): none found, and o's rows those of the
+    layout's. It models the TMA engine and the warpgroup as separate threads, not the warps inside the
+    warpgroup."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -178,6 +181,15 @@ def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
     jax.block_until_ready((o, s))
     assert not get_races().races_found
     assert bool((s[1] == s3[1]).all())  # no chunk: its state as given
+    # o in the sequences' rows: 150 tokens (3 chunks, the last partial), none, 40 (one partial chunk)
+    o_rows = (jnp.asarray([0, 150, 150], jnp.int32), jnp.asarray([150, 0, 40], jnp.int32))
+    o_in, s_in = kda_state_pass_mosaic(
+        w, u, qg, kg, aqk, gl, s3, seqs=seqs, o_rows=o_rows, o_tokens=190, interpret=params
+    )  # fmt: skip
+    jax.block_until_ready((o_in, s_in))
+    assert not get_races().races_found
+    assert o_in.shape == (1, 190, 1, 64) and bool((s_in == s).all())
+    assert bool((o_in[:, :150] == o[:, :150]).all()) and bool((o_in[:, 150:] == o[:, 192:232]).all())
 
 
 def test_mosaic_state_pass_refusals_name_the_value():
@@ -345,6 +357,9 @@ args = (S((1, 8192, 4, 128), bf), S((1, 8192, 4, 128), bf), S((1, 8192, 4, 128),
 seqs = (S((3,), jnp.int32), S((3,), jnp.int32))
 traced = jax.jit(lambda *a: kda_state_pass_mosaic(*a[:7], seqs=a[7:])).trace(*args, *seqs)
 assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+# and o written in the sequences' own rows (dynamic TMA rows, the partial chunks' buffer)
+run = lambda *a: kda_state_pass_mosaic(*a[:7], seqs=a[7:9], o_rows=a[9:], o_tokens=8000)
+assert "mosaic_gpu" in jax.jit(run).trace(*args, *seqs, *seqs).lower(lowering_platforms=("cuda",)).as_text()
 print("lowered")
 """
 

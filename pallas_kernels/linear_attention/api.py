@@ -259,9 +259,10 @@ def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
 def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     """The Pallas path of a packed batch: each sequence zero-padded to whole 64-token chunks and laid end to
     end ([1, Σ ceil(L_s / 64)·64, ...]: at most 63 pad tokens per sequence, where a batch padded to the
-    longest sequence would compute S x T_max; the inputs read in place by phase 1, `kda_chunked_pallas(rows=)`,
-    and o unpacked from the layout), the state pass (Triton, or Mosaic GPU with kw["state_impl"]) starting
-    each sequence from its initial state at its first chunk and writing it out at its last
+    longest sequence would compute S x T_max; the inputs read in place by phase 1, `kda_chunked_pallas(rows=)`;
+    o unpacked from the layout, or written in the sequences' own rows by the Mosaic GPU state pass), the state
+    pass (Triton, or Mosaic GPU with kw["state_impl"]) starting each sequence from its initial state at its
+    first chunk and writing it out at its last
     (`kda_chunked_pallas(seq_start=, seq_count=)`: one state-pass program per sequence, head and V-block)."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
@@ -275,10 +276,11 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
     if s0.shape != (n_seq, n, dk, dv):
         raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
-    o, s = _kda_pallas(
-        q, k, v, g, beta, s0, seq_chunks=(jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32)),
-        rows=_chunk_rows(src), **kw,
-    )  # fmt: skip
+    seq_chunks = (jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32))
+    if kw.get("state_impl") == "mosaic":  # o written in the sequences' own rows: nothing to unpack
+        o_rows = (jnp.asarray(cu[:-1], jnp.int32), jnp.asarray(lengths, jnp.int32))
+        return _kda_pallas(q, k, v, g, beta, s0, seq_chunks=seq_chunks, rows=_chunk_rows(src), o_rows=o_rows, **kw)
+    o, s = _kda_pallas(q, k, v, g, beta, s0, seq_chunks=seq_chunks, rows=_chunk_rows(src), **kw)
     return _unpack_rows(o, token_slot), s
 
 
@@ -410,6 +412,7 @@ def _check_mosaic(q, precision: str, interpret) -> None:
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
     solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", reset_chunks=(), a_blocks=(), rows=None,
+    o_rows=None,
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16, >= 64 for the Mosaic GPU
     state pass, `state_impl="mosaic"`), runs, unpads.
@@ -418,7 +421,8 @@ def _kda_pallas(
     state_every (a multiple of 64): the states after every state_every tokens come back third.
     reset_chunks: `kda_chunked_pallas`'s (chunks of the unpadded T).
     rows (`_chunk_rows`): packed inputs read in place, `kda_chunked_pallas`'s; T is then the layout's
-    (64·chunks, no time padding) and o comes back in the layout."""
+    (64·chunks, no time padding) and o comes back in the layout, or with o_rows (each sequence's first token
+    and tokens, `kda_chunked_pallas`'s; the Mosaic GPU state pass) in the inputs' rows."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     if block_v <= 0 or block_v & (block_v - 1):
@@ -452,7 +456,9 @@ def _kda_pallas(
         extra["reset_chunks"] = tuple(reset_chunks)
     if rows is not None:
         extra["rows"] = rows
-        t = rows[0].shape[0] * CHUNK
+        t = rows[0].shape[0] * CHUNK if o_rows is None else t
+    if o_rows is not None:
+        extra["o_rows"] = o_rows
     out = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,

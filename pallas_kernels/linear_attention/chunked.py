@@ -508,7 +508,7 @@ def _gate_spec(nc, dk):
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
-    state_impl="triton", reset_chunks=(), a_blocks=(), rows=None,
+    state_impl="triton", reset_chunks=(), a_blocks=(), rows=None, o_rows=None,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -520,6 +520,9 @@ def kda_chunked_pallas(
     (`_source_rows`); from then on everything, o included, is in the layout. This is the packed sequences'
     path (`api._varlen_packed`, `api._varlen_blocks`): XLA copying five inputs into the layout moved ~2.7 GB
     at 32K tokens and 32 heads, 1.24 of the 6.47 ms of an H200 varlen call (docs/performance.md, "KDA prefill").
+    o_rows (first input row, rows) int32 [S], with rows, packed sequences and the Mosaic GPU state pass: o comes
+    back in the inputs' rows instead, [1, T_in, N, V], sequence s in rows [first_s, first_s + rows_s) (no
+    unpacking of the layout; `state_mosaic.kda_state_pass_mosaic(o_rows=)`).
 
     state_every (a multiple of 64, not with packed sequences): also the states after every state_every tokens,
     [B, T // state_every, N, K, V] float32 (third): the state pass stores its on-chip state at those chunk
@@ -557,8 +560,14 @@ def kda_chunked_pallas(
             shapes = [(r.shape, r.dtype.name) for r in rows]
             raise ValueError(f"kda_chunked_pallas: rows={shapes} must be two int32 [chunks] arrays, batch 1 (got {b})")
         t = nc * CHUNK
+    t_in = q.shape[1]
     nc = t // CHUNK
     packed = seq_start is not None
+    if o_rows is not None and (rows is None or not packed or state_impl != "mosaic"):
+        raise ValueError(
+            "kda_chunked_pallas: o_rows needs rows, packed sequences and state_impl='mosaic' "
+            f"(got rows {rows is not None}, packed {packed}, state_impl {state_impl!r})"
+        )
     if packed:
         n_seq = s0.shape[0]
         counts = None if seq_count is None else seq_count.shape
@@ -586,6 +595,7 @@ def kda_chunked_pallas(
         out = state_mosaic.kda_state_pass_mosaic(
             w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret,
             resets=bool(reset_chunks), seqs=(seq_start, seq_count) if packed else None,
+            **({} if o_rows is None else dict(o_rows=tuple(x.astype(jnp.int32) for x in o_rows), o_tokens=t_in)),
         )  # fmt: skip
         if state_every is None:
             return out

@@ -22,7 +22,12 @@ Packed sequences (`seqs=`: chunk-aligned, each sequence's chunks consecutive): o
 64 value columns) walks only that sequence's chunks from its own initial state (the pipeline's step count
 read from memory), so the sequences' recurrences run side by side, as many programs as one sequence has times
 the sequences; the programs come longest sequence first (the grid's first axis, the slowest: Mosaic GPU
-launches a row-major grid's last axis fastest), so the long chains start in the first wave.
+launches a row-major grid's last axis fastest), so the long chains start in the first wave. With `o_rows=`
+(each sequence's first token and token count in the unpadded packing) o goes straight to the sequences' own
+rows instead of the chunk-aligned layout: each whole chunk by TMA at its row; a sequence's partial last chunk
+(a TMA store of 64 rows there would overwrite the next sequence's first rows, which another program writes)
+to a [S, 64] side buffer whose valid rows one XLA scatter puts in place after the kernel (~64 rows per
+sequence, where unpacking o from the layout moved every row: docs/performance.md, "KDA prefill").
 
 Constraints: bfloat16 intermediates (`precision="bf16"`), K of 64 or 128 (shared memory: two stages of the
 five input tiles plus S, V', the two o slots and a float32 [K, 64] buffer fit sm_90's 227 KiB at K = 128),
@@ -76,14 +81,20 @@ def unsupported(dk: int, dv: int, t: int, inter_dtype, out_dtype=jnp.bfloat16) -
     return None
 
 
-def _kernel(*refs, nc, every, resets, packed):
+def _kernel(*refs, nc, every, resets, packed, o_packed):
     """One (row, head, value block), or with `packed` one (sequence, head, value block): the sequence's first
-    chunk, chunk count and index come from the three int32 tables before the usual refs."""
+    chunk, chunk count and index come from the three int32 tables before the usual refs, and with `o_packed`
+    its first token and token count in o from two more (and the partial chunks' buffer after the outputs)."""
     plgpu = _plgpu()
     if packed:
         first_ref, count_ref, seq_ref, *refs = refs
+    if o_packed:
+        tok_ref, len_ref, *refs = refs
     w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, *rest = refs
-    snap_ref, (s16, vn, o_slots, f32, bar) = (rest[0], rest[1:]) if every else (None, rest)
+    extra = 1 if every or o_packed else 0  # the snapshots or the partial chunks' buffer (never both)
+    (s16, vn, o_slots, f32, bar) = rest[extra:]
+    snap_ref = rest[0] if every else None
+    tail_ref = rest[0] if o_packed else None
     wgmma_layout = plgpu.Layout.WGMMA
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
     cols = pl.ds(j * BLOCK_V, BLOCK_V)
@@ -91,6 +102,8 @@ def _kernel(*refs, nc, every, resets, packed):
     first, steps, row, state = 0, nc, b, b  # chunks [first, first + steps) of input row `row`, state `state`
     if packed:  # program b takes the b-th longest sequence
         first, steps, row, state = first_ref[b], count_ref[b], 0, seq_ref[b]
+    if o_packed:  # the sequence's rows in o; its last chunk is partial unless its length is whole chunks
+        token, partial = tok_ref[b], len_ref[b] % CHUNK != 0
 
     plgpu.copy_gmem_to_smem(s0_ref.at[state, h, :, cols], f32, bar)
     plgpu.barrier_wait(bar)
@@ -124,7 +137,19 @@ def _kernel(*refs, nc, every, resets, packed):
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's copy of two chunks ago has read it
             slot[...] = o.astype(slot.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(slot, o_ref.at[row, pl.ds(c * CHUNK, CHUNK), h, cols])
+            if not o_packed:
+                plgpu.copy_smem_to_gmem(slot, o_ref.at[row, pl.ds(c * CHUNK, CHUNK), h, cols])
+                return plgpu.wgmma_accumulator_load(acc_s, wait_n=0)
+            to_tail = partial & (step == steps - 1)  # one copy either way: one bulk group a chunk
+
+            @pl.when(to_tail)
+            def _():
+                plgpu.copy_smem_to_gmem(slot, tail_ref.at[state, :, h, cols])
+
+            @pl.when(jnp.logical_not(to_tail))
+            def _():
+                plgpu.copy_smem_to_gmem(slot, o_ref.at[0, pl.ds(token + step * CHUNK, CHUNK), h, cols])
+
             return plgpu.wgmma_accumulator_load(acc_s, wait_n=0)
 
         update = pl.run_scoped(
@@ -170,10 +195,11 @@ def _kernel(*refs, nc, every, resets, packed):
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("state_every", "interpret", "resets"))
+@functools.partial(jax.jit, static_argnames=("state_every", "interpret", "resets", "o_tokens"))
 def kda_state_pass_mosaic(
-    w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False, resets: bool = False, seqs=None
-):
+    w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False, resets: bool = False, seqs=None,
+    o_rows=None, o_tokens: int | None = None,
+):  # fmt: skip
     """The state pass over phase 1's intermediates: w, qg, kg [B, T, N, K], u [B, T, N, V], aqk [B, T, N, 64]
     (bfloat16); gl [B, T / 64, N, K, 1] float32 (exp(G_C) per chunk); s0 [B, N, K, V] float32 ->
     (o [B, T, N, V] bfloat16, final state [B, N, K, V] float32), and with state_every (a multiple of 64) the
@@ -185,7 +211,10 @@ def kda_state_pass_mosaic(
     from a zero state (a select per chunk; off, the kernel has none).
     seqs (first chunk, chunk count) int32 [S]: packed sequences in a batch of one (each sequence's chunks
     consecutive in the layout; chunks of none are not read and their o rows not written): s0 and the final
-    states are then [S, N, K, V], a sequence of no chunk keeps its s0; not with state_every or resets."""
+    states are then [S, N, K, V], a sequence of no chunk keeps its s0; not with state_every or resets.
+    o_rows (first token, tokens) int32 [S] with seqs, and o_tokens (static int, the tokens of all sequences):
+    o comes back unpadded, [1, o_tokens, N, V], sequence s in rows [first token_s, first token_s + tokens_s)
+    (its chunk count ceil(tokens_s / 64); rows no sequence holds are left unwritten)."""
     plgpu = _plgpu()
     b, t, n, dk = w.shape
     dv = u.shape[-1]
@@ -198,6 +227,12 @@ def kda_state_pass_mosaic(
         and gl.shape == (b, t // CHUNK, n, dk, 1)
         and s0.shape == (n_seq, n, dk, dv)
     )
+    o_packed = o_rows is not None or o_tokens is not None
+    if why is None and o_packed:
+        ok = seqs is not None and o_rows is not None and isinstance(o_tokens, int) and o_tokens > 0 and len(o_rows) == 2
+        if not ok or any(x.shape != (n_seq,) or x.dtype != jnp.int32 for x in o_rows):
+            got = None if o_rows is None else [(x.shape, x.dtype.name) for x in o_rows]
+            why = f"o_rows as two int32 [S] arrays with seqs and a positive o_tokens (got {got}, o_tokens {o_tokens!r})"
     if why is None and seqs is not None:
         ok = b == 1 and all(x.shape == (n_seq,) and x.dtype == jnp.int32 for x in seqs) and len(seqs) == 2
         if not ok or state_every is not None or resets:
@@ -223,14 +258,19 @@ def kda_state_pass_mosaic(
     scratch = (
         plgpu.SMEM((dk, BLOCK_V), jnp.bfloat16, transforms=tiled),  # S in bf16: the products' operand
         plgpu.SMEM((CHUNK, BLOCK_V), jnp.bfloat16, transforms=tiled),  # V' in bf16
-        plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=tiled),  # o, two slots copied out by TMA
+        # o, two slots copied out by TMA; untiled where o's rows start anywhere (a tiled slot's TMA store needs
+        # its row offset a multiple of the 8-row tile)
+        plgpu.SMEM((2, CHUNK, BLOCK_V), jnp.bfloat16, transforms=() if o_packed else tiled),
         plgpu.SMEM((dk, BLOCK_V), jnp.float32),  # S in float32: in (s0), out (snapshots, final state)
         plgpu.Barrier(num_arrivals=1),
     )
-    out_type = [jax.ShapeDtypeStruct(u.shape, jnp.bfloat16), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
+    o_shape = (1, o_tokens, n, dv) if o_packed else u.shape
+    out_type = [jax.ShapeDtypeStruct(o_shape, jnp.bfloat16), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
     if every:
         out_type.append(jax.ShapeDtypeStruct((b, n, count * dk, dv), jnp.float32))
-    kernel = functools.partial(_kernel, nc=nc, every=every, resets=resets, packed=seqs is not None)
+    if o_packed:  # each sequence's partial last chunk, put in place below
+        out_type.append(jax.ShapeDtypeStruct((n_seq, CHUNK, n, dv), jnp.bfloat16))
+    kernel = functools.partial(_kernel, nc=nc, every=every, resets=resets, packed=seqs is not None, o_packed=o_packed)
 
     def kda_state_mosaic(*refs):  # named for profiles: the kernel takes its body's name
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch)
@@ -242,8 +282,22 @@ def kda_state_pass_mosaic(
     if seqs is not None:  # program b takes the b-th longest sequence: the long chains start in the first wave
         order = jnp.argsort(-seqs[1], stable=True).astype(jnp.int32)
         tables = (seqs[0][order], seqs[1][order], order)
+        if o_packed:
+            tables += (o_rows[0][order], o_rows[1][order])
     # the first axis slowest (row-major: Mosaic GPU launches the last axis fastest)
     grid = dict(grid=(n_seq, n, dv // BLOCK_V), grid_names=("b", "h", "j"))
-    return plgpu.kernel(kda_state_mosaic, out_type=tuple(out_type), **grid, **kw)(
+    out = plgpu.kernel(kda_state_mosaic, out_type=tuple(out_type), **grid, **kw)(
         *tables, w, u, qg, kg, aqk, gl.reshape(b, t // CHUNK, n, dk), s0
     )
+    if not o_packed:
+        return out
+    o, s, tail = out
+    # row i of sequence s's buffer is its token (tokens_s // 64)·64 + i: those below tokens_s go in place, the
+    # rest (and every row of a sequence without a partial chunk) to distinct rows past o's end, dropped
+    first, tokens = o_rows
+    i = jnp.arange(CHUNK, dtype=jnp.int32)
+    inside = i[None, :] < (tokens % CHUNK)[:, None]
+    beyond = o_tokens + jnp.arange(n_seq * CHUNK, dtype=jnp.int32).reshape(n_seq, CHUNK)
+    dest = jnp.where(inside, (first + tokens // CHUNK * CHUNK)[:, None] + i[None, :], beyond)
+    o = o.at[0, dest.reshape(-1)].set(tail.reshape(n_seq * CHUNK, n, dv), mode="drop", unique_indices=True)
+    return o, s
