@@ -100,15 +100,15 @@ def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
     phase 1 reads the inputs in place (`kda_chunked_pallas(rows=)`, no XLA copy of them in any layout) and o
     comes back by a slice, no gather of values (where one moved rows far below copy speed on the GPU; the
     per-sequence Mosaic pass orders its [S] int32 tables longest first), and the results are those of each
-    sequence alone. Mosaic block layout: blocks of E = 128 (VARLEN_BLOCKS raised to 4), lengths 128, 256, 100;
-    Triton, one program per sequence: whole chunks, lengths 64, 192, 100. The Mosaic pass one program per
-    sequence (the default layout) writes o in the sequences' rows whatever their lengths (70, 130, 100)."""
+    sequence alone. Mosaic block layout: blocks of E = 128 (VARLEN_BLOCKS raised to 4), lengths 128, 256, 100.
+    One program per sequence (the Triton pass, and the Mosaic one in the default layout) writes o in the
+    sequences' own rows whatever their lengths (70, 130, 100)."""
     from pallas_kernels.linear_attention import api, tuning
 
     monkeypatch.setattr(api, "VARLEN_MAX_PAD", 2.0)
     monkeypatch.setattr(api, "VARLEN_BLOCKS", 4)
     cases = (("mosaic", "blocks", [128, 256, 100], 512), ("mosaic", "sequences", [70, 130, 100], 448),
-             ("pallas", "sequences", [64, 192, 100], 384))  # fmt: skip
+             ("pallas", "sequences", [70, 130, 100], 448))  # fmt: skip
     for impl, layout, lengths, laid_out in cases:
         monkeypatch.setattr(tuning, "VARLEN_LAYOUT", layout)
         cu = np.concatenate([[0], np.cumsum(lengths)])

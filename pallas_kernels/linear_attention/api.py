@@ -259,10 +259,10 @@ def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
 def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     """The Pallas path of a packed batch: each sequence zero-padded to whole 64-token chunks and laid end to
     end ([1, Σ ceil(L_s / 64)·64, ...]: at most 63 pad tokens per sequence, where a batch padded to the
-    longest sequence would compute S x T_max; the inputs read in place by phase 1, `kda_chunked_pallas(rows=)`;
-    o unpacked from the layout, or written in the sequences' own rows by the Mosaic GPU state pass), the state
-    pass (Triton, or Mosaic GPU with kw["state_impl"]) starting each sequence from its initial state at its
-    first chunk and writing it out at its last
+    longest sequence would compute S x T_max; the inputs read in place by phase 1, `kda_chunked_pallas(rows=)`,
+    o written by the state pass in the sequences' own rows, `o_rows=`), the state pass (Triton, or Mosaic GPU
+    with kw["state_impl"]) starting each sequence from its initial state at its first chunk and writing it out
+    at its last
     (`kda_chunked_pallas(seq_start=, seq_count=)`: one state-pass program per sequence, head and V-block)."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
@@ -272,16 +272,13 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
         s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
         return jnp.zeros(v.shape, q.dtype), s0.astype(jnp.float32)
     start = np.cumsum(chunks) - chunks  # first chunk of each sequence
-    src, token_slot = _pack_index(start * CHUNK, lengths, int(chunks.sum()) * CHUNK)
+    src, _ = _pack_index(start * CHUNK, lengths, int(chunks.sum()) * CHUNK)
     s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
     if s0.shape != (n_seq, n, dk, dv):
         raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
     seq_chunks = (jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32))
-    if kw.get("state_impl") == "mosaic":  # o written in the sequences' own rows: nothing to unpack
-        o_rows = (jnp.asarray(cu[:-1], jnp.int32), jnp.asarray(lengths, jnp.int32))
-        return _kda_pallas(q, k, v, g, beta, s0, seq_chunks=seq_chunks, rows=_chunk_rows(src), o_rows=o_rows, **kw)
-    o, s = _kda_pallas(q, k, v, g, beta, s0, seq_chunks=seq_chunks, rows=_chunk_rows(src), **kw)
-    return _unpack_rows(o, token_slot), s
+    o_rows = (jnp.asarray(cu[:-1], jnp.int32), jnp.asarray(lengths, jnp.int32))  # o in the sequences' own rows
+    return _kda_pallas(q, k, v, g, beta, s0, seq_chunks=seq_chunks, rows=_chunk_rows(src), o_rows=o_rows, **kw)
 
 
 def _pack_index(starts, lengths, total: int):

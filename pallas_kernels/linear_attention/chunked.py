@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.linear_attention import state_mosaic
@@ -159,16 +160,22 @@ def _unit_lower_inverse(a_kk, dot_solve, solve, akk_rows):
     return dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
 
-def _state_kernel(*refs, nc, precision, packed, every=None, count=0, resets=False):
+def _state_kernel(*refs, nc, precision, packed, every=None, count=0, resets=False, o_packed=False):
     """The state pass over one (row, head, V-block) — with packed sequences (`packed`) over one (sequence, head,
     V-block): seq_start / seq_count [S] int32 name the sequence's chunks, the program walks only those from
     the sequence's initial state and writes its final state (a sequence with no chunk keeps its own).
+    o_packed: two more tables (the sequence's first token and tokens in o) and o written in the sequence's
+    own rows, each chunk's rows past its end masked off (they are the next sequence's).
     every / count (not with packed): also the state after chunks every, 2·every, ..., count·every, written to
     rows [j·K, (j+1)·K) of the snapshot block (the loop over chunks split into `count` segments of `every`).
     resets: a chunk whose decay is marked RESET_MARK (< 0, which no exp(G_C) is) starts from a zero state: a
     select, not a product, so an inf / NaN state before it does not reach the chunks after it."""
     if packed:
-        start_ref, count_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
+        start_ref, count_ref, *refs = refs
+        tok_ref, len_ref, *refs = refs if o_packed else (None, None, *refs)
+        w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref = refs
+        seq = pl.program_id(0)
+        first = start_ref[seq]
     elif every:
         w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gl_ref, s0_ref, o_ref, s_ref, snap_ref = refs
     else:
@@ -181,12 +188,15 @@ def _state_kernel(*refs, nc, precision, packed, every=None, count=0, resets=Fals
             s = jnp.where(gl_ref[c] < 0, 0.0, s)
         v_new = u_ref[rows, :] - dot(w_ref[rows, :], s)  # [C, BV]
         o = dot(qg_ref[rows, :], s) + dot(aqk_ref[rows, :], v_new)
-        o_ref[rows, :] = o.astype(o_ref.dtype)
+        if o_packed:  # a masked store: the chunk's rows past the sequence's end belong to the next one
+            r = (c - first) * CHUNK + jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+            out_rows = o_ref.at[pl.ds(tok_ref[seq] + (c - first) * CHUNK, CHUNK), :]
+            pltriton.store(out_rows, o.astype(o_ref.dtype), mask=(r < len_ref[seq])[:, None])
+        else:
+            o_ref[rows, :] = o.astype(o_ref.dtype)
         return gl_ref[c] * s + dot(kg_ref[rows, :], v_new, CONTRACT_FIRST)
 
     if packed:  # bounds read from memory: still one counted loop (Triton pipelines it like the fixed one)
-        seq = pl.program_id(0)
-        first = start_ref[seq]
         s_ref[...] = jax.lax.fori_loop(first, first + count_ref[seq], body, s0_ref[...].astype(jnp.float32))
     elif every:
         dk = s0_ref.shape[0]
@@ -520,9 +530,10 @@ def kda_chunked_pallas(
     (`_source_rows`); from then on everything, o included, is in the layout. This is the packed sequences'
     path (`api._varlen_packed`, `api._varlen_blocks`): XLA copying five inputs into the layout moved ~2.7 GB
     at 32K tokens and 32 heads, 1.24 of the 6.47 ms of an H200 varlen call (docs/performance.md, "KDA prefill").
-    o_rows (first input row, rows) int32 [S], with rows, packed sequences and the Mosaic GPU state pass: o comes
-    back in the inputs' rows instead, [1, T_in, N, V], sequence s in rows [first_s, first_s + rows_s) (no
-    unpacking of the layout; `state_mosaic.kda_state_pass_mosaic(o_rows=)`).
+    o_rows (first input row, rows) int32 [S], with rows and packed sequences: o comes back in the inputs' rows
+    instead, [1, T_in, N, V], sequence s in rows [first_s, first_s + rows_s) (no unpacking of the layout; the
+    Triton pass masks each chunk's store to the sequence's rows, `state_mosaic.kda_state_pass_mosaic(o_rows=)`
+    stores whole chunks by TMA and the partial ones through a side buffer).
 
     state_every (a multiple of 64, not with packed sequences): also the states after every state_every tokens,
     [B, T // state_every, N, K, V] float32 (third): the state pass stores its on-chip state at those chunk
@@ -563,11 +574,11 @@ def kda_chunked_pallas(
     t_in = q.shape[1]
     nc = t // CHUNK
     packed = seq_start is not None
-    if o_rows is not None and (rows is None or not packed or state_impl != "mosaic"):
+    if o_rows is not None and (rows is None or not packed):
         raise ValueError(
-            "kda_chunked_pallas: o_rows needs rows, packed sequences and state_impl='mosaic' "
-            f"(got rows {rows is not None}, packed {packed}, state_impl {state_impl!r})"
+            f"kda_chunked_pallas: o_rows needs rows and packed sequences (got rows {rows is not None}, packed {packed})"
         )
+    o_rows = None if o_rows is None else tuple(x.astype(jnp.int32) for x in o_rows)
     if packed:
         n_seq = s0.shape[0]
         counts = None if seq_count is None else seq_count.shape
@@ -595,7 +606,7 @@ def kda_chunked_pallas(
         out = state_mosaic.kda_state_pass_mosaic(
             w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret,
             resets=bool(reset_chunks), seqs=(seq_start, seq_count) if packed else None,
-            **({} if o_rows is None else dict(o_rows=tuple(x.astype(jnp.int32) for x in o_rows), o_tokens=t_in)),
+            **({} if o_rows is None else dict(o_rows=o_rows, o_tokens=t_in)),
         )  # fmt: skip
         if state_every is None:
             return out
@@ -604,8 +615,8 @@ def kda_chunked_pallas(
         return o, s, jnp.moveaxis(snaps.reshape(b, n, count, dk, dv), 2, 1)
     state = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     if packed:
-        maps = [pl.BlockSpec((n_seq,), lambda i, h, j: (0,))] * 2
-        extra = (seq_start, seq_count)
+        extra = (seq_start, seq_count) + (o_rows or ())
+        maps = [pl.BlockSpec((n_seq,), lambda i, h, j: (0,))] * len(extra)
         seq = lambda width, tile=False: pl.BlockSpec(  # noqa: E731 — every sequence's program sees row 0's slab
             (None, t, None, width), (lambda i, h, j: (0, 0, h, j)) if tile else (lambda i, h, j: (0, 0, h, 0))
         )
@@ -614,8 +625,10 @@ def kda_chunked_pallas(
         maps, extra = [], ()
         seq, gate = functools.partial(_seq_spec, t), _gate_spec(nc, dk)
     every, count = 0, 0
-    out_specs = [seq(block_v, tile=True), state]
-    out_shape = [jax.ShapeDtypeStruct((b, t, n, dv), q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
+    t_out = t if o_rows is None else t_in  # o in the layout, or in the sequences' own rows
+    o_spec = pl.BlockSpec((None, t_out, None, block_v), lambda i, h, j: (0, 0, h, j)) if packed else seq(block_v, True)
+    out_specs = [o_spec, state]
+    out_shape = [jax.ShapeDtypeStruct((b, t_out, n, dv), q.dtype), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
     if state_every is not None:
         if packed or state_every <= 0 or state_every % CHUNK:
             raise ValueError(
@@ -629,7 +642,7 @@ def kda_chunked_pallas(
     out = pl.pallas_call(
         functools.partial(
             _state_kernel, nc=nc, precision=precision, packed=packed, every=every, count=count,
-            resets=bool(reset_chunks),
+            resets=bool(reset_chunks), o_packed=o_rows is not None,
         ),  # fmt: skip
         grid=(s0.shape[0], n, dv // block_v),
         in_specs=[*maps, seq(dk), seq(block_v, tile=True), seq(dk), seq(dk), seq(CHUNK), gate, state],
