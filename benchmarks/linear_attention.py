@@ -16,7 +16,7 @@ the GPU machine (`pip download --no-deps fla-core einops`).
     python -m benchmarks.linear_attention [--only decode|layer|prefill] [--mosaic] [--no-record]
 
 `--mosaic`: also the prefill with its state pass in Mosaic GPU (`kda(impl="mosaic")`, Hopper only; for the
-varlen batch a row per `tuning.VARLEN_LAYOUT`: the block layout, one program per sequence); with
+varlen batch one program per sequence); with
 `--phases` the state pass's share is the whole prefill less phase 1 alone, for both state passes. Rows without
 a form in their label run `kda`'s defaults at the recorded commit (the A kernel's block forms: `tuning.A_BLOCKS`);
 `--a-blocks 64,16` or `--a-blocks split` adds a Mosaic row with those forms, or with the binary split alone.
@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import ceilings, median_ms, rel_err, report, roofline_row
-from pallas_kernels.linear_attention import api as kda_api
 from pallas_kernels.linear_attention import kda, kda_decode_step
 from pallas_kernels.linear_attention import tuning as kda_tuning
 from pallas_kernels.linear_attention.chunked import A_BLOCK_SIZES, check_a_blocks
@@ -345,8 +344,7 @@ def varlen_offsets(total: int, seqs: int = 8) -> np.ndarray:
 def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N, mosaic: bool = False) -> list[dict]:
     """An 8-sequence variable-length batch packed along time (cumulative offsets), `total` tokens in all:
     `impl="pallas"` (the chunk-aligned packing, one Triton state-pass program per sequence) and with `mosaic`
-    `impl="mosaic"` under each `tuning.VARLEN_LAYOUT`: the block layout ("blocks", opt-in) and one program per
-    sequence ("sequences": what "auto" runs on sm_90 for packed sequences by default)."""
+    `impl="mosaic"` (the same with one Mosaic GPU program per sequence: what "auto" runs on sm_90)."""
     cu = varlen_offsets(total, seqs)
     ks = jax.random.split(jax.random.key(total + 1), 5)
     q, k, v = (jax.random.normal(x, (1, total, n, DK), jnp.bfloat16) for x in ks[:3])
@@ -365,19 +363,11 @@ def varlen_rows(bw, rate, fla, total: int, seqs: int = 8, n: int = N, mosaic: bo
     ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
     impl = "pallas chunked, packed chunk-aligned (defaults)"
     rows.append(row("prefill varlen", shape, impl, ms, flops, nbytes, bw, rate, err))
-    for layout, label in (("blocks", "block layout"), ("sequences", "one program per sequence")) if mosaic else ():
-        why = kda_api._blocks_why_not(q, cu, None) if layout == "blocks" else None
-        if why is not None:  # impl="mosaic" would run the other layout: no row under this label
-            print(f"  prefill varlen | {shape} | no block-layout row: it needs {why}")
-            continue
-        kept, kda_tuning.VARLEN_LAYOUT = kda_tuning.VARLEN_LAYOUT, layout  # read when the call is traced
-        try:
-            fn = jax.jit(functools.partial(kda, impl="mosaic", cu_seqlens=cu))
-            err = rel_err(fn(q, k, v, g, beta)[0], ref_o)
-        finally:
-            kda_tuning.VARLEN_LAYOUT = kept
+    if mosaic:
+        fn = jax.jit(functools.partial(kda, impl="mosaic", cu_seqlens=cu))
+        err = rel_err(fn(q, k, v, g, beta)[0], ref_o)
         ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
-        impl = f"Mosaic GPU state pass (Triton phase 1), {label}"
+        impl = "Mosaic GPU state pass (Triton phase 1), one program per sequence"
         rows.append(row("prefill varlen", shape, impl, ms, flops, nbytes, bw, rate, err))
     if fla is not None:
         torch, chunk_kda, _ = fla

@@ -6,8 +6,7 @@ Stages of a decode step: one mixer (kda, sparse), the MoE FFN, or the whole step
 speculative verify step instead (`--num-draft` + 1 tokens through the caches, then `commit` keeping one).
 `--model kimi` is the Kimi-shaped Hugging Face folder of `benchmarks.e2e` (made there first if missing).
 `--stage kda_prefill` is the KDA op alone at prefill (`--tokens`, 32 heads of 128, bf16, what `impl="auto"`
-runs; `--varlen-seqs 8`: packed as that script's varlen batch, `--varlen-layout` picking
-`tuning.VARLEN_LAYOUT` for the call), what `benchmarks.linear_attention` times, split
+runs; `--varlen-seqs 8`: packed as that script's varlen batch), what `benchmarks.linear_attention` times, split
 into its kernels. `--stage prefill` is the whole model's batch-1 prefill of `--tokens` (what the e2e TTFT row
 times), split into its kernels.
 `--stage indexer` is the indexer's decode Top-K alone (`indexer_topk`, 64 heads of 128, a BF16 pool of
@@ -174,7 +173,6 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
     """The KDA op at prefill, bf16 inputs, what "auto" runs (on sm_90 the Mosaic GPU state pass)."""
     from benchmarks.linear_attention import DK, DV, N, varlen_offsets
     from pallas_kernels.linear_attention import kda
-    from pallas_kernels.linear_attention import tuning as kda_tuning
 
     ks = jax.random.split(jax.random.key(tokens), 5)
     q, k, v = (jax.random.normal(x, (1, tokens, N, DK), jnp.bfloat16) for x in ks[:3])
@@ -182,11 +180,7 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, tokens, N)))
     cu = varlen_offsets(tokens, args.varlen_seqs) if args.varlen_seqs else None
     fn = jax.jit(lambda *a: kda(*a, cu_seqlens=cu))
-    kept, kda_tuning.VARLEN_LAYOUT = kda_tuning.VARLEN_LAYOUT, args.varlen_layout or kda_tuning.VARLEN_LAYOUT
-    try:  # read when the call is traced
-        jax.block_until_ready(fn(q, k, v, g, beta))
-    finally:
-        kda_tuning.VARLEN_LAYOUT = kept
+    jax.block_until_ready(fn(q, k, v, g, beta))
     trace = out_dir / f"trace_kda_prefill_{tokens}"
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):
         for _ in range(args.calls):
@@ -195,7 +189,6 @@ def profile_kda_prefill(tokens: int, args, out_dir: Path) -> None:
     title = f"KDA prefill T={tokens} N={N} K={DK} V={DV}, bf16 products (defaults)"
     if cu is not None:
         title += f", {args.varlen_seqs} packed sequences (lengths {np.diff(cu).tolist()})"
-        title += f", layout {args.varlen_layout or 'default'}"
     print_table(title, kernel_times(trace), args.calls, args.top)
 
 
@@ -330,8 +323,6 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32768, help="kda_prefill and prefill only")
     varlen = "kda_prefill: the tokens packed as this many sequences (linear_attention's varlen batch); 0: one"
     p.add_argument("--varlen-seqs", type=int, default=0, help=varlen)
-    layout = "kda_prefill with --varlen-seqs: tuning.VARLEN_LAYOUT for the call (default: the tuning's)"
-    p.add_argument("--varlen-layout", choices=["blocks", "sequences"], default=None, help=layout)
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill only: also chunked, and the difference")
     p.add_argument("--layers", type=int, default=None, help="a preset cut to this many layers (gpu_parity.cut_config)")
     p.add_argument("--experts", type=int, default=32, help="with --layers: at most this many routed experts")

@@ -874,8 +874,7 @@ def test_profile_stage_topk_runs_each_selection_and_refuses_others(tmp_path, mon
 
 def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypatch, capsys):
     """`profile_stage --stage kda_prefill --varlen-seqs 3`: the tokens packed as `linear_attention`'s varlen
-    batch of that many sequences (its lengths and `--varlen-layout` in the title, the tuning put back after;
-    the CPU runs the jnp form, no device kernels)."""
+    batch of that many sequences (its lengths in the title; the CPU runs the jnp form, no device kernels)."""
     import pallas_kernels.linear_attention as la
     from benchmarks import profile_stage
     from benchmarks.linear_attention import varlen_offsets
@@ -893,14 +892,7 @@ def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypat
     profile_stage.main()
     cu = varlen_offsets(256, 3).tolist()
     assert len(cu) == 4 and cu[0] == 0 and cu[-1] == 256 and seen and all(x == cu for x in seen)
-    assert f"3 packed sequences (lengths {np.diff(cu).tolist()}), layout default" in capsys.readouterr().out
-    from pallas_kernels.linear_attention import tuning
-
-    kept = tuning.VARLEN_LAYOUT
-    other = {"blocks": "sequences", "sequences": "blocks"}[kept]
-    monkeypatch.setattr(sys, "argv", [*argv, "--varlen-layout", other])
-    profile_stage.main()
-    assert f", layout {other}" in capsys.readouterr().out and tuning.VARLEN_LAYOUT == kept  # put back
+    assert f"3 packed sequences (lengths {np.diff(cu).tolist()})" in capsys.readouterr().out
     for bad in ("-1", "257"):
         monkeypatch.setattr(sys, "argv", [*argv[:5], f"--varlen-seqs={bad}", *argv[7:]])
         with pytest.raises(SystemExit):
@@ -910,26 +902,22 @@ def test_profile_stage_kda_prefill_packs_the_benchmark_batch(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_kda_varlen_rows_time_both_state_passes(monkeypatch):
-    """The varlen batch's rows: the reference, the chunk-aligned packing (Triton state pass) and with `mosaic`
-    the Mosaic GPU state pass under both `tuning.VARLEN_LAYOUT`s (the block layout, one program per sequence),
-    each checked against the reference (interpret mode, 3 sequences of 256 tokens in all, one head)."""
+    """The varlen batch's rows: the reference, the chunk-aligned packing with the Triton state pass and with
+    `mosaic` with the Mosaic GPU one (one program per sequence each), each checked against the reference
+    (interpret mode, 3 sequences of 256 tokens in all, one head)."""
     from benchmarks import linear_attention
-    from pallas_kernels.linear_attention import api, tuning
+    from pallas_kernels.linear_attention import api
 
-    kept = tuning.VARLEN_LAYOUT
     monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
-    ran = []  # which layout each traced call took
-    for name in ("_varlen_blocks", "_varlen_packed"):
-        real = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _real=real, _name=name, **k: (ran.append(_name), _real(*a, **k))[1])
+    ran = []  # which state pass each traced call took
+    real = api.kda_chunked_pallas
+    monkeypatch.setattr(api, "kda_chunked_pallas", lambda *a, **k: (ran.append(k["state_impl"]), real(*a, **k))[1])
     rows = linear_attention.varlen_rows(1e12, 1e14, None, 256, seqs=3, n=1, mosaic=True)
     runs = [name for i, name in enumerate(ran) if i == 0 or ran[i - 1] != name]  # a call may trace twice
-    assert runs == ["_varlen_packed", "_varlen_blocks", "_varlen_packed"], ran
+    assert runs == ["triton", "mosaic"], ran
     impls = [r["impl"] for r in rows]
-    mosaic = "Mosaic GPU state pass (Triton phase 1)"
     assert impls == ["jnp reference (XLA, chunked)", "pallas chunked, packed chunk-aligned (defaults)",
-                     f"{mosaic}, block layout", f"{mosaic}, one program per sequence"], impls  # fmt: skip
-    assert tuning.VARLEN_LAYOUT == kept  # put back after the rows
+                     "Mosaic GPU state pass (Triton phase 1), one program per sequence"], impls  # fmt: skip
     for r in rows[1:]:
         assert float(r["check vs reference"].split("rel err ")[1]) < 2e-2, r
 

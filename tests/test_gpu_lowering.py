@@ -36,12 +36,9 @@ def test_projection_group_lowers():
     assert text.count("xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize(
-    "solve, state_every, resets", [("neumann", None, ()), ("substitution", None, ()), ("neumann", 128, (2,))]
-)
-def test_kda_prefill_kernels_lower(solve, state_every, resets):
-    """state_every: the state pass also stores the state at every 128 tokens (3 snapshots of 384 tokens);
-    resets: chunk 2 starts from a zero state (the packed layout's reset chunk)."""
+@pytest.mark.parametrize("solve, state_every", [("neumann", None), ("substitution", None), ("neumann", 128)])
+def test_kda_prefill_kernels_lower(solve, state_every):
+    """state_every: the state pass also stores the state at every 128 tokens (3 snapshots of 384 tokens)."""
     from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
 
     t, n, dk = 384, 2, 128
@@ -53,7 +50,7 @@ def test_kda_prefill_kernels_lower(solve, state_every, resets):
     def run(q, g, beta, s0):
         return kda_chunked_pallas(
             q, q, q, g, beta, s0, scale=0.1, l2norm=True, block_v=32, precision="bf16", solve=solve,
-            state_every=state_every, reset_chunks=resets,
+            state_every=state_every,
         )  # fmt: skip
 
     lowered = jax.jit(run).trace(q, g, beta, s0)

@@ -68,93 +68,30 @@ def test_mosaic_state_pass_snapshots():
     assert rel_err(states[:, 1], states[:, 0]) > 0.1  # two different states, not one written twice
 
 
-def test_packed_sequences_through_the_mosaic_state_pass(monkeypatch):
-    """Packed sequences from zero states (`api._block_layout`: one pass, each sequence's first chunk reset,
-    final states from the snapshots at block ends) against the Triton pass over the chunk-aligned packing and
-    each sequence alone: the same outputs and final states. Blocks of 3 chunks (VARLEN_BLOCKS lowered to 2),
-    so a block holds a whole pad chunk after a partial one; empty sequences first, inside and last. (The 10%
-    padding bound is lifted: sequences this short pad more.)"""
-    from pallas_kernels.linear_attention import api
-
-    monkeypatch.setattr(api, "VARLEN_MAX_PAD", 2.0)
-    monkeypatch.setattr(api, "VARLEN_BLOCKS", 2)
-    lengths = [0, 100, 0, 64, 130, 0]
+def test_packed_sequences_in_place_are_not_gathered():
+    """Packed sequences of any lengths (70, 130, 100: partial chunks) through both state passes: phase 1 reads
+    the inputs in place (`kda_chunked_pallas(rows=)`, no XLA copy of them into the chunk-aligned layout) and
+    the state pass writes o in the sequences' own rows (no gather of values back out of the layout, where one
+    moved rows far below copy speed on the GPU; the Mosaic pass orders its [S] int32 tables longest first),
+    and the results are those of each sequence alone."""
+    lengths = [70, 130, 100]
     cu = np.concatenate([[0], np.cumsum(lengths)])
-    args, _ = _prefill_inputs(8, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
-    every, starts, snaps, resets, total, aligned = api._block_layout(np.asarray(lengths))
-    layout = (every, starts.tolist(), snaps.tolist(), resets, total, aligned)
-    assert layout == (192, [0, 0, 192, 192, 384, 576], [-1, 0, -1, 1, 2, -1], (3, 6), 576, 384)
-    assert _runs_mosaic_state_pass(*args, cu_seqlens=cu)
-    o, s = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
-    o_t, s_t = kda(*args, impl="pallas", cu_seqlens=cu, interpret=not NATIVE)
-    assert o.shape == o_t.shape and s.shape == s_t.shape == (6, 2, 64, 64)
-    assert rel_err(o, o_t) < 2e-3 and rel_err(s, s_t) < 1e-4
-    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
-        if b > a:
-            ref_o, ref_s = kda(*(x[:, a:b] for x in args), impl="reference", form="recurrent")
-            assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2
-
-
-def test_packed_sequences_in_place_are_not_gathered(monkeypatch):
-    """Sequences whose lengths are whole blocks (all but the last) keep their places in every packed layout:
-    phase 1 reads the inputs in place (`kda_chunked_pallas(rows=)`, no XLA copy of them in any layout) and o
-    comes back by a slice, no gather of values (where one moved rows far below copy speed on the GPU; the
-    per-sequence Mosaic pass orders its [S] int32 tables longest first), and the results are those of each
-    sequence alone. Mosaic block layout: blocks of E = 128 (VARLEN_BLOCKS raised to 4), lengths 128, 256, 100.
-    One program per sequence (the Triton pass, and the Mosaic one in the default layout) writes o in the
-    sequences' own rows whatever their lengths (70, 130, 100)."""
-    from pallas_kernels.linear_attention import api, tuning
-
-    monkeypatch.setattr(api, "VARLEN_MAX_PAD", 2.0)
-    monkeypatch.setattr(api, "VARLEN_BLOCKS", 4)
-    cases = (("mosaic", "blocks", [128, 256, 100], 512), ("mosaic", "sequences", [70, 130, 100], 448),
-             ("pallas", "sequences", [70, 130, 100], 448))  # fmt: skip
-    for impl, layout, lengths, laid_out in cases:
-        monkeypatch.setattr(tuning, "VARLEN_LAYOUT", layout)
-        cu = np.concatenate([[0], np.cumsum(lengths)])
-        args, _ = _prefill_inputs(10, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
-        run = lambda *a, impl=impl, cu=cu: kda(*a, impl=impl, cu_seqlens=cu, interpret=not NATIVE)  # noqa: E731
+    args, _ = _prefill_inputs(10, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
+    for impl in ("mosaic", "pallas"):
+        run = lambda *a, impl=impl: kda(*a, impl=impl, cu_seqlens=cu, interpret=not NATIVE)  # noqa: E731
         jaxpr = jax.make_jaxpr(run)(*args)
         gathers = re.findall(r"\w+:(\w+)\[([\d,]*)\] = gather\[", str(jaxpr))
-        assert all(dtype == "i32" and size == "3" for dtype, size in gathers), (impl, layout, gathers)
-        # nothing made of the inputs before the kernels: no pad, no copy into the layout's token count
+        assert all(dtype == "i32" and size == "3" for dtype, size in gathers), (impl, gathers)
+        # nothing made of the inputs before the kernels: no pad, no copy into the layout's 448 tokens
         first = [e.params.get("name") for e in jaxpr.jaxpr.eqns].index("kda_chunked_pallas")
         before = [(e.params.get("name", str(e.primitive)), v.aval.shape) for e in jaxpr.jaxpr.eqns[:first]
                   for v in e.outvars]  # fmt: skip
-        assert all(name != "_pad" and shape[1:2] != (laid_out,) for name, shape in before), (impl, layout, before)
+        assert all(name != "_pad" and shape[1:2] != (448,) for name, shape in before), (impl, before)
         o, s = run(*args)
         assert o.shape == args[2].shape and s.shape == (3, 2, 64, 64)
         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
             ref_o, ref_s = kda(*(x[:, a:b] for x in args), impl="reference", form="recurrent")
             assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2, (impl, i)
-    every, starts, _, resets, total, _ = api._block_layout(np.asarray([128, 256, 100]))
-    assert (every, starts.tolist(), resets, total) == (128, [0, 128, 384], (2, 6), 512)
-    # one sequence not a whole block moves the ones after it: o is gathered back
-    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "blocks")
-    cu = np.asarray([0, 100, 228])
-    args, _ = _prefill_inputs(11, 1, 228, 2, 64, 64, False, jnp.bfloat16, False)
-    assert "gather" in str(jax.make_jaxpr(lambda *a: kda(*a, impl="mosaic", cu_seqlens=cu, interpret=True))(*args))
-
-
-@pytest.mark.parametrize("state_impl", ["triton", "mosaic"])
-def test_a_reset_chunk_isolates_the_sequences_after_it(state_impl):
-    """`kda_chunked_pallas(reset_chunks=)` as the packed layout uses it: sequence A (chunks 0-1), then sequence B
-    (chunks 2-4) whose own first chunk is reset. An inf in one of A's values makes A's state non-finite; B's
-    outputs and final state are then bit for bit those of the same call with A finite — the reset selects a zero
-    state (multiplying the state by a decay of 0 would turn B into NaN) — and B's are those of B alone."""
-    (q, k, v, g, beta), _ = _prefill_inputs(9, 1, 320, 2, 64, 64, False, jnp.bfloat16, False)
-    s0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
-    kw = dict(scale=0.125, l2norm=True, block_v=32, precision="bf16", interpret=not NATIVE, state_impl=state_impl)
-    run = lambda v: kda_chunked_pallas(q, k, v, g, beta, s0, reset_chunks=(2,), state_every=128, **kw)  # noqa: E731
-    o, s, snaps = run(v)
-    o_bad, s_bad, snaps_bad = run(v.at[0, 5, 1, 3].set(jnp.inf))
-    assert not np.isfinite(np.asarray(snaps_bad[:, 0])).all()  # A's state (after chunk 1) is not finite
-    assert np.isfinite(np.asarray(s)).all() and np.isfinite(np.asarray(o[:, 128:], np.float32)).all()
-    np.testing.assert_array_equal(np.asarray(o_bad[:, 128:], np.float32), np.asarray(o[:, 128:], np.float32))
-    np.testing.assert_array_equal(np.asarray(s_bad), np.asarray(s))
-    # and the reset is a reset: B alone, from a zero state, gives the same outputs and final state
-    o_alone, s_alone = kda_chunked_pallas(*(x[:, 128:] for x in (q, k, v, g, beta)), s0, **kw)
-    assert rel_err(s, s_alone) < 1e-5 and rel_err(o[:, 128:], o_alone) < 1e-5
 
 
 def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
@@ -222,56 +159,38 @@ def test_mosaic_state_pass_refusals_name_the_value():
     with pytest.raises(ValueError, match="state_every a positive multiple of 64 .got 96"):
         jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a, state_every=96), *ok)
     seqs = (s((1,), jnp.int32), s((1,), jnp.int32))
-    with pytest.raises(ValueError, match=r"without state_every or resets \(got .*state_every 64"):
+    with pytest.raises(ValueError, match=r"without state_every \(got .*state_every 64"):
         jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a[:7], state_every=64, seqs=a[7:]), *ok, *seqs)
 
 
-def test_packed_sequences_one_program_each_through_the_mosaic_state_pass(monkeypatch):
-    """`kda(impl="mosaic", cu_seqlens=)` under `tuning.VARLEN_LAYOUT = "sequences"` (the default), or under
-    "blocks" where the block layout does not take the pack: the chunk-aligned packing with one Mosaic GPU
-    program per (head, value block, sequence), each walking its own chunks from its own state (the step count
-    read from memory). The same outputs as the Triton pass's one program per sequence and as each sequence
-    alone; an empty sequence keeps its state; "auto" takes it for every pack while VARLEN_LAYOUT says
-    "sequences"; with "blocks" "auto" leaves packs with initial states to the Triton pass and impl="mosaic"
-    takes it for packs the block layout pads too much; an all-empty pack runs nothing; a misspelt
-    VARLEN_LAYOUT is an error, not the other layout."""
-    from pallas_kernels.linear_attention import tuning
-
-    lengths = [70, 0, 130, 64, 5]  # an empty sequence, one of whole chunks, one shorter than a chunk
+def test_packed_sequences_one_program_each_through_the_mosaic_state_pass():
+    """`kda(impl="mosaic", cu_seqlens=)`: the chunk-aligned packing with one Mosaic GPU program per (head, value
+    block, sequence), each walking its own chunks from its own state (the step count read from memory). The
+    same outputs as the Triton pass's one program per sequence and as each sequence alone, from given and from
+    zero states; empty sequences (first, inside, last) keep their states; "auto" takes it for every pack; an
+    all-empty pack runs nothing."""
+    lengths = [0, 70, 0, 130, 64, 5, 0]  # empty ones, one of whole chunks, one shorter than a chunk
     cu = np.concatenate([[0], np.cumsum(lengths)])
     args, _ = _prefill_inputs(12, 1, int(cu[-1]), 2, 64, 128, False, jnp.bfloat16, False)
     s0 = jax.random.normal(jax.random.key(4), (len(lengths), 2, 64, 128))
     o, s = kda(*args, impl="mosaic", cu_seqlens=cu, initial_state=s0, interpret=not NATIVE)
     o_t, s_t = kda(*args, impl="pallas", cu_seqlens=cu, initial_state=s0, interpret=not NATIVE)
     assert rel_err(o, o_t) < 5e-3 and rel_err(s, s_t) < 5e-3
-    assert bool((s[1] == s0[1]).all())
+    assert all(bool((s[i] == s0[i]).all()) for i in (0, 2, 6))
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if a < b:
             ref_o, ref_s = kda(*(x[:, a:b] for x in args), initial_state=s0[i : i + 1], impl="reference")
             assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2, i
-    assert tuning.VARLEN_LAYOUT == "sequences"
     assert _state_pass_traced(*args, cu_seqlens=cu, initial_state=s0) == "mosaic"
     assert _state_pass_traced(*args, cu_seqlens=cu) == "mosaic"
     o2, s2 = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)  # zero states, one program each
     zero = jnp.zeros_like(s0)
     o2_t, s2_t = kda(*args, impl="pallas", cu_seqlens=cu, initial_state=zero, interpret=not NATIVE)
-    assert rel_err(o2, o2_t) < 5e-3 and rel_err(s2, s2_t) < 5e-3
-    # "blocks" again: zero states the block layout pads past VARLEN_MAX_PAD (one block a call) take this path too
-    from pallas_kernels.linear_attention import api
-
-    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "blocks")
-    assert _state_pass_traced(*args, cu_seqlens=cu, initial_state=s0) == "triton"  # "blocks": not for states
-    monkeypatch.setattr(api, "VARLEN_BLOCKS", 1)
-    assert api._blocks_why_not(args[0], cu, None).startswith("packed sequences laid out as one in at most 1.1x")
-    o3, s3 = kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
-    assert bool((o3 == o2).all()) and bool((s3 == s2).all())
+    assert rel_err(o2, o2_t) < 5e-3 and rel_err(s2, s2_t) < 5e-3 and bool((s2[0] == 0).all())
     # every sequence empty: nothing runs, zeros out, the states as given
     empty = tuple(x[:, :0] for x in args)
     o4, s4 = kda(*empty, impl="mosaic", cu_seqlens=[0, 0, 0], initial_state=s0[:2], interpret=not NATIVE)
     assert o4.shape == (1, 0, 2, 128) and bool((s4 == s0[:2]).all())
-    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "sequence")
-    with pytest.raises(ValueError, match=r"tuning.VARLEN_LAYOUT='sequence' must be 'blocks' or 'sequences'"):
-        kda(*args, impl="mosaic", cu_seqlens=cu, interpret=not NATIVE)
 
 
 def _state_pass_traced(*args, **kw) -> str:
@@ -286,8 +205,7 @@ def _state_pass_traced(*args, **kw) -> str:
 def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypatch):
     """Off in `linear_attention/tuning.py`, "auto" on a Hopper GPU keeps the Triton kernels. On (the default),
     it runs the Mosaic GPU state pass on sm_90 for the calls it takes (inside `use_pallas()` too; packed
-    sequences in any layout under `VARLEN_LAYOUT = "sequences"`, the default) and the Triton one for the rest
-    (float32 inputs, K > 128, another GPU; under "blocks", packs that pad more than 10% laid out for it)."""
+    sequences included) and the Triton one for the rest (float32 inputs, K > 128, another GPU)."""
     from pallas_kernels.linear_attention import tuning
     from pallas_kernels.linear_attention.api import _mosaic_why_not
 
@@ -297,24 +215,10 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
     assert _state_pass_traced(*args) == "triton"
     assert registry.resolve("kda_prefill", "mosaic", tokens=4096).impl == "mosaic"
     monkeypatch.setattr(tuning, "MOSAIC_STATE_PASS", True)
-    assert _mosaic_why_not(q, None, None) is None
-    from pallas_kernels.linear_attention import api
-
-    assert tuning.VARLEN_LAYOUT == "sequences"
-    monkeypatch.setattr(api, "VARLEN_BLOCKS", 1)  # read only by the block layout
-    assert _mosaic_why_not(q, None, [0, 30, 64]) is None and _mosaic_why_not(q[:, :0], None, [0, 0, 0]) is None
-    assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "mosaic"
-    monkeypatch.setattr(tuning, "VARLEN_LAYOUT", "blocks")
-    monkeypatch.setattr(api, "VARLEN_BLOCKS", 128)
-    assert _mosaic_why_not(q, None, [0, 30, 64]) is None  # blocks of 64: the chunk-aligned 128 tokens
-    monkeypatch.setattr(api, "VARLEN_BLOCKS", 1)  # one block per call: 30 and 34 tokens take 128 each
-    assert _mosaic_why_not(q, None, [0, 30, 64]) == (
-        "packed sequences laid out as one in at most 1.1x their 128 chunk-aligned tokens (got 256 for 2 sequences)"
-    )
-    assert _mosaic_why_not(q[:, :0], None, [0, 0, 0]) == "a non-empty packed sequence (got 2 empty ones)"
-    assert _mosaic_why_not(q.astype(jnp.float32), None, None) == "bfloat16 inputs (got float32)"
-    assert _mosaic_why_not(q, "tf32", None) == "bf16 products (got precision='tf32')"
-    assert _mosaic_why_not(jnp.zeros((1, 64, 1, 200), jnp.bfloat16), None, None) == "K <= 128 (got 200)"
+    assert _mosaic_why_not(q, None) is None
+    assert _mosaic_why_not(q.astype(jnp.float32), None) == "bfloat16 inputs (got float32)"
+    assert _mosaic_why_not(q, "tf32") == "bf16 products (got precision='tf32')"
+    assert _mosaic_why_not(jnp.zeros((1, 64, 1, 200), jnp.bfloat16), None) == "K <= 128 (got 200)"
     f32 = "bfloat16 inputs (got float32)"
     for device, why_not, want, reason in [
         (("gpu", "9.0"), None, "mosaic", "sm_90"),
@@ -326,14 +230,9 @@ def test_auto_picks_the_mosaic_state_pass_only_where_tuning_turns_it_on(monkeypa
         assert got.impl == want and reason in got.reason, (device, got)
     with registry.assume_device("gpu", "9.0"), pallas_kernels.use_pallas():
         assert registry.resolve("kda_prefill", tokens=4096, mosaic_why_not=None).impl == "mosaic"
-    # whole calls ("blocks" still): the Mosaic pass where it takes the call, the Triton one for packs the block
-    # layout pads too much or float32 inputs
+    # whole calls: the Mosaic pass where it takes the call (packed sequences too), the Triton one for float32
     assert _state_pass_traced(*args) == "mosaic"
-    assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "triton"  # 256 of 128 tokens (one block a call)
-    long_args, _ = _prefill_inputs(0, 1, 1280, 1, 64, 64, False, jnp.bfloat16, False)
-    assert _state_pass_traced(*long_args, cu_seqlens=[0, 630, 1280]) == "triton"  # one block a call: 2688 of 1344
-    monkeypatch.setattr(api, "VARLEN_BLOCKS", 16)  # blocks of 128: 640 + 768 = 1408 of 1344 tokens, 5% more
-    assert _state_pass_traced(*long_args, cu_seqlens=[0, 630, 1280]) == "mosaic"
+    assert _state_pass_traced(*args, cu_seqlens=[0, 30, 64]) == "mosaic"
     assert _state_pass_traced(*(x.astype(jnp.float32) for x in args)) == "triton"
 
 
@@ -344,11 +243,10 @@ import jax, jax.numpy as jnp
 from pallas_kernels.linear_attention.state_mosaic import kda_state_pass_mosaic
 S = jax.ShapeDtypeStruct
 bf = jnp.bfloat16
-# the second with reset chunks (packed sequences): the select of a zero state at a marked chunk
-for t, n, dk, dv, every, resets in ((32768, 32, 128, 128, None, False), (4096, 4, 64, 192, 1024, True)):
+for t, n, dk, dv, every in ((32768, 32, 128, 128, None), (4096, 4, 64, 192, 1024)):
     args = (S((1, t, n, dk), bf), S((1, t, n, dv), bf), S((1, t, n, dk), bf), S((1, t, n, dk), bf),
             S((1, t, n, 64), bf), S((1, t // 64, n, dk, 1), jnp.float32), S((1, n, dk, dv), jnp.float32))
-    traced = kda_state_pass_mosaic.trace(*args, state_every=every, resets=resets)
+    traced = kda_state_pass_mosaic.trace(*args, state_every=every)
     lowered = traced.lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 # packed sequences, one program each: the pipeline's step count and first chunk read from memory

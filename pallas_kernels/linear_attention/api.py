@@ -25,7 +25,6 @@ from pallas_kernels.linear_attention.reference import (
     kda_verify_layer_reference,
 )
 from pallas_kernels.linear_attention.reference import kda_state_summary as _kda_state_summary
-from pallas_kernels.linear_attention.tuning import VARLEN_BLOCKS, VARLEN_MAX_PAD
 from pallas_kernels.projection.api import SplitK, materialize
 
 __all__ = [
@@ -87,13 +86,8 @@ def kda(
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks (phase 1 reads the
-    packed inputs in place), one state-pass program per (sequence, head, value block) from its own state;
-    "mosaic" does the same with the Mosaic GPU state pass (`tuning.VARLEN_LAYOUT = "sequences"`, the default),
-    except that with "blocks" (opt-in) packs from zero states that the block layout fits run as one sequence of
-    blocks of E tokens, each sequence in whole blocks (its first chunk reset, zero padding after it), the
-    final states read from snapshots (`_block_layout`; sequences of a multiple of E tokens stay where they
-    are, no gather; the reset selects a zero state, so a sequence whose state overflows to inf / NaN leaves the
-    others finite);
+    packed inputs in place), one state-pass program per (sequence, head, value block) from its own state,
+    writing o in the sequence's own rows ("mosaic": the Mosaic GPU state pass, the same way);
     the jnp forms run them as one batch padded to the longest (pads at each row's end change no state).
     state_every=E (a positive int; not with cu_seqlens): also the states after every E tokens, a third output
     [B, T // E, N, K, V] float32 whose entry j is the state after tokens [0, (j + 1)·E) — what a prefix cache
@@ -119,7 +113,7 @@ def kda(
     a_blocks = kda_tuning.A_BLOCKS if a_blocks is None else a_blocks
     check_a_blocks(a_blocks, "kda")
     if impl == "auto" and form is None:
-        why_not = _mosaic_why_not(q, precision, cu_seqlens, initial_state)
+        why_not = _mosaic_why_not(q, precision)
         impl = registry.resolve("kda_prefill", impl, tokens=q.shape[1], mosaic_why_not=why_not).impl
     elif impl == "auto":  # a reference form asked for
         impl = "reference"
@@ -132,7 +126,7 @@ def kda(
         )  # fmt: skip
     if cu_seqlens is not None:
         if impl == "mosaic":
-            why = _mosaic_why_not(q, precision, None)
+            why = _mosaic_why_not(q, precision)
             if why is not None:
                 raise ValueError(f"kda: impl='mosaic' needs {why}")
         if impl in ("pallas", "mosaic"):
@@ -140,8 +134,8 @@ def kda(
                       precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps,
                       solve=solve, a_blocks=a_blocks)  # fmt: skip
             if impl == "mosaic":
-                return _mosaic_varlen(q, k, v, g, beta, cu_seqlens, initial_state, {**kw, "state_impl": "mosaic"})
-            return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)  # fmt: skip
+                kw["state_impl"] = "mosaic"
+            return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)
         return _varlen(
             q, k, v, g, beta, cu_seqlens, initial_state,
             dict(scale=scale, use_qk_l2norm=use_qk_l2norm, impl="reference", form=form, chunk_size=chunk_size),
@@ -236,13 +230,6 @@ def _chunk_rows(src):
     return jnp.asarray(first, jnp.int32), jnp.asarray(valid, jnp.int32)
 
 
-def _unpack_rows(o, token_slot):
-    """o [1, slots, ...] -> the tokens' rows [1, T, ...] (a slice where every token is in place, else a gather)."""
-    if (token_slot == np.arange(token_slot.size)).all():
-        return o[:, : token_slot.size]
-    return o[0, token_slot][None]
-
-
 def _varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     """Packed sequences [1, T, ...] -> a padded batch [S, T_max, ...] -> kda -> packed outputs (the jnp
     forms; the Pallas path packs chunk-aligned instead, `_varlen_packed`)."""
@@ -272,7 +259,7 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
         s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
         return jnp.zeros(v.shape, q.dtype), s0.astype(jnp.float32)
     start = np.cumsum(chunks) - chunks  # first chunk of each sequence
-    src, _ = _pack_index(start * CHUNK, lengths, int(chunks.sum()) * CHUNK)
+    src = _pack_index(start * CHUNK, lengths, int(chunks.sum()) * CHUNK)
     s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
     if s0.shape != (n_seq, n, dk, dv):
         raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
@@ -282,110 +269,19 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
 
 
 def _pack_index(starts, lengths, total: int):
-    """Sequence i's tokens at packed slots [starts_i, starts_i + lengths_i) of `total` -> (src [total]: the token
-    of each slot, -1 for padding (`_chunk_rows`), token_slot [T]: the slot of each token (unpacks))."""
+    """Sequence i's tokens at packed slots [starts_i, starts_i + lengths_i) of `total` -> src [total]: the token
+    of each slot, -1 for padding (`_chunk_rows`)."""
     token_slot = np.concatenate([np.arange(int(a), int(a) + int(n)) for a, n in zip(starts, lengths, strict=True)])
     src = np.full(total, -1)
     src[token_slot] = np.arange(token_slot.size)
-    return src, token_slot
+    return src
 
 
-def _block_layout(lengths: np.ndarray):
-    """Packed sequences laid out for one unpacked state pass (`_varlen_blocks`).
-
-    The pass stores its state every E tokens. Each non-empty sequence gets whole blocks of E: its tokens, then
-    zero padding. The first chunk of every sequence but one that starts the layout is reset
-    (`kda_chunked_pallas(reset_chunks=)`: the pass starts that chunk from a zero state), and zero tokens leave
-    the state unchanged, so the snapshot at the last block's end is the sequence's final state. Sequences
-    whose lengths are multiples of E (all but the last) are laid out where they already are: o is then
-    unpacked by a slice, no gather (`_unpack_rows`). E is the multiple of
-    CHUNK, from the one that makes about VARLEN_BLOCKS snapshots up to twice it, that lays out the fewest tokens.
-    Returns (E, token start per sequence, snapshot index per sequence (-1: empty), reset chunks, total tokens
-    laid out, tokens of the chunk-aligned packing); None when every sequence is empty."""
-    aligned = int((-(-lengths // CHUNK)).sum()) * CHUNK
-    if aligned == 0:
-        return None
-
-    def lay(every):
-        starts, snaps, resets, total = [], [], [], 0
-        for n in lengths.tolist():
-            if n == 0:
-                starts.append(total)
-                snaps.append(-1)
-                continue
-            if total:
-                resets.append(total // CHUNK)
-            starts.append(total)
-            total += -(-n // every) * every
-            snaps.append(total // every - 1)
-        return every, np.asarray(starts), np.asarray(snaps), tuple(resets), total, aligned
-
-    first = -(-aligned // (CHUNK * VARLEN_BLOCKS))
-    # the fewest tokens; among equals the longest block (the fewest snapshots)
-    return min((lay(CHUNK * m) for m in range(first, 2 * first + 1)), key=lambda lay: (lay[4], -lay[0]))
-
-
-def _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw):
-    """Packed sequences from zero states through one unpacked prefill (`_block_layout`): the state pass
-    that runs a single sequence (the Mosaic GPU one) with each sequence's first chunk reset and the final
-    states read from its snapshots. The inputs read in place and o unpacked as in `_varlen_packed`."""
-    cu = _sequence_offsets(cu_seqlens, q)
-    lengths = np.diff(cu)
-    every, starts, snaps, resets, total, _ = _block_layout(lengths)
-    n, dk, dv = q.shape[2], q.shape[3], v.shape[3]
-    src, token_slot = _pack_index(starts, lengths, total)
-    o, _, states = _kda_pallas(
-        q, k, v, g, beta, None, state_every=every, reset_chunks=resets, rows=_chunk_rows(src), **kw
-    )  # fmt: skip
-    zero = jnp.zeros((1, n, dk, dv), jnp.float32)
-    final = jnp.concatenate([states[:, j] if j >= 0 else zero for j in snaps.tolist()], axis=0)
-    return _unpack_rows(o, token_slot), final
-
-
-def _blocks_why_not(q, cu_seqlens, initial_state) -> str | None:
-    """What the block layout (`_varlen_blocks`) needs that these packed sequences lack (None: it takes them):
-    zero initial states, a non-empty sequence, at most VARLEN_MAX_PAD x the chunk-aligned tokens."""
-    n_seq = len(cu_seqlens) - 1
-    if initial_state is not None:
-        return f"packed sequences from zero states (got initial states for {n_seq} sequences)"
-    layout = _block_layout(np.diff(_sequence_offsets(cu_seqlens, q)))
-    if layout is None:
-        return f"a non-empty packed sequence (got {n_seq} empty ones)"
-    total, aligned = layout[4:]
-    if total > VARLEN_MAX_PAD * aligned:
-        return (f"packed sequences laid out as one in at most {VARLEN_MAX_PAD}x their {aligned} chunk-aligned "
-                f"tokens (got {total} for {n_seq} sequences)")  # fmt: skip
-    return None
-
-
-def _varlen_layout() -> str:
-    """`tuning.VARLEN_LAYOUT`, checked (a misspelt value is a one-line ValueError, not the other layout)."""
-    layout = kda_tuning.VARLEN_LAYOUT
-    if layout not in ("blocks", "sequences"):
-        raise ValueError(f"kda: tuning.VARLEN_LAYOUT={layout!r} must be 'blocks' or 'sequences'")
-    return layout
-
-
-def _mosaic_varlen(q, k, v, g, beta, cu_seqlens, initial_state, kw):
-    """Packed sequences through the Mosaic GPU state pass: the block layout (`_varlen_blocks`, one program per
-    head and value block walking every sequence) where `tuning.VARLEN_LAYOUT` is "blocks" and it takes them,
-    else the chunk-aligned packing with one program per (head, value block, sequence) (`_varlen_packed`)."""
-    if _varlen_layout() == "blocks" and _blocks_why_not(q, cu_seqlens, initial_state) is None:
-        return _varlen_blocks(q, k, v, g, beta, cu_seqlens, kw)
-    return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)
-
-
-def _mosaic_why_not(q, precision, cu_seqlens, initial_state=None) -> str | None:
+def _mosaic_why_not(q, precision) -> str | None:
     """What the Mosaic GPU state pass needs that this call lacks (None: it can take it): for "auto"
-    (`registry._kda_prefill_pick`) and, as a ValueError, for impl="mosaic" (`_check_mosaic`, without
-    cu_seqlens). Packed sequences: with `tuning.VARLEN_LAYOUT` "blocks" "auto" takes only those the block
-    layout takes (`_blocks_why_not`; the rest keep the Triton pass); with "sequences" any (`_varlen_packed`:
-    one Mosaic program per sequence); impl="mosaic" takes any (`_mosaic_varlen`)."""
+    (`registry._kda_prefill_pick`) and, as a ValueError, for impl="mosaic" (`_check_mosaic`). Packed
+    sequences take it as one sequence does (`_varlen_packed`: one Mosaic program per sequence)."""
     kmax = max(state_mosaic.HEAD_DIMS)
-    if cu_seqlens is not None and _varlen_layout() == "blocks":
-        why = _blocks_why_not(q, cu_seqlens, initial_state)
-        if why is not None:
-            return why
     if jnp.dtype(q.dtype) != jnp.bfloat16:
         return f"bfloat16 inputs (got {jnp.dtype(q.dtype).name})"
     if _pallas_precision(precision, q) != "bf16":
@@ -397,7 +293,7 @@ def _mosaic_why_not(q, precision, cu_seqlens, initial_state=None) -> str | None:
 
 def _check_mosaic(q, precision: str, interpret) -> None:
     """impl="mosaic"'s one-line refusals, naming what the call has (the kernel re-checks the padded shapes)."""
-    why = _mosaic_why_not(q, precision, None)
+    why = _mosaic_why_not(q, precision)
     if why is not None:
         raise ValueError(f"kda: impl='mosaic' needs {why}")
     if not interpret and not registry.is_sm90():
@@ -408,7 +304,7 @@ def _check_mosaic(q, precision: str, interpret) -> None:
 
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
-    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", reset_chunks=(), a_blocks=(), rows=None,
+    solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", a_blocks=(), rows=None,
     o_rows=None,
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16, >= 64 for the Mosaic GPU
@@ -416,10 +312,9 @@ def _kda_pallas(
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged.
     seq_chunks: (first chunk, chunk count) per chunk-aligned packed sequence; initial_state then [S,N,K,V].
     state_every (a multiple of 64): the states after every state_every tokens come back third.
-    reset_chunks: `kda_chunked_pallas`'s (chunks of the unpadded T).
-    rows (`_chunk_rows`): packed inputs read in place, `kda_chunked_pallas`'s; T is then the layout's
-    (64·chunks, no time padding) and o comes back in the layout, or with o_rows (each sequence's first token
-    and tokens, `kda_chunked_pallas`'s; the Mosaic GPU state pass) in the inputs' rows."""
+    rows (`_chunk_rows`): packed inputs read in place, `kda_chunked_pallas`'s (no time padding); o comes back
+    in the layout (64·chunks tokens), or with o_rows (each sequence's first token and tokens) in the inputs'
+    rows."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     if block_v <= 0 or block_v & (block_v - 1):
@@ -449,8 +344,6 @@ def _kda_pallas(
     extra = {} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])
     if state_every is not None:  # a boundary inside the padding (T rounded up to 64) is cut off below
         extra["state_every"] = state_every
-    if reset_chunks:
-        extra["reset_chunks"] = tuple(reset_chunks)
     if rows is not None:
         extra["rows"] = rows
         t = rows[0].shape[0] * CHUNK if o_rows is None else t

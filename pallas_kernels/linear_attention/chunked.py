@@ -34,13 +34,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.state_mosaic import RESET_MARK
 from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
@@ -160,16 +158,14 @@ def _unit_lower_inverse(a_kk, dot_solve, solve, akk_rows):
     return dot_solve(dot_solve(eye - m, eye + dot_solve(m, m)), x)
 
 
-def _state_kernel(*refs, nc, precision, packed, every=None, count=0, resets=False, o_packed=False):
+def _state_kernel(*refs, nc, precision, packed, every=None, count=0, o_packed=False):
     """The state pass over one (row, head, V-block) — with packed sequences (`packed`) over one (sequence, head,
     V-block): seq_start / seq_count [S] int32 name the sequence's chunks, the program walks only those from
     the sequence's initial state and writes its final state (a sequence with no chunk keeps its own).
     o_packed: two more tables (the sequence's first token and tokens in o) and o written in the sequence's
     own rows, each chunk's rows past its end masked off (they are the next sequence's).
     every / count (not with packed): also the state after chunks every, 2·every, ..., count·every, written to
-    rows [j·K, (j+1)·K) of the snapshot block (the loop over chunks split into `count` segments of `every`).
-    resets: a chunk whose decay is marked RESET_MARK (< 0, which no exp(G_C) is) starts from a zero state: a
-    select, not a product, so an inf / NaN state before it does not reach the chunks after it."""
+    rows [j·K, (j+1)·K) of the snapshot block (the loop over chunks split into `count` segments of `every`)."""
     if packed:
         start_ref, count_ref, *refs = refs
         tok_ref, len_ref, *refs = refs if o_packed else (None, None, *refs)
@@ -184,8 +180,6 @@ def _state_kernel(*refs, nc, precision, packed, every=None, count=0, resets=Fals
 
     def body(c, s):
         rows = pl.ds(c * CHUNK, CHUNK)
-        if resets:
-            s = jnp.where(gl_ref[c] < 0, 0.0, s)
         v_new = u_ref[rows, :] - dot(w_ref[rows, :], s)  # [C, BV]
         o = dot(qg_ref[rows, :], s) + dot(aqk_ref[rows, :], v_new)
         if o_packed:  # a masked store: the chunk's rows past the sequence's end belong to the next one
@@ -511,14 +505,13 @@ def _gate_spec(nc, dk):
         "parts",
         "state_every",
         "state_impl",
-        "reset_chunks",
         "a_blocks",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
-    state_impl="triton", reset_chunks=(), a_blocks=(), rows=None, o_rows=None,
+    state_impl="triton", a_blocks=(), rows=None, o_rows=None,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -528,7 +521,7 @@ def kda_chunked_pallas(
     holding input rows [first_c, first_c + valid_c) then valid_c < 64 zero rows (g = 0, beta = 0: the state
     unchanged). Only phase 1 reads the inputs, so only its three kernels read by index
     (`_source_rows`); from then on everything, o included, is in the layout. This is the packed sequences'
-    path (`api._varlen_packed`, `api._varlen_blocks`): XLA copying five inputs into the layout moved ~2.7 GB
+    path (`api._varlen_packed`): XLA copying five inputs into the layout moved ~2.7 GB
     at 32K tokens and 32 heads, 1.24 of the 6.47 ms of an H200 varlen call (docs/performance.md, "KDA prefill").
     o_rows (first input row, rows) int32 [S], with rows and packed sequences: o comes back in the inputs' rows
     instead, [1, T_in, N, V], sequence s in rows [first_s, first_s + rows_s) (no unpacking of the layout; the
@@ -545,12 +538,6 @@ def kda_chunked_pallas(
     sequence with no chunk keeps its s0 (the final states alias s0's buffer). The intra-chunk phase runs
     over all chunks at once; the state pass is one program per (sequence, head, V-block), each walking only
     its own sequence's chunks (the sequences' recurrences side by side, not one after another).
-
-    reset_chunks (static chunk indices): the state pass starts each of these chunks from a zero state (their
-    exp(G_C) is set to RESET_MARK, which the state passes read as "select 0", so an inf / NaN state before the
-    chunk does not pass it; the chunk's own decay then multiplies a zero state, so losing it loses nothing):
-    a packed sequence's first chunk reset this way starts it from zero inside one unpacked pass
-    (`api._varlen_blocks`).
 
     state_impl: "triton" (`_state_kernel`) or "mosaic" (`state_mosaic.kda_state_pass_mosaic`: Hopper, or
     Mosaic GPU's interpreter with `interpret`; bf16 intermediates, K 64 or 128, V a multiple of 64; packed
@@ -598,14 +585,10 @@ def kda_chunked_pallas(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
         parts=parts, a_blocks=tuple(a_blocks), rows=rows,
     )  # fmt: skip
-    if reset_chunks:
-        if packed or not all(0 <= c < nc for c in reset_chunks):
-            raise ValueError(f"kda_chunked_pallas: reset_chunks={reset_chunks} must be chunks of [0, {nc}), unpacked")
-        gl = gl.at[:, np.asarray(reset_chunks)].set(RESET_MARK)
     if state_impl == "mosaic":
         out = state_mosaic.kda_state_pass_mosaic(
             w, u, qg, kg, aqk, gl, s0.astype(jnp.float32), state_every=state_every, interpret=interpret,
-            resets=bool(reset_chunks), seqs=(seq_start, seq_count) if packed else None,
+            seqs=(seq_start, seq_count) if packed else None,
             **({} if o_rows is None else dict(o_rows=o_rows, o_tokens=t_in)),
         )  # fmt: skip
         if state_every is None:
@@ -642,7 +625,7 @@ def kda_chunked_pallas(
     out = pl.pallas_call(
         functools.partial(
             _state_kernel, nc=nc, precision=precision, packed=packed, every=every, count=count,
-            resets=bool(reset_chunks), o_packed=o_rows is not None,
+            o_packed=o_rows is not None,
         ),  # fmt: skip
         grid=(s0.shape[0], n, dv // block_v),
         in_specs=[*maps, seq(dk), seq(block_v, tile=True), seq(dk), seq(dk), seq(CHUNK), gate, state],

@@ -44,9 +44,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 CHUNK = 64
-# exp(G_C) of a chunk the state pass starts from a zero state (`chunked.kda_chunked_pallas(reset_chunks=)`):
-# negative, which no decay is, and read as a select (not a product, which would keep an inf / NaN state)
-RESET_MARK = -1.0
 BLOCK_V = 64  # value columns per warpgroup: one 128-byte swizzled bf16 tile wide
 TILE = 64  # bf16 columns of one 128-byte swizzled tile
 STAGES = 2  # pipeline slots of chunk inputs; 3 would exceed shared memory at K = 128
@@ -81,7 +78,7 @@ def unsupported(dk: int, dv: int, t: int, inter_dtype, out_dtype=jnp.bfloat16) -
     return None
 
 
-def _kernel(*refs, nc, every, resets, packed, o_packed):
+def _kernel(*refs, nc, every, packed, o_packed):
     """One (row, head, value block), or with `packed` one (sequence, head, value block): the sequence's first
     chunk, chunk count and index come from the three int32 tables before the usual refs, and with `o_packed`
     its first token and token count in o from two more (and the partial chunks' buffer after the outputs)."""
@@ -115,8 +112,6 @@ def _kernel(*refs, nc, every, resets, packed, o_packed):
         # read before the first barrier below: the pipeline refills this chunk's input slots once the body
         # returns, and the barriers order every warp's reads of them before that
         decay = plgpu.load(gl_s, layout=wgmma_layout.reduce(1))
-        if resets:  # a chunk marked RESET_MARK starts from a zero state
-            s = jnp.where(lax.broadcast_in_dim(decay < 0, s.shape, [0]), 0.0, s)
         s16[...] = s.astype(jnp.bfloat16)
         plgpu.commit_smem()
 
@@ -195,9 +190,9 @@ def _kernel(*refs, nc, every, resets, packed, o_packed):
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("state_every", "interpret", "resets", "o_tokens"))
+@functools.partial(jax.jit, static_argnames=("state_every", "interpret", "o_tokens"))
 def kda_state_pass_mosaic(
-    w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False, resets: bool = False, seqs=None,
+    w, u, qg, kg, aqk, gl, s0, *, state_every: int | None = None, interpret=False, seqs=None,
     o_rows=None, o_tokens: int | None = None,
 ):  # fmt: skip
     """The state pass over phase 1's intermediates: w, qg, kg [B, T, N, K], u [B, T, N, V], aqk [B, T, N, 64]
@@ -207,11 +202,10 @@ def kda_state_pass_mosaic(
     [j·K, (j+1)·K), the layout of `chunked.kda_chunked_pallas`'s state kernel).
     `unsupported` lists the constraints; a call outside them is a ValueError naming the value.
     interpret: False (compile for the GPU), True (Mosaic GPU's interpreter) or a `plgpu.InterpretGPUParams`
-    (the interpreter with those settings, e.g. its race detector). resets: chunks whose gl is RESET_MARK start
-    from a zero state (a select per chunk; off, the kernel has none).
+    (the interpreter with those settings, e.g. its race detector).
     seqs (first chunk, chunk count) int32 [S]: packed sequences in a batch of one (each sequence's chunks
     consecutive in the layout; chunks of none are not read and their o rows not written): s0 and the final
-    states are then [S, N, K, V], a sequence of no chunk keeps its s0; not with state_every or resets.
+    states are then [S, N, K, V], a sequence of no chunk keeps its s0; not with state_every.
     o_rows (first token, tokens) int32 [S] with seqs, and o_tokens (static int, the tokens of all sequences):
     o comes back unpadded, [1, o_tokens, N, V], sequence s in rows [first token_s, first token_s + tokens_s)
     (its chunk count ceil(tokens_s / 64); rows no sequence holds are left unwritten)."""
@@ -235,10 +229,10 @@ def kda_state_pass_mosaic(
             why = f"o_rows as two int32 [S] arrays with seqs and a positive o_tokens (got {got}, o_tokens {o_tokens!r})"
     if why is None and seqs is not None:
         ok = b == 1 and all(x.shape == (n_seq,) and x.dtype == jnp.int32 for x in seqs) and len(seqs) == 2
-        if not ok or state_every is not None or resets:
+        if not ok or state_every is not None:
             got = [(x.shape, x.dtype.name) for x in seqs]
-            why = (f"packed sequences as two int32 [S] arrays over a batch of one, without state_every or resets "
-                   f"(got seqs {got}, batch {b}, state_every {state_every}, resets {resets})")  # fmt: skip
+            why = (f"packed sequences as two int32 [S] arrays over a batch of one, without state_every "
+                   f"(got seqs {got}, batch {b}, state_every {state_every})")  # fmt: skip
     dtypes_ok = all(x.dtype == jnp.bfloat16 for x in (u, qg, kg, aqk)) and gl.dtype == s0.dtype == jnp.float32
     if why is None and not shapes_ok:
         why = (f"consistent shapes (w {w.shape}, u {u.shape}, qg {qg.shape}, kg {kg.shape}, aqk {aqk.shape}, "
@@ -270,7 +264,7 @@ def kda_state_pass_mosaic(
         out_type.append(jax.ShapeDtypeStruct((b, n, count * dk, dv), jnp.float32))
     if o_packed:  # each sequence's partial last chunk, put in place below
         out_type.append(jax.ShapeDtypeStruct((n_seq, CHUNK, n, dv), jnp.bfloat16))
-    kernel = functools.partial(_kernel, nc=nc, every=every, resets=resets, packed=seqs is not None, o_packed=o_packed)
+    kernel = functools.partial(_kernel, nc=nc, every=every, packed=seqs is not None, o_packed=o_packed)
 
     def kda_state_mosaic(*refs):  # named for profiles: the kernel takes its body's name
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch)

@@ -25,19 +25,7 @@ WIDE_STATE_STAGES = 1
 VERIFY_BLOCK_V = 32
 
 # Whether "auto" runs the state pass in Mosaic GPU (`state_mosaic.py`) on a Hopper GPU where it takes the call
-# (bf16 inputs and products, K <= 128; packed sequences as VARLEN_LAYOUT below says). On: the whole
+# (bf16 inputs and products, K <= 128; packed sequences too, one program per sequence). On: the whole
 # 32K prefill ran faster with it than with the Triton state pass at 64 and 96 heads, and level at 32
 # (docs/performance.md, "KDA prefill").
 MOSAIC_STATE_PASS = True
-
-# Packed sequences through the Mosaic GPU state pass (`api._block_layout`): VARLEN_BLOCKS to half as many state
-# snapshots per call (each [N, K, V] float32 written once: the block length E grows with the tokens), and that layout
-# only where it computes at most VARLEN_MAX_PAD x the tokens of the chunk-aligned packing (else the Triton pass).
-VARLEN_BLOCKS = 128
-VARLEN_MAX_PAD = 1.1
-# How the Mosaic GPU state pass takes packed sequences: "sequences" (the chunk-aligned packing, one program per
-# head, value block and sequence, longest first; any pack, initial states included) or "blocks" (the layout above:
-# one program per head and value block walks every sequence, 64 programs at 32 heads; "auto" takes it only for
-# packs it fits, the rest keep the Triton pass). "sequences" ran the whole packed prefill faster than "blocks"
-# (8 sequences, 32K tokens, 32 heads; docs/performance.md, "KDA prefill").
-VARLEN_LAYOUT = "sequences"
