@@ -909,12 +909,17 @@ def test_kda_varlen_rows_time_both_state_passes(monkeypatch):
     from pallas_kernels.linear_attention import api
 
     monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
-    ran = []  # which state pass each traced call took
+    ran = []  # which state pass each traced call took, and whether it wrote o in the sequences' rows
     real = api.kda_chunked_pallas
-    monkeypatch.setattr(api, "kda_chunked_pallas", lambda *a, **k: (ran.append(k["state_impl"]), real(*a, **k))[1])
+
+    def spy(*a, **k):
+        ran.append((k["state_impl"], k.get("o_rows") is not None))
+        return real(*a, **k)
+
+    monkeypatch.setattr(api, "kda_chunked_pallas", spy)
     rows = linear_attention.varlen_rows(1e12, 1e14, None, 256, seqs=3, n=1, mosaic=True)
     runs = [name for i, name in enumerate(ran) if i == 0 or ran[i - 1] != name]  # a call may trace twice
-    assert runs == ["triton", "mosaic"], ran
+    assert runs == [("triton", True), ("mosaic", True)], ran
     impls = [r["impl"] for r in rows]
     assert impls == ["jnp reference (XLA, chunked)", "pallas chunked, packed chunk-aligned (defaults)",
                      "Mosaic GPU state pass (Triton phase 1), one program per sequence"], impls  # fmt: skip

@@ -116,18 +116,21 @@ def test_kda_state_pass_stages_follow_the_products_precision(precision, stages):
     assert re.findall(r'name = "kda_chunk_state", num_stages = (\d+)', text) == [stages]
 
 
-def test_kda_packed_prefill_kernels_lower():
+@pytest.mark.parametrize("cu", [(0, 70, 70, 200), (0, 5, 40)])
+def test_kda_packed_prefill_kernels_lower(cu):
     """Packed sequences: the state pass is one program per (sequence, head, V-block) whose loop bounds are
-    read from memory (a counted loop with a dynamic trip count)."""
+    read from memory (a counted loop with a dynamic trip count), storing o masked at the sequence's rows (also
+    where all the sequences hold fewer tokens than one chunk)."""
     import numpy as np
 
     from pallas_kernels.linear_attention import kda
 
-    cu = np.array([0, 70, 70, 200])
-    q = jnp.ones((1, 200, 2, 128), jnp.bfloat16)
-    g = jnp.ones((1, 200, 2, 128), jnp.float32)
-    beta = jnp.ones((1, 200, 2), jnp.float32)
-    s0 = jnp.zeros((3, 2, 128, 128), jnp.float32)
+    cu = np.array(cu)
+    t, n_seq = int(cu[-1]), len(cu) - 1
+    q = jnp.ones((1, t, 2, 128), jnp.bfloat16)
+    g = jnp.ones((1, t, 2, 128), jnp.float32)
+    beta = jnp.ones((1, t, 2), jnp.float32)
+    s0 = jnp.zeros((n_seq, 2, 128, 128), jnp.float32)
 
     def run(q, g, beta, s0):
         return kda(q, q, q, g, beta, initial_state=s0, cu_seqlens=cu, impl="pallas", interpret=False)

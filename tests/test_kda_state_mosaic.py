@@ -81,6 +81,7 @@ def test_packed_sequences_in_place_are_not_gathered():
         run = lambda *a, impl=impl: kda(*a, impl=impl, cu_seqlens=cu, interpret=not NATIVE)  # noqa: E731
         jaxpr = jax.make_jaxpr(run)(*args)
         gathers = re.findall(r"\w+:(\w+)\[([\d,]*)\] = gather\[", str(jaxpr))
+        assert len(gathers) == str(jaxpr).count("= gather["), gathers  # every gather read by the pattern
         assert all(dtype == "i32" and size == "3" for dtype, size in gathers), (impl, gathers)
         # nothing made of the inputs before the kernels: no pad, no copy into the layout's 448 tokens
         first = [e.params.get("name") for e in jaxpr.jaxpr.eqns].index("kda_chunked_pallas")
@@ -118,15 +119,16 @@ def test_mosaic_state_pass_has_no_race_the_interpreter_sees():
     jax.block_until_ready((o, s))
     assert not get_races().races_found
     assert bool((s[1] == s3[1]).all())  # no chunk: its state as given
-    # o in the sequences' rows: 150 tokens (3 chunks, the last partial), none, 40 (one partial chunk)
-    o_rows = (jnp.asarray([0, 150, 150], jnp.int32), jnp.asarray([150, 0, 40], jnp.int32))
+    # o in the sequences' rows, the 40-token one first: 150 tokens from row 40 (whole chunks at rows 40 and 104,
+    # not 8-row aligned, then a partial one), none, 40 (one partial chunk)
+    o_rows = (jnp.asarray([40, 190, 0], jnp.int32), jnp.asarray([150, 0, 40], jnp.int32))
     o_in, s_in = kda_state_pass_mosaic(
         w, u, qg, kg, aqk, gl, s3, seqs=seqs, o_rows=o_rows, o_tokens=190, interpret=params
     )  # fmt: skip
     jax.block_until_ready((o_in, s_in))
     assert not get_races().races_found
     assert o_in.shape == (1, 190, 1, 64) and bool((s_in == s).all())
-    assert bool((o_in[:, :150] == o[:, :150]).all()) and bool((o_in[:, 150:] == o[:, 192:232]).all())
+    assert bool((o_in[:, 40:] == o[:, :150]).all()) and bool((o_in[:, :40] == o[:, 192:232]).all())
 
 
 def test_mosaic_state_pass_refusals_name_the_value():
@@ -161,6 +163,17 @@ def test_mosaic_state_pass_refusals_name_the_value():
     seqs = (s((1,), jnp.int32), s((1,), jnp.int32))
     with pytest.raises(ValueError, match=r"without state_every \(got .*state_every 64"):
         jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a[:7], state_every=64, seqs=a[7:]), *ok, *seqs)
+    with pytest.raises(ValueError, match=r"o_rows as two int32 \[S\] arrays with seqs and a positive o_tokens \(got "):
+        jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a[:7], o_rows=a[7:], o_tokens=100), *ok, *seqs)
+    with pytest.raises(ValueError, match=r"o_tokens 0\)"):
+        jax.eval_shape(lambda *a: kda_state_pass_mosaic(*a[:7], seqs=a[7:], o_rows=a[7:], o_tokens=0), *ok, *seqs)
+    one, s1 = jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1, 16, 16), jnp.float32)
+    kw = dict(scale=1.0, l2norm=True, block_v=16, interpret=True)
+    with pytest.raises(ValueError, match="o_rows needs rows and packed sequences .got rows False, packed False"):
+        kda_chunked_pallas(*args, s1, o_rows=(one, one), **kw)
+    two = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match=r"o_rows=\[\(2,\), \(2,\)\] must be two \[S\] arrays, S = 1 initial"):
+        kda_chunked_pallas(*args, s1, rows=(one, one + 64), seq_start=one, seq_count=one + 1, o_rows=(two, two), **kw)
 
 
 def test_packed_sequences_one_program_each_through_the_mosaic_state_pass():
@@ -255,9 +268,11 @@ args = (S((1, 8192, 4, 128), bf), S((1, 8192, 4, 128), bf), S((1, 8192, 4, 128),
 seqs = (S((3,), jnp.int32), S((3,), jnp.int32))
 traced = jax.jit(lambda *a: kda_state_pass_mosaic(*a[:7], seqs=a[7:])).trace(*args, *seqs)
 assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
-# and o written in the sequences' own rows (dynamic TMA rows, the partial chunks' buffer)
-run = lambda *a: kda_state_pass_mosaic(*a[:7], seqs=a[7:9], o_rows=a[9:], o_tokens=8000)
-assert "mosaic_gpu" in jax.jit(run).trace(*args, *seqs, *seqs).lower(lowering_platforms=("cuda",)).as_text()
+# and o written in the sequences' own rows (dynamic TMA rows, the partial chunks' buffer), also for fewer
+# tokens in all than one chunk holds
+for tokens in (8000, 40):
+    run = lambda *a: kda_state_pass_mosaic(*a[:7], seqs=a[7:9], o_rows=a[9:], o_tokens=tokens)
+    assert "mosaic_gpu" in jax.jit(run).trace(*args, *seqs, *seqs).lower(lowering_platforms=("cuda",)).as_text()
 print("lowered")
 """
 

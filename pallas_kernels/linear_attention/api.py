@@ -225,7 +225,7 @@ def _chunk_rows(src):
     valid = (slots >= 0).sum(axis=1)
     first = np.where(valid > 0, slots[:, 0], 0)
     expect = np.where(np.arange(CHUNK) < valid[:, None], first[:, None] + np.arange(CHUNK), -1)
-    if not (slots == expect).all():  # the layouts below never make one; a guard for a new one
+    if not (slots == expect).all():  # `_varlen_packed` never makes one; a guard for a new layout
         raise AssertionError("kda: a packed layout whose chunks do not hold consecutive tokens from their start")
     return jnp.asarray(first, jnp.int32), jnp.asarray(valid, jnp.int32)
 
@@ -249,20 +249,18 @@ def _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw):
     longest sequence would compute S x T_max; the inputs read in place by phase 1, `kda_chunked_pallas(rows=)`,
     o written by the state pass in the sequences' own rows, `o_rows=`), the state pass (Triton, or Mosaic GPU
     with kw["state_impl"]) starting each sequence from its initial state at its first chunk and writing it out
-    at its last
-    (`kda_chunked_pallas(seq_start=, seq_count=)`: one state-pass program per sequence, head and V-block)."""
+    at its last (`kda_chunked_pallas(seq_start=, seq_count=)`: one program per sequence, head and V-block)."""
     cu = _sequence_offsets(cu_seqlens, q)
     lengths = np.diff(cu)
     n_seq, n, dk, dv = lengths.size, q.shape[2], q.shape[3], v.shape[3]
     chunks = -(-lengths // CHUNK)  # [S]
-    if chunks.sum() == 0:  # nothing to run: every sequence is empty
-        s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
-        return jnp.zeros(v.shape, q.dtype), s0.astype(jnp.float32)
-    start = np.cumsum(chunks) - chunks  # first chunk of each sequence
-    src = _pack_index(start * CHUNK, lengths, int(chunks.sum()) * CHUNK)
     s0 = jnp.zeros((n_seq, n, dk, dv), jnp.float32) if initial_state is None else initial_state
     if s0.shape != (n_seq, n, dk, dv):
         raise ValueError(f"kda: initial_state.shape={s0.shape} must be {(n_seq, n, dk, dv)} for {n_seq} sequences")
+    if chunks.sum() == 0:  # nothing to run: every sequence is empty
+        return jnp.zeros(v.shape, q.dtype), s0.astype(jnp.float32)
+    start = np.cumsum(chunks) - chunks  # first chunk of each sequence
+    src = _pack_index(start * CHUNK, lengths, int(chunks.sum()) * CHUNK)
     seq_chunks = (jnp.asarray(start, jnp.int32), jnp.asarray(chunks, jnp.int32))
     o_rows = (jnp.asarray(cu[:-1], jnp.int32), jnp.asarray(lengths, jnp.int32))  # o in the sequences' own rows
     return _kda_pallas(q, k, v, g, beta, s0, seq_chunks=seq_chunks, rows=_chunk_rows(src), o_rows=o_rows, **kw)

@@ -520,8 +520,8 @@ def kda_chunked_pallas(
     T_in tokens (any count); the kernels run over T = 64·chunks tokens laid out chunk by chunk, chunk c
     holding input rows [first_c, first_c + valid_c) then valid_c < 64 zero rows (g = 0, beta = 0: the state
     unchanged). Only phase 1 reads the inputs, so only its three kernels read by index
-    (`_source_rows`); from then on everything, o included, is in the layout. This is the packed sequences'
-    path (`api._varlen_packed`): XLA copying five inputs into the layout moved ~2.7 GB
+    (`_source_rows`); from then on everything is in the layout, o too unless o_rows says where its rows go.
+    This is the packed sequences' path (`api._varlen_packed`): XLA copying five inputs into the layout moved ~2.7 GB
     at 32K tokens and 32 heads, 1.24 of the 6.47 ms of an H200 varlen call (docs/performance.md, "KDA prefill").
     o_rows (first input row, rows) int32 [S], with rows and packed sequences: o comes back in the inputs' rows
     instead, [1, T_in, N, V], sequence s in rows [first_s, first_s + rows_s) (no unpacking of the layout; the
@@ -568,6 +568,9 @@ def kda_chunked_pallas(
     o_rows = None if o_rows is None else tuple(x.astype(jnp.int32) for x in o_rows)
     if packed:
         n_seq = s0.shape[0]
+        if o_rows is not None and (len(o_rows) != 2 or any(x.shape != (n_seq,) for x in o_rows)):
+            got = [x.shape for x in o_rows]
+            raise ValueError(f"kda_chunked_pallas: o_rows={got} must be two [S] arrays, S = {n_seq} initial states")
         counts = None if seq_count is None else seq_count.shape
         if b != 1 or seq_start.shape != (n_seq,) or counts != (n_seq,):
             raise ValueError(

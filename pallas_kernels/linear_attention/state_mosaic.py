@@ -26,7 +26,7 @@ launches a row-major grid's last axis fastest), so the long chains start in the 
 (each sequence's first token and token count in the unpadded packing) o goes straight to the sequences' own
 rows instead of the chunk-aligned layout: each whole chunk by TMA at its row; a sequence's partial last chunk
 (a TMA store of 64 rows there would overwrite the next sequence's first rows, which another program writes)
-to a [S, 64] side buffer whose valid rows one XLA scatter puts in place after the kernel (~64 rows per
+to a [S, 64, N, V] side buffer whose valid rows one XLA scatter puts in place after the kernel (~64 rows per
 sequence, where unpacking o from the layout moved every row: docs/performance.md, "KDA prefill").
 
 Constraints: bfloat16 intermediates (`precision="bf16"`), K of 64 or 128 (shared memory: two stages of the
@@ -258,7 +258,9 @@ def kda_state_pass_mosaic(
         plgpu.SMEM((dk, BLOCK_V), jnp.float32),  # S in float32: in (s0), out (snapshots, final state)
         plgpu.Barrier(num_arrivals=1),
     )
-    o_shape = (1, o_tokens, n, dv) if o_packed else u.shape
+    # o's rows: at least one chunk, so that a whole chunk's TMA store has a row range to address (its copy
+    # never runs where the sequences hold fewer tokens in all; the rows past o_tokens are sliced off)
+    o_shape = (1, max(o_tokens, CHUNK), n, dv) if o_packed else u.shape
     out_type = [jax.ShapeDtypeStruct(o_shape, jnp.bfloat16), jax.ShapeDtypeStruct(s0.shape, jnp.float32)]
     if every:
         out_type.append(jax.ShapeDtypeStruct((b, n, count * dk, dv), jnp.float32))
@@ -291,7 +293,7 @@ def kda_state_pass_mosaic(
     first, tokens = o_rows
     i = jnp.arange(CHUNK, dtype=jnp.int32)
     inside = i[None, :] < (tokens % CHUNK)[:, None]
-    beyond = o_tokens + jnp.arange(n_seq * CHUNK, dtype=jnp.int32).reshape(n_seq, CHUNK)
+    beyond = o.shape[1] + jnp.arange(n_seq * CHUNK, dtype=jnp.int32).reshape(n_seq, CHUNK)
     dest = jnp.where(inside, (first + tokens // CHUNK * CHUNK)[:, None] + i[None, :], beyond)
     o = o.at[0, dest.reshape(-1)].set(tail.reshape(n_seq * CHUNK, n, dv), mode="drop", unique_indices=True)
-    return o, s
+    return o[:, :o_tokens], s
