@@ -73,7 +73,7 @@ def test_packed_sequences_in_place_are_not_gathered():
     the inputs in place (`kda_chunked_pallas(rows=)`, no XLA copy of them into the chunk-aligned layout) and
     the state pass writes o in the sequences' own rows (no gather of values back out of the layout, where one
     moved rows far below copy speed on the GPU; the Mosaic pass orders its [S] int32 tables longest first),
-    and the results are those of each sequence alone."""
+    and the results are those of each sequence alone; also for 5 + 35 tokens, fewer in all than one chunk."""
     lengths = [70, 130, 100]
     cu = np.concatenate([[0], np.cumsum(lengths)])
     args, _ = _prefill_inputs(10, 1, int(cu[-1]), 2, 64, 64, False, jnp.bfloat16, False)
@@ -92,6 +92,12 @@ def test_packed_sequences_in_place_are_not_gathered():
         assert o.shape == args[2].shape and s.shape == (3, 2, 64, 64)
         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
             ref_o, ref_s = kda(*(x[:, a:b] for x in args), impl="reference", form="recurrent")
+            assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2, (impl, i)
+    tiny, _ = _prefill_inputs(13, 1, 40, 2, 64, 64, False, jnp.bfloat16, False)
+    for impl in ("mosaic", "pallas"):
+        o, s = kda(*tiny, impl=impl, cu_seqlens=[0, 5, 40], interpret=not NATIVE)
+        for i, (a, b) in enumerate(((0, 5), (5, 40))):
+            ref_o, ref_s = kda(*(x[:, a:b] for x in tiny), impl="reference", form="recurrent")
             assert rel_err(o[:, a:b], ref_o) < 2e-2 and rel_err(s[i : i + 1], ref_s) < 2e-2, (impl, i)
 
 
