@@ -310,9 +310,8 @@ def _kda_pallas(
     Padded tokens have g = 0 and beta = 0 and padded channels are zero: the state and outputs are unchanged.
     seq_chunks: (first chunk, chunk count) per chunk-aligned packed sequence; initial_state then [S,N,K,V].
     state_every (a multiple of 64): the states after every state_every tokens come back third.
-    rows (`_chunk_rows`): packed inputs read in place, `kda_chunked_pallas`'s (no time padding); o comes back
-    in the layout (64·chunks tokens), or with o_rows (each sequence's first token and tokens) in the inputs'
-    rows."""
+    rows (`_chunk_rows`) with o_rows (each sequence's first token and tokens): packed inputs read in place and
+    o written in their rows, `kda_chunked_pallas`'s (no time padding)."""
     b, t, n, dk = q.shape
     dv = v.shape[-1]
     if block_v <= 0 or block_v & (block_v - 1):
@@ -342,11 +341,8 @@ def _kda_pallas(
     extra = {} if seq_chunks is None else dict(seq_start=seq_chunks[0], seq_count=seq_chunks[1])
     if state_every is not None:  # a boundary inside the padding (T rounded up to 64) is cut off below
         extra["state_every"] = state_every
-    if rows is not None:
-        extra["rows"] = rows
-        t = rows[0].shape[0] * CHUNK if o_rows is None else t
-    if o_rows is not None:
-        extra["o_rows"] = o_rows
+    if rows is not None:  # packed sequences: o comes back in their own rows, T tokens as given
+        extra.update(rows=rows, o_rows=o_rows)
     out = kda_chunked_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,

@@ -521,8 +521,8 @@ def kda_chunked_pallas(
     holding input rows [first_c, first_c + valid_c) then valid_c < 64 zero rows (g = 0, beta = 0: the state
     unchanged). Only phase 1 reads the inputs, so only its three kernels read by index
     (`_source_rows`); from then on everything is in the layout, o too unless o_rows says where its rows go.
-    This is the packed sequences' path (`api._varlen_packed`): XLA copying five inputs into the layout moved ~2.7 GB
-    at 32K tokens and 32 heads, 1.24 of the 6.47 ms of an H200 varlen call (docs/performance.md, "KDA prefill").
+    This is the packed sequences' path (`api._varlen_packed`): reading in place saves XLA copying all five
+    inputs into the layout (docs/performance.md, "KDA prefill", has what that copy cost).
     o_rows (first input row, rows) int32 [S], with rows and packed sequences: o comes back in the inputs' rows
     instead, [1, T_in, N, V], sequence s in rows [first_s, first_s + rows_s) (no unpacking of the layout; the
     Triton pass masks each chunk's store to the sequence's rows, `state_mosaic.kda_state_pass_mosaic(o_rows=)`
