@@ -238,6 +238,35 @@ def test_gemv_kernels_bf16():
     assert "name=moe_gate_up_gemv" in jaxpr and "name=moe_down_gemv" in jaxpr
 
 
+def test_group_by_expert_matches_a_stable_sort():
+    """Random routings (up to 16 tokens, k up to 8 of up to 300 experts) against the grouping spelled out with a
+    stable sort in numpy: the groups, their rows and every pair's row, exactly."""
+    from pallas_kernels.moe.expert_gemv import GROUP_ROWS, group_by_expert
+
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        e = int(rng.integers(2, 300))
+        k, n = int(rng.integers(1, min(e, 8) + 1)), int(rng.integers(1, GROUP_ROWS + 1))
+        idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+        flat = idx.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        touched = sorted(set(flat.tolist()))
+        groups = min(n * k, e)
+        e_ids = np.full(groups, -1)
+        e_ids[: len(touched)] = touched
+        row_token = np.full((groups, GROUP_ROWS), n)
+        pair_at = np.zeros(n * k, np.int64)
+        for p in order:  # pairs by expert, then token
+            g = touched.index(flat[p])
+            r = int((row_token[g] < n).sum())
+            row_token[g, r] = p // k
+            pair_at[p] = g * GROUP_ROWS + r
+        got = group_by_expert(jnp.asarray(idx), e)
+        assert np.asarray(got[0]).tolist() == e_ids.tolist()
+        assert np.asarray(got[1]).tolist() == row_token.tolist()
+        assert np.asarray(got[2]).tolist() == pair_at.reshape(n, k).tolist()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("fs", [24, 40])  # 24 = F: one more program row per token in the same launches
 def test_gemv_with_shared_expert(dtype, fs):

@@ -1,12 +1,12 @@
 """Pallas kernels: MoE experts for calls of a few tokens, one program per (touched expert, output tile, split).
 
 From two tokens on, a call's token-expert pairs share experts: the per-pair GEMV kernels (`gemv.py`) read an
-expert's weights once per pair, and `lax.ragged_dot` reads every expert's weights whatever the call touches.
-Here the pairs are grouped by expert first (in XLA: a sort of the P = N·k expert ids). Group g holds the rows of
-the tokens routed to expert e_g — at most N <= 16, one per token, since a token routes to an expert at most
+expert's weights once per pair, and `lax.ragged_dot` reads every expert's weights whatever the call touches. Here
+the pairs are grouped by expert first (in XLA: comparisons among the P = N·k expert ids). Group g holds the rows
+of the tokens routed to expert e_g — at most N <= 16, one per token, since a token routes to an expert at most
 once — gathered into a [16, D] block padded with zero rows. Each program reads its slab of W[e_g] once and
-multiplies all 16 rows by it in one tensor-core product: the [16, BK] x [BK, BN] step that the per-pair
-kernels take with one row broadcast to 16 rows. So a call reads each touched expert's weights once.
+multiplies all 16 rows by it in one tensor-core product: the [16, BK] x [BK, BN] step that the per-pair kernels
+take with one row broadcast to 16 rows. So a call reads each touched expert's weights once.
 
     Gate_g = X_g W_gate[e_g],  Up_g = X_g W_up[e_g]    (`gate_up_expert_gemv`, grid (G, F / BF, S): partial sums)
     h_g = SiLU(Σ_s Gate_g) ⊙ Σ_s Up_g                  (XLA, in the activations' dtype)
@@ -177,14 +177,18 @@ def group_by_expert(idx, num_experts: int):
         raise ValueError(f"group_by_expert: {n} tokens > {GROUP_ROWS} (a group's rows are one 16-row tile)")
     p = n * k
     groups = min(p, num_experts)
-    flat = idx.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)  # pairs by expert, then by token (stable: flat order is token-major)
-    sorted_e = flat[order]
-    new = jnp.concatenate([jnp.ones((1,), bool), sorted_e[1:] != sorted_e[:-1]])
-    group = jnp.cumsum(new.astype(jnp.int32)) - 1  # [P] the group of each sorted pair
-    first = jnp.searchsorted(group, group, side="left", method="compare_all")  # its group's first sorted pair
-    row = jnp.arange(p, dtype=jnp.int32) - first.astype(jnp.int32)
-    e_ids = jnp.full((groups,), -1, jnp.int32).at[group].set(sorted_e, mode="drop")
-    row_token = jnp.full((groups, GROUP_ROWS), n, jnp.int32).at[group, row].set(order // k, mode="drop")
-    pair_at = jnp.zeros((p,), jnp.int32).at[order].set(group * GROUP_ROWS + row)
-    return e_ids, row_token, pair_at.reshape(n, k)
+    flat = idx.reshape(-1).astype(jnp.int32)  # pair p = token p // k: flat order is token-major
+    # All-pairs comparisons of the P <= 16·k ids instead of a sort, cumsum, search and scatters: a few fused
+    # kernels where those were about twenty small launches in each MoE layer of a verify step.
+    i = jnp.arange(p, dtype=jnp.int32)
+    same = flat[:, None] == flat[None, :]  # [P, P]
+    before = same & (i[None, :] < i[:, None])  # pair q (column) is an earlier pair of p's expert
+    row = jnp.sum(before, axis=1, dtype=jnp.int32)  # earlier pairs of the same expert: rows in token order
+    first = row == 0  # the first pair of its expert
+    # the group of a pair: the touched experts with smaller ids (groups in ascending expert order)
+    group = jnp.sum(first[None, :] & (flat[None, :] < flat[:, None]), axis=1, dtype=jnp.int32)
+    hit = group[None, :] == jnp.arange(groups, dtype=jnp.int32)[:, None]  # [G, P]
+    e_ids = jnp.max(jnp.where(hit, flat[None, :], -1), axis=1)
+    at = hit[:, None, :] & (row[None, None, :] == jnp.arange(GROUP_ROWS, dtype=jnp.int32)[None, :, None])
+    row_token = jnp.min(jnp.where(at, (i // k)[None, None, :], n), axis=2)  # [G, 16]: one pair at most, or N
+    return e_ids, row_token, (group * GROUP_ROWS + row).reshape(n, k)
