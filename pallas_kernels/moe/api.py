@@ -277,12 +277,12 @@ def _experts_expert_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, bloc
     d_in = -(-d_in // (s1 * bk_d)) * s1 * bk_d
     f_pad = max(f_out, f_in)
     f_pad = -(-f_pad // max(s2 * bk_f, bn_f)) * max(s2 * bk_f, bn_f)
-    # each group's 16 rows, gathered from x with one zero row past the tokens for the empty ones
-    rows = jnp.pad(x, [(0, GROUP_ROWS + 1 - n), (0, d_in - d)])  # rows n.. are zeros
-    x_groups = rows[row_token]  # [G, 16, D]
+    # x with zero rows past the tokens (an empty group row names row n), 2·16 rows: a power of two for the kernel,
+    # which gathers each group's rows itself
+    rows = jnp.pad(x, [(0, 2 * GROUP_ROWS - n), (0, d_in - d)])
     sh_gu = sh_d = None
-    if shared is not None:
-        x_groups = jnp.concatenate([x_groups, rows[None, :GROUP_ROWS]])  # the shared expert: every token
+    if shared is not None:  # the shared expert: one more group of every token's row
+        row_token = jnp.concatenate([row_token, jnp.arange(GROUP_ROWS, dtype=jnp.int32)[None]])
         pad2 = lambda a, p1, p2: jnp.pad(a.astype(x.dtype), [(0, p1 - a.shape[0]), (0, p2 - a.shape[1])])  # noqa: E731
         sh_gu = (pad2(shared[0], d_in, f_pad), pad2(shared[1], d_in, f_pad))
         sh_d = (pad2(shared[2], f_pad, d_out),)
@@ -290,7 +290,7 @@ def _experts_expert_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, bloc
     precision = "ieee" if jnp.dtype(x.dtype).itemsize >= 4 else "tf32"
     kw = dict(interpret=interpret, precision=precision, num_stages=3 if precision == "tf32" else 2)
     gu = gate_up_expert_gemv(
-        e_ids, x_groups, pad3(gate_proj, d_in, f_pad), pad3(up_proj, d_in, f_pad), block_n=bn_f, block_k=bk_d,
+        e_ids, row_token, rows, pad3(gate_proj, d_in, f_pad), pad3(up_proj, d_in, f_pad), block_n=bn_f, block_k=bk_d,
         split_k=s1, shared=sh_gu, **kw,
     )  # fmt: skip
     g_sum, u_sum = clamp_gate_up(jnp.sum(gu[0], axis=1), jnp.sum(gu[1], axis=1), limit)  # one XLA fusion

@@ -4,9 +4,10 @@ From two tokens on, a call's token-expert pairs share experts: the per-pair GEMV
 expert's weights once per pair, and `lax.ragged_dot` reads every expert's weights whatever the call touches. Here
 the pairs are grouped by expert first (in XLA: comparisons among the P = N·k expert ids). Group g holds the rows
 of the tokens routed to expert e_g — at most N <= 16, one per token, since a token routes to an expert at most
-once — gathered into a [16, D] block padded with zero rows. Each program reads its slab of W[e_g] once and
-multiplies all 16 rows by it in one tensor-core product: the [16, BK] x [BK, BN] step that the per-pair kernels
-take with one row broadcast to 16 rows. So a call reads each touched expert's weights once.
+once — as a [16] table of token rows, padded with a zero row; the gate / up kernel gathers the [16, BK] rows
+itself (no [G, 16, D] copy in between). Each program reads its slab of W[e_g] once and multiplies all 16 rows
+by it in one tensor-core product: the [16, BK] x [BK, BN] step that the per-pair kernels take with one row
+broadcast to 16 rows. So a call reads each touched expert's weights once.
 
     Gate_g = X_g W_gate[e_g],  Up_g = X_g W_up[e_g]    (`gate_up_expert_gemv`, grid (G, F / BF, S): partial sums)
     h_g = SiLU(Σ_s Gate_g) ⊙ Σ_s Up_g                  (XLA, in the activations' dtype)
@@ -59,13 +60,14 @@ def _dot(a, b, precision):
     return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _gate_up_kernel(e_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed, precision):
+def _gate_up_kernel(e_ref, t_ref, x_ref, wg_ref, wu_ref, *refs, bk, nk, n_routed, precision):
     *shared, g_ref, u_ref = refs
+    tokens = t_ref[...]  # [16]: the group's rows of x (a zero row where the group has no token)
 
     def run(w):
         def body(kk, acc):
             cols = pl.ds(kk * bk, bk)
-            xk = x_ref[:, cols]  # [16, BK]: the group's rows, read once for both products
+            xk = x_ref[tokens, cols]  # [16, BK]: the group's rows, read once for both products
             return acc[0] + _dot(xk, w[0](cols), precision), acc[1] + _dot(xk, w[1](cols), precision)
 
         zero = jnp.zeros(g_ref.shape, jnp.float32)
@@ -97,26 +99,42 @@ def _down_kernel(e_ref, h_ref, wd_ref, *refs, bk, nk, n_routed, precision):
 
 
 def _group_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, split_k, shared, interpret,
-                num_warps, num_stages):  # fmt: skip
+                num_warps, num_stages, row_token=None):  # fmt: skip
     """Grid (groups, output tiles, contraction splits) -> n_out float32 partial sums [G, split_k, 16, N].
-    e_ids [G_routed] (G_routed <= G; the groups after them run the `shared` weights [K, N]); rows [G, 16, K],
-    program (g, j, s) reading group g's slab s."""
-    g_all, rows_per_group, kdim = rows.shape
+    e_ids [G_routed] (G_routed <= G; the groups after them run the `shared` weights [K, N]); program (g, j, s)
+    reads group g's slab s of rows [G, 16, K], or with row_token [G, 16] (the rows of each group) of rows
+    [R, K], the kernel gathering the group's rows itself."""
     n_routed = e_ids.shape[0]
+    if row_token is None:
+        g_all, rows_per_group, kdim = rows.shape
+    else:
+        (g_all, rows_per_group), kdim = row_token.shape, rows.shape[-1]
+        if rows.ndim != 2 or rows.shape[0] & (rows.shape[0] - 1):
+            raise ValueError(f"{name}: rows {rows.shape} must be [R, K], R a power of two")
     if rows_per_group != GROUP_ROWS:
-        raise ValueError(f"{name}: rows {rows.shape} must be [G, {GROUP_ROWS}, K]")
+        raise ValueError(f"{name}: {rows.shape if row_token is None else row_token.shape} groups of "
+                         f"{rows_per_group} rows; a group holds {GROUP_ROWS}")  # fmt: skip
     if (g_all > n_routed) != bool(shared) or g_all < n_routed:
         raise ValueError(f"{name}: {g_all} row groups for {n_routed} expert ids and {len(shared)} shared weights")
     n_exp, width = check_slabs(name, weights, kdim, split_k, block_k, block_n, shared)
     ks = kdim // split_k
 
+    if row_token is None:
+        row_specs = [pl.BlockSpec((None, GROUP_ROWS, ks), lambda i, j, s: (i, 0, s))]
+        row_args = (rows,)
+    else:
+        row_specs = [
+            pl.BlockSpec((None, GROUP_ROWS), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((rows.shape[0], ks), lambda i, j, s: (0, s)),
+        ]
+        row_args = (row_token, rows)
     out = jax.ShapeDtypeStruct((g_all, split_k, GROUP_ROWS, width), jnp.float32)
     return pl.pallas_call(
         functools.partial(kernel, bk=block_k, nk=ks // block_k, n_routed=n_routed),
         grid=(g_all, width // block_n, split_k),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j, s: (jnp.minimum(i, n_routed - 1),)),
-            pl.BlockSpec((None, GROUP_ROWS, ks), lambda i, j, s: (i, 0, s)),
+            *row_specs,
             *[pl.BlockSpec((n_exp, ks, block_n), lambda i, j, s: (0, s, j)) for _ in weights],
             *[pl.BlockSpec((ks, block_n), lambda i, j, s: (s, j)) for _ in shared],
         ],
@@ -125,7 +143,7 @@ def _group_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, 
         interpret=interpret,
         name=name,
         **triton_params(interpret, num_warps, num_stages),
-    )(e_ids, rows, *weights, *shared)
+    )(e_ids, *row_args, *weights, *shared)
 
 
 _STATIC = ("block_n", "block_k", "split_k", "precision", "interpret", "num_warps", "num_stages")
@@ -133,19 +151,20 @@ _STATIC = ("block_n", "block_k", "split_k", "precision", "interpret", "num_warps
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def gate_up_expert_gemv(
-    e_ids, x_groups, gate, up, *, block_n, block_k, split_k=1, precision="tf32", interpret=False, num_warps=4,
-    num_stages=3, shared=None,
+    e_ids, row_token, rows, gate, up, *, block_n, block_k, split_k=1, precision="tf32", interpret=False,
+    num_warps=4, num_stages=3, shared=None,
 ):  # fmt: skip
-    """e_ids [G] int32 (−1: no group), x_groups [G (+1), 16, D] each group's token rows (zero-padded; D a
-    multiple of split_k * block_k), gate / up [E, D, F] (F a multiple of block_n) -> (gate, up) partial sums
-    [G (+1), split_k, 16, F] float32: X_g gate[e_g] and X_g up[e_g] per contraction slab. shared: the shared
-    expert's (gate, up) [D, F], run on the last group of x_groups. precision "ieee": exact float32 products
-    (float32 operands), else the tensor cores' default."""
+    """e_ids [G] int32 (−1: no group), row_token [G (+1), 16] int32 each group's rows of `rows` [R, D] (R a power
+    of two; empty group rows name a zero row; D a multiple of split_k * block_k; the kernel gathers them), gate /
+    up [E, D, F] (F a multiple of block_n) -> (gate, up) partial sums [G (+1), split_k, 16, F] float32: X_g
+    gate[e_g] and X_g up[e_g] per contraction slab, X_g = rows[row_token[g]]. shared: the shared expert's
+    (gate, up) [D, F], run on the last group. precision "ieee": exact float32 products (float32 operands), else
+    the tensor cores' default."""
     kernel = functools.partial(_gate_up_kernel, precision=precision)
     g, u = _group_call(
-        kernel, "moe_gate_up_expert_gemv", e_ids, x_groups, (gate, up), 2, block_n=block_n, block_k=block_k,
+        kernel, "moe_gate_up_expert_gemv", e_ids, rows, (gate, up), 2, block_n=block_n, block_k=block_k,
         split_k=split_k, shared=tuple(shared or ()), interpret=interpret, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, row_token=row_token.astype(jnp.int32),
     )  # fmt: skip
     return g, u
 
