@@ -239,15 +239,22 @@ def test_gemv_kernels_bf16():
 
 
 def test_group_by_expert_matches_a_stable_sort():
-    """Random routings (up to 16 tokens, k up to 8 of up to 300 experts) against the grouping spelled out with a
-    stable sort in numpy: the groups, their rows and every pair's row, exactly."""
+    """Edge and random routings (up to 16 tokens, k up to 8 of up to 300 experts) against the grouping spelled
+    out with a stable sort in numpy: the groups, their rows and every pair's row, exactly."""
     from pallas_kernels.moe.expert_gemv import GROUP_ROWS, group_by_expert
 
     rng = np.random.default_rng(0)
-    for _ in range(12):
+    cases = [  # edges: 16 tokens on the same k = E experts (row 15 used, every expert a group), k = 1, few experts
+        (np.tile(np.arange(3), (GROUP_ROWS, 1)), 3), (rng.integers(0, 4, (GROUP_ROWS, 1)), 4),
+        (np.stack([rng.permutation(5)[:2] for _ in range(GROUP_ROWS)]), 5),
+    ]  # fmt: skip
+    for _ in range(10):
         e = int(rng.integers(2, 300))
         k, n = int(rng.integers(1, min(e, 8) + 1)), int(rng.integers(1, GROUP_ROWS + 1))
-        idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+        cases.append((np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), e))
+    for idx, e in cases:
+        idx = np.asarray(idx, np.int32)
+        n, k = idx.shape
         flat = idx.reshape(-1)
         order = np.argsort(flat, kind="stable")
         touched = sorted(set(flat.tolist()))

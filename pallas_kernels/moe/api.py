@@ -277,8 +277,8 @@ def _experts_expert_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, bloc
     d_in = -(-d_in // (s1 * bk_d)) * s1 * bk_d
     f_pad = max(f_out, f_in)
     f_pad = -(-f_pad // max(s2 * bk_f, bn_f)) * max(s2 * bk_f, bn_f)
-    # x with zero rows past the tokens (an empty group row names row n), 2·16 rows: a power of two for the kernel,
-    # which gathers each group's rows itself
+    # x with zero rows past the tokens (an empty group row names row n), 32 rows whatever n (one shape for the
+    # kernel): it gathers each group's rows itself
     rows = jnp.pad(x, [(0, 2 * GROUP_ROWS - n), (0, d_in - d)])
     sh_gu = sh_d = None
     if shared is not None:  # the shared expert: one more group of every token's row

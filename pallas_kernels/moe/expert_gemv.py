@@ -109,8 +109,8 @@ def _group_call(kernel, name, e_ids, rows, weights, n_out, *, block_n, block_k, 
         g_all, rows_per_group, kdim = rows.shape
     else:
         (g_all, rows_per_group), kdim = row_token.shape, rows.shape[-1]
-        if rows.ndim != 2 or rows.shape[0] & (rows.shape[0] - 1):
-            raise ValueError(f"{name}: rows {rows.shape} must be [R, K], R a power of two")
+        if rows.ndim != 2 or rows.shape[0] <= GROUP_ROWS:
+            raise ValueError(f"{name}: rows {rows.shape} must be [R > {GROUP_ROWS}, K] (a zero row past the tokens)")
     if rows_per_group != GROUP_ROWS:
         raise ValueError(f"{name}: {rows.shape if row_token is None else row_token.shape} groups of "
                          f"{rows_per_group} rows; a group holds {GROUP_ROWS}")  # fmt: skip
@@ -154,8 +154,8 @@ def gate_up_expert_gemv(
     e_ids, row_token, rows, gate, up, *, block_n, block_k, split_k=1, precision="tf32", interpret=False,
     num_warps=4, num_stages=3, shared=None,
 ):  # fmt: skip
-    """e_ids [G] int32 (−1: no group), row_token [G (+1), 16] int32 each group's rows of `rows` [R, D] (R a power
-    of two; empty group rows name a zero row; D a multiple of split_k * block_k; the kernel gathers them), gate /
+    """e_ids [G] int32 (−1: no group), row_token [G (+1), 16] int32 each group's rows of `rows` [R, D] (R > 16;
+    empty group rows name a zero row; D a multiple of split_k * block_k; the kernel gathers them), gate /
     up [E, D, F] (F a multiple of block_n) -> (gate, up) partial sums [G (+1), split_k, 16, F] float32: X_g
     gate[e_g] and X_g up[e_g] per contraction slab, X_g = rows[row_token[g]]. shared: the shared expert's
     (gate, up) [D, F], run on the last group. precision "ieee": exact float32 products (float32 operands), else
@@ -197,8 +197,8 @@ def group_by_expert(idx, num_experts: int):
     p = n * k
     groups = min(p, num_experts)
     flat = idx.reshape(-1).astype(jnp.int32)  # pair p = token p // k: flat order is token-major
-    # All-pairs comparisons of the P <= 16·k ids instead of a sort, cumsum, search and scatters: a few fused
-    # kernels where those were about twenty small launches in each MoE layer of a verify step.
+    # All-pairs comparisons of the P <= 16·k ids instead of a sort, cumsum, search and scatters: fewer, fused
+    # launches in each MoE layer of a verify step (docs/performance.md, "Speculative decoding").
     i = jnp.arange(p, dtype=jnp.int32)
     same = flat[:, None] == flat[None, :]  # [P, P]
     before = same & (i[None, :] < i[:, None])  # pair q (column) is an earlier pair of p's expert
