@@ -31,7 +31,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -175,113 +174,28 @@ _E4M3_PIECE_TO_BF16 = "\n".join(
 )
 
 
-def _fp8_shapes(lat: int):
-    """The FP8 producer's per-thread register arrays between its two halves, as WG_STRIDED arrays (only their
-    registers matter: each thread reads back exactly what it wrote): its E4M3 pieces, one int32x4 per (row,
-    scale block) in `_gather_lane`'s mapping, and its rows' slots, one int32 per row."""
-    plgpu = _plgpu()
-    rows = BLOCK_K // (WG // 8)  # rows a thread loads: t // 8 + 16 j
-    n_pieces = rows * (lat // FP8_BLOCK)
-    pieces = plgpu.ShapeDtypeStruct(
-        (n_pieces * 4 * WG,), jnp.int32, layout=plgpu.Layout.WG_STRIDED((n_pieces * 4 * WG,), vec_size=4)
-    )
-    slots = plgpu.ShapeDtypeStruct((rows * WG,), jnp.int32, layout=plgpu.Layout.WG_STRIDED((rows * WG,), vec_size=rows))
-    return pieces, slots
-
-
-def _fp8_issue_fn(lat: int):
-    """First half of a block on an FP8 pool, issued *before* the producer waits for its stage to be free: each
-    thread loads its rows' slots, starts `cp.async` copies of the rows' float32 scales into `scl_dst`
-    [L / 128, BLOCK_K] (a buffer of the producer alone, read back only in the second half) and loads its 16-byte
-    E4M3 pieces of every scale block into registers (L / 128 x BLOCK_K / 16 of them in flight). So the block's
-    two dependent global round trips (slots, then rows) run while the consumers still hold the stage. Returns
-    (pieces, slots) as `_fp8_shapes`."""
+def _fp8_block_fn(lat: int, rope: int):
+    """A warpgroup-wide load of BLOCK_K selected FP8 rows straight into one bf16 stage, without staging:
+    `_gather_lane`'s mapping (piece t % 8 of rows t // 8 + 16 j). Each thread first puts its rows' slots in
+    shared memory (consumer 0's mask) and issues `cp.async` copies of the rope pieces into the stage's rope
+    tile and of the rows' float32 scales into `scl_dst` [L / 128, BLOCK_K]; then loads its 16-byte E4M3
+    pieces of every scale block into registers (L / 128 x BLOCK_K / 16 of them in flight), waits for the
+    copies (a warpgroup barrier: a scale was copied by another thread), converts each piece
+    (`_E4M3_PIECE_TO_BF16`) and stores it as two bf16 pieces of the swizzled tiles."""
     plgpu = _plgpu()
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, scf
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mu
-
-    blocks = lat // FP8_BLOCK
-    row_groups = WG // 8
-    assert BLOCK_K % row_groups == 0 and blocks <= 8  # MAX_WIDTH keeps blocks <= 4
-    pieces_ty, slots_ty = _fp8_shapes(lat)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4, return_type=(pieces_ty, slots_ty))
-    def issue(ctx, idx_ref, scl_dst, lat_ref, scl_ref):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        i8 = ir.IntegerType.get_signless(8)
-        index = ir.IndexType.get()
-        v4 = ir.VectorType.get((4,), i32)
-        c32, piece, group, _ = _gather_lane()
-        global_ptr = llvm.PointerType.get(address_space=1)
-        src_lat = llvm.addrspacecast(global_ptr, mu.memref_ptr(lat_ref))
-        src_scl = llvm.addrspacecast(global_ptr, mu.memref_ptr(scl_ref))
-        scl_copy = mu.getelementptr(
-            mu.memref_ptr(scl_dst),
-            [arith.addi(arith.muli(piece, c32(BLOCK_K * 4)), arith.shli(group, c32(2)))],
-            i8,
-        )
-        has_scale = arith.cmpi(arith.CmpIPredicate.ult, piece, c32(blocks))
-        scale_bytes = arith.extui(i64, arith.shli(piece, c32(2)))
-        piece_bytes = arith.extui(i64, arith.shli(piece, c32(4)))
-        rows = BLOCK_K // row_groups
-        raw = [memref.load(idx_ref, [arith.index_cast(index, arith.addi(group, c32(rr * row_groups)))])
-               for rr in range(rows)]  # fmt: skip
-        slots = [arith.extui(i64, arith.maxsi(slot, c32(0))) for slot in raw]  # unused (-1): row 0, masked
-        for rr, slot64 in enumerate(slots):  # the scales first: they land while the pieces load
-            if_op = scf.IfOp(has_scale)
-            with ir.InsertionPoint(if_op.then_block):
-                src = mu.getelementptr(
-                    src_scl, [arith.addi(arith.muli(slot64, arith.constant(i64, blocks * 4)), scale_bytes)], i8
-                )
-                nvvm.cp_async_shared_global(
-                    mu.getelementptr(scl_copy, [rr * row_groups * 4], i8), src, 4, nvvm.LoadCacheModifierKind.CA
-                )
-                scf.yield_([])
-        nvvm.cp_async_commit_group()
-        pieces = []
-        for slot64 in slots:
-            lat_row = mu.getelementptr(
-                src_lat, [arith.addi(arith.muli(slot64, arith.constant(i64, lat)), piece_bytes)], i8
-            )
-            for ct in range(blocks):
-                pieces.append(llvm.load(v4, mu.getelementptr(lat_row, [ct * FP8_BLOCK], i8), alignment=16))
-        slot_vec = llvm.mlir_undef(ir.VectorType.get((rows,), i32))
-        for rr, slot in enumerate(raw):
-            slot_vec = llvm.insertelement(slot_vec, slot, arith.constant(i32, rr))
-        as_array = lambda regs, ty: mgpu.FragmentedArray(  # noqa: E731
-            _registers=np.array(regs, dtype=object), _layout=ty.layout.to_mgpu(), _is_signed=True
-        )
-        return as_array(pieces, pieces_ty), as_array([slot_vec], slots_ty)
-
-    return issue
-
-
-def _fp8_write_fn(lat: int, rope: int):
-    """Second half of a block on an FP8 pool, once its stage is free: each thread stores its rows' slots in
-    shared memory (consumer 0's mask) and starts `cp.async` copies of the rope pieces into the stage's rope
-    tile; then waits for every copy of the block (a warpgroup barrier: a scale was copied by another thread),
-    converts each E4M3 piece held since `_fp8_issue_fn` (`_E4M3_PIECE_TO_BF16`) and stores it as two bf16
-    pieces of the swizzled tiles."""
-    plgpu = _plgpu()
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
     from jax.experimental.mosaic.gpu import utils as mu
 
     blocks, tiles = lat // FP8_BLOCK, (lat + rope) // TILE
     row_groups = WG // 8
-    rows = BLOCK_K // row_groups
-    pieces_ty, slots_ty = _fp8_shapes(lat)
-    arg_types = (plgpu.RefType(), plgpu.RefType(_tiled()), plgpu.RefType()) + ((plgpu.RefType(),) if rope else ())
-    arg_types += (pieces_ty.layout, slots_ty.layout)
+    assert BLOCK_K % row_groups == 0 and blocks <= 8  # MAX_WIDTH keeps blocks <= 4
+    arg_types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tiled()), plgpu.RefType())
+    arg_types += (plgpu.RefType(), plgpu.RefType()) + ((plgpu.RefType(),) if rope else ())
 
     @plgpu.inline_mgpu(arg_types=arg_types)
-    def write(ctx, idx_copy_ref, dst_ref, scl_dst, *rest):
+    def load_convert(ctx, idx_ref, idx_copy_ref, dst_ref, scl_dst, lat_ref, scl_ref, *rope_ref):
         del ctx
-        *rope_ref, pieces_arr, slots_arr = rest
         i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
         i8 = ir.IntegerType.get_signless(8)
@@ -292,6 +206,9 @@ def _fp8_write_fn(lat: int, rope: int):
         c32, piece, group, in_tile = _gather_lane()
         r8 = arith.andi(group, c32(7))
         tile_row = arith.shrui(group, c32(3))
+        global_ptr = llvm.PointerType.get(address_space=1)
+        src_lat = llvm.addrspacecast(global_ptr, mu.memref_ptr(lat_ref))
+        src_scl = llvm.addrspacecast(global_ptr, mu.memref_ptr(scl_ref))
         dst = mu.memref_ptr(dst_ref)
         row_base = arith.muli(tile_row, c32(tiles * 1024))  # this thread's first row tile of the stage
         # E4M3 piece p of scale block ct = bf16 columns 128 ct + 16 p: tile 2 ct + p // 4, pieces 2 (p % 4)
@@ -303,29 +220,51 @@ def _fp8_write_fn(lat: int, rope: int):
         )
         dst0 = mu.getelementptr(dst, [arith.addi(dst_row, arith.shli(arith.xori(q0, r8), c32(4)))], i8)
         dst1 = mu.getelementptr(dst, [arith.addi(dst_row, arith.shli(arith.xori(q1, r8), c32(4)))], i8)
-        scl_mine = mu.getelementptr(mu.memref_ptr(scl_dst), [arith.shli(group, c32(2))], i8)
-        [slot_vec] = slots_arr.registers.flat
-        raw = [llvm.extractelement(slot_vec, arith.constant(i32, rr)) for rr in range(rows)]
-        for rr, slot in enumerate(raw):
-            row = arith.index_cast(index, arith.addi(group, c32(rr * row_groups)))
-            memref.store(arith.bitcast(f32, slot), idx_copy_ref, [row])  # int32 bits in the float32 buffer
+        scl_base = mu.memref_ptr(scl_dst)
+        scl_mine = mu.getelementptr(scl_base, [arith.shli(group, c32(2))], i8)
+        scl_copy = mu.getelementptr(
+            scl_base, [arith.addi(arith.muli(piece, c32(BLOCK_K * 4)), arith.shli(group, c32(2)))], i8
+        )
+        has_scale = arith.cmpi(arith.CmpIPredicate.ult, piece, c32(blocks))
+        scale_bytes = arith.extui(i64, arith.shli(piece, c32(2)))
+        piece_bytes = arith.extui(i64, arith.shli(piece, c32(4)))
         if rope:
-            piece_bytes = arith.extui(i64, arith.shli(piece, c32(4)))
-            global_ptr = llvm.PointerType.get(address_space=1)
             src_rope = llvm.addrspacecast(global_ptr, mu.memref_ptr(rope_ref[0]))
-            rope_dst = mu.getelementptr(dst, [arith.addi(row_base, arith.addi(in_tile, c32((lat // TILE) * 1024)))], i8)
-            for rr, slot in enumerate(raw):
-                slot64 = arith.extui(i64, arith.maxsi(slot, c32(0)))
+            rope_off = arith.addi(row_base, arith.addi(in_tile, c32((lat // TILE) * 1024)))
+            rope_dst = mu.getelementptr(dst, [rope_off], i8)
+        slots = []
+        for rr in range(BLOCK_K // row_groups):
+            row = arith.index_cast(index, arith.addi(group, c32(rr * row_groups)))
+            slot = memref.load(idx_ref, [row])
+            memref.store(arith.bitcast(f32, slot), idx_copy_ref, [row])  # int32 bits in the float32 buffer
+            slots.append(arith.extui(i64, arith.maxsi(slot, c32(0))))  # unused (-1): row 0, masked
+        for rr, slot64 in enumerate(slots):  # the small copies first: they land while the pieces load
+            stage_off = rr * row_groups // 8 * tiles * 1024
+            if rope:
                 src = mu.getelementptr(
                     src_rope, [arith.addi(arith.muli(slot64, arith.constant(i64, rope * 2)), piece_bytes)], i8
                 )
-                dptr = mu.getelementptr(rope_dst, [rr * row_groups // 8 * tiles * 1024], i8)
+                dptr = mu.getelementptr(rope_dst, [stage_off], i8)
                 nvvm.cp_async_shared_global(dptr, src, 16, nvvm.LoadCacheModifierKind.CG)
-            nvvm.cp_async_commit_group()
+            if_op = scf.IfOp(has_scale)
+            with ir.InsertionPoint(if_op.then_block):
+                src = mu.getelementptr(
+                    src_scl, [arith.addi(arith.muli(slot64, arith.constant(i64, blocks * 4)), scale_bytes)], i8
+                )
+                dptr = mu.getelementptr(scl_copy, [rr * row_groups * 4], i8)
+                nvvm.cp_async_shared_global(dptr, src, 4, nvvm.LoadCacheModifierKind.CA)
+                scf.yield_([])
+        nvvm.cp_async_commit_group()
+        pieces = {}
+        for rr, slot64 in enumerate(slots):
+            lat_row = mu.getelementptr(
+                src_lat, [arith.addi(arith.muli(slot64, arith.constant(i64, lat)), piece_bytes)], i8
+            )
+            for ct in range(blocks):
+                pieces[rr, ct] = llvm.load(v4, mu.getelementptr(lat_row, [ct * FP8_BLOCK], i8), alignment=16)
         nvvm.cp_async_wait_group(0)
         mu.warpgroup_barrier()  # every thread's copies have landed (a scale was copied by another thread)
-        for j, words in enumerate(pieces_arr.registers.flat):
-            rr, ct = divmod(j, blocks)
+        for (rr, ct), words in pieces.items():
             sptr = mu.getelementptr(scl_mine, [(ct * BLOCK_K + rr * row_groups) * 4], i8)
             sc = llvm.load(f32, sptr, alignment=4)
             ins = [llvm.extractelement(words, arith.constant(i32, w)) for w in range(4)]
@@ -337,7 +276,7 @@ def _fp8_write_fn(lat: int, rope: int):
                     vec = llvm.insertelement(vec, llvm.extractvalue(i32, out, [4 * h + w]), arith.constant(i32, w))
                 llvm.store(vec, mu.getelementptr(dptr, [off], i8), alignment=16)
 
-    return write
+    return load_convert
 
 
 def _wait_fn(pending: int):
@@ -407,22 +346,20 @@ def _kernel(
         # them converted into stage i % 2 while the consumers work on the other stage.
         plgpu.set_max_registers(FP8_PRODUCER_REGS, action="decrease")
         scl_smem = vecs.at[pl.ds(2 + stages, lat // FP8_BLOCK)]  # the rows' scales
-        issue, write = _fp8_issue_fn(lat), _fp8_write_fn(lat, rope)
+        load_convert = _fp8_block_fn(lat, rope)
         rope_args = (rope_ref,) if rope else ()
 
         @pl.loop(0, nb)
         def _(i):
-            # block i's loads go out before the wait for its stage (block i - 2 consumed), so their latency runs
-            # under the consumers' work on block i - 1 instead of after it
-            if "noconvert" not in probe:
-                pieces, slots = issue(idx_ref.at[r, pl.ds(i * BLOCK_K, BLOCK_K)], scl_smem, lat_ref, scl_ref)
-
             @pl.when(i >= stages)
             def _():
                 plgpu.barrier_wait(consumed.at[i % stages])
 
+            block = idx_ref.at[r, pl.ds(i * BLOCK_K, BLOCK_K)]
             if "noconvert" not in probe:
-                write(idx_smem.at[i % stages], kv_smem.at[i % stages], scl_smem, *rope_args, pieces, slots)
+                load_convert(
+                    block, idx_smem.at[i % stages], kv_smem.at[i % stages], scl_smem, lat_ref, scl_ref, *rope_args
+                )
             plgpu.commit_smem()  # the bf16 tiles visible to wgmma; the scales read before the next block's copies
             plgpu.barrier_arrive(ready.at[i % stages])
 
