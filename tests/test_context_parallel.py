@@ -200,8 +200,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(argv_and_env, timeout=600) -> list[str]:
-    """Start process 0 and 1 of a 2-process job on localhost (2 fake CPU devices each); their stdout."""
+def _start_two_processes(argv_and_env) -> list[subprocess.Popen]:
+    """Start process 0 and 1 of a 2-process job on localhost (2 fake CPU devices each)."""
     coordinator = f"127.0.0.1:{_free_port()}"
     base = {
         **os.environ,
@@ -215,6 +215,11 @@ def _run_two_processes(argv_and_env, timeout=600) -> list[str]:
         procs.append(
             subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**base, **env})
         )
+    return procs
+
+
+def _finish(procs, timeout=600) -> list[str]:
+    """Wait for a job's processes; their stdout (each must exit 0)."""
     outs = [p.communicate(timeout=timeout) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-4000:]
@@ -222,15 +227,19 @@ def _run_two_processes(argv_and_env, timeout=600) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_processes_build_one_mesh_and_reproduce_single_process_logits(tmp_path):
+def test_two_process_jobs_build_one_mesh_and_match_one_process(tmp_path, capsys):
+    """Two 2-process jobs on localhost, run together (the first one's process 1 sleeps 35 s; the second runs
+    meanwhile): a dp 2 x tp 2 forward whose logits equal the single-process ones, with a host that compiles 35 s
+    slower than the other (past gloo's fixed 30 s set-up deadline, which `barrier` absorbs); and the CLI's
+    `generate --tp 4` over both processes, whose tokens equal a single-process run's, reported once."""
     import jax
     from flax import nnx
 
     from hybrid_jax import HybridConfig, HybridLM
+    from hybrid_jax.cli import main
 
     ids = jax.random.randint(jax.random.key(5), (2, 9), 0, 256)
     np.save(tmp_path / "ids.npy", np.asarray(ids))
-    ref = np.asarray(jax.jit(lambda m, i: m(i))(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), ids))
     script = textwrap.dedent(f"""
         import jax, numpy as np
         from flax import nnx
@@ -252,48 +261,26 @@ def test_two_processes_build_one_mesh_and_reproduce_single_process_logits(tmp_pa
         print("OK", jax.process_index())
     """)
 
-    def argv_and_env(i, coordinator):
+    def mesh_job(i, coordinator):
         env = {"HYBRID_JAX_COORDINATOR": coordinator, "HYBRID_JAX_NUM_PROCESSES": "2", "HYBRID_JAX_PROCESS_ID": str(i)}
         return [sys.executable, "-c", script], env
 
-    outs = _run_two_processes(argv_and_env)
-    assert all("OK" in o for o in outs)
+    def cli_job(i, coordinator):
+        argv = [sys.executable, "-m", "hybrid_jax", "generate", "--max-new-tokens", "5", "--compile-cache", "",
+                "--tp", "4", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)]  # fmt: skip
+        return argv, {}
+
+    mesh = _start_two_processes(mesh_job)
+    ref = np.asarray(jax.jit(lambda m, i: m(i))(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), ids))
+    assert main(["generate", "--max-new-tokens", "5", "--compile-cache", ""]) == 0
+    single = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens:"))
+    cli = _finish(_start_two_processes(cli_job))
+    assert single in cli[0].splitlines() and "mesh: dp=1 tp=4 over 4 devices in 2 process(es)" in cli[0]
+    assert "tokens:" not in cli[1]  # one report per job
+    assert all("OK" in o for o in _finish(mesh))
     for i in range(2):
         got = np.load(tmp_path / f"logits{i}.npy")
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
-
-
-@pytest.mark.slow
-def test_cli_generate_on_two_processes_matches_one(capsys):
-    from hybrid_jax.cli import main
-
-    assert main(["generate", "--max-new-tokens", "5", "--compile-cache", ""]) == 0
-    single = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens:"))
-
-    def argv_and_env(i, coordinator):
-        argv = [
-            sys.executable,
-            "-m",
-            "hybrid_jax",
-            "generate",
-            "--max-new-tokens",
-            "5",
-            "--compile-cache",
-            "",
-            "--tp",
-            "4",
-            "--coordinator",
-            coordinator,
-            "--num-processes",
-            "2",
-            "--process-id",
-            str(i),
-        ]
-        return argv, {}
-
-    outs = _run_two_processes(argv_and_env)
-    assert single in outs[0].splitlines() and "mesh: dp=1 tp=4 over 4 devices in 2 process(es)" in outs[0]
-    assert "tokens:" not in outs[1]  # one report per job
 
 
 def test_distributed_spec_errors_name_the_value():
