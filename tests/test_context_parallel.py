@@ -1,5 +1,6 @@
 """Context parallelism on 8 fake CPU devices (run in a subprocess: JAX is already started here)."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -200,8 +201,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_two_processes(argv_and_env) -> list[subprocess.Popen]:
-    """Start process 0 and 1 of a 2-process job on localhost (2 fake CPU devices each)."""
+@contextlib.contextmanager
+def _two_processes(argv_and_env):
+    """Start process 0 and 1 of a 2-process job on localhost (2 fake CPU devices each); yields the processes
+    and kills any still running on the way out (a failed test leaves none waiting at a barrier)."""
     coordinator = f"127.0.0.1:{_free_port()}"
     base = {
         **os.environ,
@@ -210,12 +213,18 @@ def _start_two_processes(argv_and_env) -> list[subprocess.Popen]:
         "PYTHONPATH": str(ROOT),
     }
     procs = []
-    for i in range(2):
-        argv, env = argv_and_env(i, coordinator)
-        procs.append(
-            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**base, **env})
-        )
-    return procs
+    try:
+        for i in range(2):
+            argv, env = argv_and_env(i, coordinator)
+            procs.append(
+                subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**base, **env})
+            )
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 def _finish(procs, timeout=600) -> list[str]:
@@ -270,14 +279,15 @@ def test_two_process_jobs_build_one_mesh_and_match_one_process(tmp_path, capsys)
                 "--tp", "4", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)]  # fmt: skip
         return argv, {}
 
-    mesh = _start_two_processes(mesh_job)
-    ref = np.asarray(jax.jit(lambda m, i: m(i))(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), ids))
-    assert main(["generate", "--max-new-tokens", "5", "--compile-cache", ""]) == 0
-    single = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens:"))
-    cli = _finish(_start_two_processes(cli_job))
-    assert single in cli[0].splitlines() and "mesh: dp=1 tp=4 over 4 devices in 2 process(es)" in cli[0]
-    assert "tokens:" not in cli[1]  # one report per job
-    assert all("OK" in o for o in _finish(mesh))
+    with _two_processes(mesh_job) as mesh:
+        ref = np.asarray(jax.jit(lambda m, i: m(i))(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), ids))
+        assert main(["generate", "--max-new-tokens", "5", "--compile-cache", ""]) == 0
+        single = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens:"))
+        with _two_processes(cli_job) as procs:
+            cli = _finish(procs)
+        assert single in cli[0].splitlines() and "mesh: dp=1 tp=4 over 4 devices in 2 process(es)" in cli[0]
+        assert "tokens:" not in cli[1]  # one report per job
+        assert all("OK" in o for o in _finish(mesh))
     for i in range(2):
         got = np.load(tmp_path / f"logits{i}.npy")
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
