@@ -1,5 +1,7 @@
 """Pallas sparse MLA and lightning-indexer kernels (interpret mode on CPU) against the float32 jnp references."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -635,6 +637,36 @@ def test_indexer_kernel_reads_mxfp8_pool():
     np.testing.assert_array_equal(np.asarray(ref2_i), np.asarray(ref_i))
     with pytest.raises(ValueError, match="k_scales width"):
         indexer_topk(q, w, values, table, impl="reference", k_scales=scales[..., :1], **kw)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "ieee"])
+def test_indexer_kernel_scales_each_mxfp8_block_by_its_own_exponent(precision):
+    """Blocks of 32 channels at magnitudes 2^-6 ... 2^5 apart: a scale applied to the wrong block, or one
+    block's scale to a whole row, changes the scores by orders of magnitude. bf16 queries, so bf16 products are
+    exact and both precisions must pick the reference's positions."""
+    from hybrid_jax.quant.formats import dequantize_mxfp8, quantize_mxfp8
+
+    q, w, pool, table, pos, kv = _indexer_case(7, 2, 3, 16, 128, 8, [37, 61])
+    magnitude = jnp.repeat(jnp.asarray([2.0**-6, 2.0**5, 1.0, 2.0**-3]), 32)
+    values, scales = quantize_mxfp8(pool * magnitude)
+    q = q.astype(jnp.bfloat16)
+    kw = dict(q_positions=pos, kv_lengths=kv, topk=24, scale=0.125)
+    ref = functools.partial(indexer_topk, q.astype(jnp.float32), w, dequantize_mxfp8(values, scales), table,
+                            impl="reference", q_positions=pos, kv_lengths=kv, scale=0.125)  # fmt: skip
+    ref_i, ref_v = ref(topk=24)
+    ref_v = np.asarray(ref_v)
+    fin = np.isfinite(ref_v)
+    every = np.asarray(ref(topk=64)[1])  # each query's visible scores, best first (-inf after them)
+    kth, after = every[..., 23], every[..., 24]
+    cut = np.isfinite(after)  # queries that see more than 24 keys: the 24th and 25th must not nearly tie
+    assert cut.any() and np.all(kth[cut] - after[cut] > 1e-4 * np.abs(every[np.isfinite(every)]).max())
+    got_i, got_v = indexer_topk(
+        q, w, values, table, impl="pallas", k_scales=scales, precision=precision, interpret=True, block_s=16,
+        keys_per_program=32, **kw,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(ref_i))
+    # float32 sums in another order: errors relative to the largest score's terms, not to each score
+    np.testing.assert_allclose(np.asarray(got_v)[fin], ref_v[fin], rtol=0, atol=1e-6 * np.abs(ref_v[fin]).max())
 
 
 def test_sparse_mla_kernel_fp8_latent_pool():

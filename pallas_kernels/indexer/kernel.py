@@ -3,8 +3,8 @@
 `indexer_scores_pallas` (decode: few queries) runs one program per (sequence b, query t, run of `steps`
 blocks of BS key positions): the query's heads are loaded once and the program walks its blocks. For each
 block it gathers the key rows from the flat pool by their pool row numbers, dequantizes MXFP8 rows in the
-kernel when the pool is quantized (E4M3 values times 2^(e − 127) per 32-value block, one product per block),
-scores all indexer heads on the tensor cores and reduces over heads with their weights, applying the
+kernel when the pool is quantized (each whole E4M3 row in one gather, times 2^(e − 127) per 32-value block, in
+registers), scores all indexer heads on the tensor cores and reduces over heads with their weights, applying the
 causal / length mask:
     I[t, s] = Σ_h w_h(t) ReLU(scale · q_h(t) · k(s))     (−inf where s > pos(t) or s ≥ kv_length)
 Key blocks wholly past the query's position or the sequence's length are written as -inf without being
@@ -57,20 +57,26 @@ def _with_pool(in_specs, args, kv_rows, kv_scales):
     return in_specs + specs, args + pools
 
 
+def _dequantized_rows(kv_ref, ks_ref, rows, dtype):
+    """The pool rows `rows` [BS] of MXFP8 keys as [BS, H] `dtype`: each row's H E4M3 values in one gather,
+    times 2^(e - 127) of its 32-value block (E8M0 bits e, each block's put in place by selects).
+    Exact in bfloat16 (three mantissa bits times a power of two) while the product stays a normal number."""
+    block = jax.lax.broadcasted_iota(jnp.int32, (rows.shape[0], kv_ref.shape[1]), 1) // MX_BLOCK
+    e = jnp.zeros(block.shape, jnp.float32)
+    for c in range(ks_ref.shape[1]):
+        e = jnp.where(block == c, ks_ref[rows, c].astype(jnp.float32)[:, None], e)
+    return (kv_ref[rows, :].astype(jnp.float32) * jnp.exp2(e - 127.0)).astype(dtype)
+
+
 def _kernel(
-    q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, head_dim, mx, precision, stats,
-    keys_major, page_size,
+    q_ref, w_ref, pos_ref, len_ref, slots_ref, kv_ref, *rest, scale, block_s, steps, mx, precision, stats, keys_major,
+    page_size,
 ):  # fmt: skip
     ks_ref = rest[0] if mx else None
     out_ref = rest[int(mx)]
     stats_ref, limit_ref = rest[-2:] if stats else (None, None)
     prec, cdt = _products(precision)
-    # the query's heads, read once for all of this program's key blocks: [N, H], or [N, 32] pieces (one per
-    # MXFP8 scale block)
-    if mx:
-        q_parts = [q_ref[:, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt) for c in range(head_dim // MX_BLOCK)]
-    else:
-        q = q_ref[...].astype(cdt)
+    q = q_ref[...].astype(cdt)  # the query's heads [N, H], read once for all of this program's key blocks
     w = w_ref[...].astype(jnp.float32)  # [N]
     first = pl.program_id(2) * steps
 
@@ -89,15 +95,7 @@ def _kernel(
         prod = lambda a, k: jax.lax.dot_general(  # noqa: E731
             *((k, a) if keys_major else (a, k)), _CONTRACT, precision=prec, preferred_element_type=jnp.float32
         )
-        if mx:
-            s = None
-            for c, qc in enumerate(q_parts):  # one scale per 32 values: scale the block's partial product
-                part = prod(qc, kv_ref[rows, pl.ds(c * MX_BLOCK, MX_BLOCK)].astype(cdt))
-                e = jnp.exp2(ks_ref[rows, c].astype(jnp.float32) - 127.0)  # [BS] from E8M0 bits
-                part = part * (e[:, None] if keys_major else e[None, :])
-                s = part if s is None else s + part
-        else:
-            s = prod(q, kv_ref[rows, :].astype(cdt))
+        s = prod(q, _dequantized_rows(kv_ref, ks_ref, rows, cdt) if mx else kv_ref[rows, :].astype(cdt))
         if keys_major:
             score = jnp.sum(w[None, :] * jnp.maximum(s * scale, 0.0), axis=1)  # [BS]
         else:
@@ -170,7 +168,7 @@ def indexer_scores_pallas(
         in_specs, [q, w, q_positions[..., None], kv_lengths[:, None], slots], kv_rows, kv_scales
     )
     kernel = functools.partial(
-        _kernel, scale=scale, block_s=block_s, steps=steps, head_dim=h, mx=mx, precision=precision, stats=stats,
+        _kernel, scale=scale, block_s=block_s, steps=steps, mx=mx, precision=precision, stats=stats,
         keys_major=keys_major, page_size=page_size,
     )  # fmt: skip
     out_specs = [pl.BlockSpec((None, None, span), lambda i, tt, j: (i, tt, j))]
