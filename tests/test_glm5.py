@@ -38,6 +38,15 @@ def glm5_tiny(**changes) -> HybridConfig:
     return cfg.replace(**changes)
 
 
+def glm5_cut(**changes) -> HybridConfig:
+    """`glm5_tiny` cut to one layer of each kind: KDA, a sparse layer with its own KPool indexer, a shared-indexer
+    layer reading its selection; dense and MoE MLPs. For the tests whose time is compiling the whole model (CI
+    time), where a second layer of a kind adds no path."""
+    cut = dict(num_layers=3, layer_types=("linear", "sparse", "sparse"), mlp_types=("dense", "moe", "moe"),
+               indexer_types=("full", "full", "shared"))  # fmt: skip
+    return glm5_tiny(**{**cut, **changes})
+
+
 # ------------------------------------------------------------------------------------------------ KPool pieces
 def test_kpool_compress_is_a_per_channel_softmax_mean():
     k, g = (jax.random.normal(jax.random.key(i), (3, 5, 4, 7)) for i in (0, 1))
@@ -232,12 +241,10 @@ def test_glm5_context_and_tensor_parallel_equal_one_device():
     devices give the single-device logits, caches (pooled keys and tails included) and next decode step."""
     from tests.test_context_parallel import assert_cp_tp_equal_one_device
 
-    # CI time (each mesh compiles the whole model): the toy model cut to one layer of each kind, KDA, a sparse layer
-    # with its own KPool indexer, a shared-indexer layer reading its selection; dense and MoE MLPs
+    # CI time: each mesh compiles the whole model
     setup = """
-        from tests.test_glm5 import glm5_tiny
-        cfg = glm5_tiny(num_layers=3, layer_types=("linear", "sparse", "sparse"), mlp_types=("dense", "moe", "moe"),
-                        indexer_types=("full", "full", "shared"))
+        from tests.test_glm5 import glm5_cut
+        cfg = glm5_cut()
     """
     assert_cp_tp_equal_one_device(setup, dp_tp=True)
 

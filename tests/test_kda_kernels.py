@@ -93,7 +93,7 @@ def _prefill_inputs(seed, b, t, n, dk, dv, scalar, dtype, with_state):
     return (q, k, v, g, beta), state
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     b=st.integers(1, 2),
@@ -200,7 +200,7 @@ def test_chunked_prefill_kernel_bf16_products():
         kda(q, k, v, g, beta, impl="pallas", solve="lu")
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     t=st.sampled_from([7, 64, 100]),

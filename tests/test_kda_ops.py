@@ -61,7 +61,7 @@ def test_chunked_matches_recurrent(t, chunk, scalar):
     assert rel_err(s_c, s_r) < 1e-5
 
 
-@settings(max_examples=examples(8), deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(
     b=st.integers(1, 2),
     t=st.integers(1, 40),

@@ -38,7 +38,7 @@ def _check(got, want, tol):
     assert rel_err(o, ref_o) < tol
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     b=st.integers(1, 3),

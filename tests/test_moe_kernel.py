@@ -26,7 +26,7 @@ def _case(seed, n, d, f, e, k, skew):
     return x, idx, w, gate, up, down
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     n=st.integers(1, 40),
@@ -300,7 +300,7 @@ def test_gemv_with_shared_expert(dtype, fs):
         moe_experts(x, idx, w, gate, up, down, shared=shared[:2])
 
 
-@settings(max_examples=examples(4), deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     n=st.integers(2, 16),

@@ -15,7 +15,7 @@ from hybrid_jax import HybridConfig, HybridLM, PrefixCache, generate
 from hybrid_jax.cache import AttnState, KDAState, MLAState
 from hybrid_jax.quant.config import IndexerQuant, KVCacheQuant, ProjectionQuant, QuantConfig
 from tests.conftest import random_ids, rel_err, variant_config
-from tests.test_glm5 import glm5_tiny
+from tests.test_glm5 import glm5_cut
 from tests.test_qwen3_next import qwen_tiny
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -99,7 +99,7 @@ def _model(make, quant):
 
 @pytest.mark.parametrize(
     "make, quant, tail_chunk, chunk_blocks",
-    [(variant_config, None, 5, 1), (variant_config, None, None, 2), (glm5_tiny, QUANT, None, 3),
+    [(variant_config, None, 5, 1), (variant_config, None, None, 2), (glm5_cut, QUANT, None, 3),
      (qwen_tiny, QUANT, None, 2)],
     ids=["variant-tail-chunks", "variant-2-block-calls", "glm5-quantized-3-block-calls", "qwen3-next-quantized"],
 )  # fmt: skip
@@ -162,7 +162,7 @@ def test_prefill_through_the_cache_equals_a_plain_prefill(make, quant, tail_chun
 
 
 @pytest.mark.parametrize(
-    "make, every", [(variant_config, 6), (glm5_tiny, 6), (qwen_tiny, 6), (variant_config, 2)],
+    "make, every", [(variant_config, 6), (glm5_cut, 6), (qwen_tiny, 6), (variant_config, 2)],
     ids=["variant", "glm5", "qwen3-next", "variant-every-2"],
 )  # fmt: skip
 def test_prefill_snapshots_equal_the_states_of_shorter_prefills(make, every):

@@ -16,7 +16,7 @@ from hybrid_jax.quant.config import IndexerQuant, KVCacheQuant, ProjectionQuant,
 from hybrid_jax.speculative import accept_drafts, ngram_draft, replay_drafter
 from pallas_kernels import use_pallas
 from tests.conftest import random_ids, variant_config
-from tests.test_glm5 import glm5_tiny
+from tests.test_glm5 import glm5_cut
 
 GEN = jax.jit(generate, static_argnames=("max_new_tokens", "top_k", "eos_id", "draft", "num_draft", "on_token"))
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -43,7 +43,7 @@ def _reference_rows(ids, lens, out) -> np.ndarray:
     [
         (variant_config, None),
         (HybridConfig.tiny, QUANT),
-        (glm5_tiny, QUANT),
+        (glm5_cut, QUANT),
         (variant_config, "fused"),
     ],
     ids=["variant", "tiny-quantized", "glm5-quantized", "variant-fused-kda-kernel"],

@@ -11,7 +11,7 @@ from pallas_kernels.indexer.select_reference import sortable_bits, top_k_radix
 from tests.conftest import examples
 
 
-@settings(max_examples=examples(12), deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     rows=st.integers(1, 5),
