@@ -22,7 +22,7 @@ def _decode_inputs(seed, b, n, dk, dv, scalar, dtype):
     return q, k, v, g, beta, state
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     b=st.integers(1, 3),

@@ -15,7 +15,7 @@ from pallas_kernels.projection import api, project, project_group
 from tests.conftest import examples, rel_err
 
 
-@settings(max_examples=examples(8), deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     lead=st.sampled_from([(1,), (1, 1), (3,), (2, 1), (16,), (1, 1, 5)]),
@@ -37,7 +37,7 @@ def test_kernel_matches_reference(seed, lead, kdim, width, dtype, split):
     assert rel_err(got, ref) < 1e-5
 
 
-@settings(max_examples=examples(8), deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     lead=st.sampled_from([(1,), (1, 1), (3,), (2, 1, 2)]),
