@@ -219,7 +219,7 @@ def profile_indexer(b: int, args, out_dir: Path) -> None:
 
 TOPK_SELECTS = {"split": ("split", False), "split_ranked": ("split", True), "kernel": ("kernel", False)}
 # split / split_ranked take `top_k_split`'s tuning knobs after a colon: "split:pass_chunk=2048,num_warps=8"
-SPLIT_KNOBS = ("seg", "num_warps", "select_warps", "pass_chunk", "packed_counts")
+SPLIT_KNOBS = ("seg", "num_warps", "select_warps", "pass_chunk")
 
 
 def parse_topk_select(spec: str) -> tuple[str, dict[str, int]]:

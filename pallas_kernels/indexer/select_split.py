@@ -59,7 +59,6 @@ from pallas_kernels.indexer.select_kernel import (
 )
 from pallas_kernels.indexer.tuning import (
     MIN_SEGMENT,
-    PACKED_COUNTS,
     PASS_CHUNK,
     PASS_WARPS,
     QUANTILE_TARGETS,
@@ -152,54 +151,19 @@ def _bounds(stats, segments, k):
     return jnp.where(finite > 0, out, jnp.inf)
 
 
-def _count_kernel(limit_ref, stats_ref, x_ref, counts_ref, bounds_ref, *, k, seg, chunk, segments, packed):
+def _count_kernel(limit_ref, stats_ref, x_ref, counts_ref, bounds_ref, *, k, seg, chunk, segments):
     """counts_ref [NUM_BOUNDS]: this segment's scores at or above each of the row's bounds; bounds_ref: the
     bounds (every program of the row writes the same values, from the same statistics: the first `segments`
-    rows of stats_ref). packed: the per-lane counters of `_packed_counts` instead of a [chunk, NUM_BOUNDS]
-    comparison summed across the program at every step."""
+    rows of stats_ref)."""
     bounds = _bounds(stats_ref[...], segments, k)
     n = jnp.clip(limit_ref[0] - pl.program_id(1) * seg, 0, seg)
-    steps = (n + chunk - 1) // chunk
-    if packed:
-        counts_ref[...] = _packed_counts(x_ref, bounds, steps, chunk=chunk, max_steps=seg // chunk)
-    else:
-
-        def body(c, acc):
-            v = x_ref[pl.ds(c * chunk, chunk)]
-            return acc + jnp.sum((v[:, None] >= bounds[None, :]).astype(jnp.int32), axis=0)
-
-        counts_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((NUM_BOUNDS,), jnp.int32))
-    bounds_ref[...] = bounds
-
-
-def _packed_counts(x_ref, bounds, steps, *, chunk, max_steps):
-    """[NUM_BOUNDS] int32: the scores of `steps` chunks of x_ref at or above each bound, counted per lane.
-
-    Each bound is taken out of the [NUM_BOUNDS] vector once; every step compares a lane's score with each bound
-    and adds 1 to that bound's field of the lane's counters, `bits` bits wide, 32 / bits fields an int32 (8
-    bits while a lane sees at most 255 steps, else 16, `top_k_split` refusing 2^16 steps or more: a field never
-    carries into the next). One sum across the program per bound at the end. Why: the [chunk, NUM_BOUNDS]
-    comparison of the other form moves through shared memory with barriers at every step (its SASS for sm_90:
-    5 barriers and 34 shared-memory loads per 1,024 scores; docs/performance.md#indexer)."""
-    bits = 8 if max_steps < 1 << 8 else 16
-    per = 32 // bits
-    lane = jax.lax.broadcasted_iota(jnp.int32, (NUM_BOUNDS,), 0)
-    each = [jnp.max(jnp.where(lane == j, bounds, -jnp.inf)) for j in range(NUM_BOUNDS)]
 
     def body(c, acc):
         v = x_ref[pl.ds(c * chunk, chunk)]
-        acc = list(acc)
-        for j, b in enumerate(each):
-            acc[j // per] += jnp.where(v >= b, jnp.int32(1 << (bits * (j % per))), jnp.int32(0))
-        return tuple(acc)
+        return acc + jnp.sum((v[:, None] >= bounds[None, :]).astype(jnp.int32), axis=0)
 
-    zeros = tuple(jnp.zeros((chunk,), jnp.int32) for _ in range(NUM_BOUNDS // per))
-    acc = jax.lax.fori_loop(0, steps, body, zeros)
-    counts = jnp.zeros((NUM_BOUNDS,), jnp.int32)
-    for j in range(NUM_BOUNDS):
-        field = jax.lax.shift_right_logical(acc[j // per], jnp.int32(bits * (j % per))) & ((1 << bits) - 1)
-        counts = jnp.where(lane == j, jnp.sum(field), counts)
-    return counts
+    counts_ref[...] = jax.lax.fori_loop(0, (n + chunk - 1) // chunk, body, jnp.zeros((NUM_BOUNDS,), jnp.int32))
+    bounds_ref[...] = bounds
 
 
 def _compact_kernel(limit_ref, counts_ref, bounds_ref, x_ref, cand_ref, pos_ref, n_ref, *, k, seg, chunk, segments,
@@ -377,12 +341,11 @@ def rank_width(k: int) -> tuple[int, int]:
     jax.jit,
     static_argnames=(
         "k", "chunk", "seg", "best_first", "stats_parts", "interpret", "num_warps", "select_warps", "pass_chunk",
-        "packed_counts",
     ),
 )  # fmt: skip
 def top_k_split(
     x, limits, *, k, chunk=4096, seg=None, best_first=False, stats=None, stats_parts=None, interpret=False,
-    num_warps=PASS_WARPS, select_warps=SELECT_WARPS, pass_chunk=PASS_CHUNK, packed_counts=PACKED_COUNTS,
+    num_warps=PASS_WARPS, select_warps=SELECT_WARPS, pass_chunk=PASS_CHUNK,
 ):  # fmt: skip
     """x [R, S] float32 scores (S a multiple of `chunk`, a power of two; -inf = not a candidate), limits [R]
     int32 with the same contract as `select_kernel.top_k_rows_pallas` (the scores past limits[r] are -inf)
@@ -396,7 +359,7 @@ def top_k_split(
     stats=True)`: count, sum, sum of squares, min, max of the finite scores of any partition of the row
     into its first `stats_parts` of P entries, P a power of two), in place of the first pass.
     Tuning (defaults in tuning.py): num_warps of the passes, pass_chunk scores per step of a pass (a power of
-    two), packed_counts: the counting pass's per-lane packed counters (`_packed_counts`)."""
+    two)."""
     r, s = x.shape
     if s % chunk or chunk & (chunk - 1):
         raise ValueError(f"top_k_split: chunk={chunk} must be a power of two dividing the row length {s}")
@@ -408,8 +371,6 @@ def top_k_split(
     segments = s // seg
     p_pad = pow2(segments)
     step = min(pass_chunk, seg)
-    if packed_counts and seg // step >= 1 << 16:
-        raise ValueError(f"top_k_split: packed_counts with seg={seg} / pass_chunk={step} steps overflows 16-bit fields")
     limits = limits.astype(jnp.int32).reshape(r, 1)  # each kernel clips it to its segment: no XLA op before them
     x = x.astype(jnp.float32)
     kw = dict(interpret=interpret, **triton_params(interpret, num_warps, 1))
@@ -435,7 +396,7 @@ def top_k_split(
     elif stats_parts is None or not 0 < stats_parts <= stats.shape[1]:
         raise ValueError(f"top_k_split: stats_parts={stats_parts} must be in [1, {stats.shape[1]}] with stats")
     counts, bounds = pl.pallas_call(
-        functools.partial(_count_kernel, k=k, seg=seg, chunk=step, segments=stats_parts, packed=bool(packed_counts)),
+        functools.partial(_count_kernel, k=k, seg=seg, chunk=step, segments=stats_parts),
         grid=grid,
         in_specs=[limit_spec, per_row(stats.shape[1], STATS), seg_spec],
         out_specs=[per_seg(NUM_BOUNDS), per_row(NUM_BOUNDS)],

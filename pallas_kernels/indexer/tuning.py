@@ -65,9 +65,6 @@ TARGET_PROGRAMS = 128
 MIN_SEGMENT = 256
 PASS_CHUNK = 1024
 PASS_WARPS = 4
-# The counting pass's per-lane packed counters (`select_split._packed_counts`): off until timed against the
-# comparison summed across the program (`profile_stage --stage topk --selects split split:packed_counts=1`).
-PACKED_COUNTS = False
 # Best-first ranking: rows of up to RANK_MAX_PER_K x k candidates ranked whole (O(n^2) compares), RANK_BLOCK
 # candidates per program compared RANK_STEP at a time; rows with more: candidates per step of the in-kernel
 # K-th key search and of the scan for a program's chosen ones; the ranking's warps and pipeline stages.
