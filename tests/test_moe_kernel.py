@@ -238,6 +238,31 @@ def test_gemv_kernels_bf16():
     assert "name=moe_gate_up_gemv" in jaxpr and "name=moe_down_gemv" in jaxpr
 
 
+def test_gemv_default_tiles_differ_per_kernel_and_a_given_tile_applies_to_both():
+    """form="gemv" at widths past both defaults: gate/up takes `GEMV_TILES`, the down kernel `GEMV_DOWN_TILES`
+    (its output tiles read from the launch's grid); an explicit block_n / block_k tiles both kernels. Values
+    against the reference either way."""
+    from pallas_kernels.moe.tuning import GEMV_DOWN_TILES, GEMV_TILES
+
+    n, d, f, e, k = 1, 256, 192, 6, 2
+    args = _case(13, n, d, f, e, k, 0.0)
+    ref = moe_experts(*args, impl="reference")
+
+    def grids(**kw):
+        fn = lambda *a: moe_experts(*a, impl="pallas", form="gemv", interpret=True, **kw)  # noqa: E731
+        text = str(jax.make_jaxpr(fn)(*args))
+        assert rel_err(fn(*args), ref) < 1e-5
+        # each pallas_call's name and grid, in launch order: gate/up then down
+        return [(m.group(1), m.group(2)) for m in re.finditer(r"grid=\(([0-9, ]+)\).*?name=(moe_\w+_gemv)", text, re.S)]
+
+    (gu_grid, gu), (dn_grid, dn) = grids()
+    assert (gu, dn) == ("moe_gate_up_gemv", "moe_down_gemv")
+    f_tiles = -(-f // GEMV_TILES[0])  # gate/up's output F in its block_n tiles
+    assert int(gu_grid.split(",")[1]) == f_tiles and int(dn_grid.split(",")[1]) == d // GEMV_DOWN_TILES[0]
+    (gu_grid, _), (dn_grid, _) = grids(block_n=32, block_k=32)
+    assert int(gu_grid.split(",")[1]) == f // 32 and int(dn_grid.split(",")[1]) == d // 32
+
+
 def test_group_by_expert_matches_a_stable_sort():
     """Edge and random routings (up to 16 tokens, k up to 8 of up to 300 experts) against the grouping spelled
     out with a stable sort in numpy: the groups, their rows and every pair's row, exactly."""

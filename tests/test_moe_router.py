@@ -22,7 +22,7 @@ def _inputs(seed, n, d, e, dtype=jnp.bfloat16):
     return x, w, bias
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     n=st.sampled_from([1, 3, 16]),

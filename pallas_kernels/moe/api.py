@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +26,7 @@ from pallas_kernels.moe.router import route_pallas, router_kernel_shapes
 from pallas_kernels.moe.tuning import (
     DECODE_BLOCK_M,
     DECODE_TILES,
+    GEMV_DOWN_TILES,
     GEMV_TILES,
     GROUPED_TILES,
     PREFILL_TILES,
@@ -91,7 +94,8 @@ def moe_experts(
       each token's expert ids distinct and in [0, E), as top-k routing gives);
     - "auto": `registry.resolve("moe", ...)`.
     Tiles: `block_n` / `block_k` output and contraction tiles, powers of two (defaults `tuning.GROUPED_TILES`
-    / `tuning.GEMV_TILES`); `num_warps` / `num_stages` Triton's parameters of the grouped kernels (defaults
+    / `tuning.GEMV_TILES`, and for "gemv"'s down kernel `tuning.GEMV_DOWN_TILES`; a tile given applies to every
+    kernel); `num_warps` / `num_stages` Triton's parameters of the grouped kernels (defaults
     by row block: `tuning.DECODE_TILES` for small blocks, else `tuning.PREFILL_TILES`, at most
     `WIDE_OPERAND_MAX_STAGES` stages for float32 operands).
     shared: the shared expert's (gate [D, Fs], up [D, Fs], down [Fs, D]), added as S(x) rounded to x's dtype
@@ -133,6 +137,8 @@ def moe_experts(
     if form == "expert_gemv" and n > GROUP_ROWS:
         raise ValueError(f"moe_experts: form='expert_gemv' takes at most {GROUP_ROWS} tokens (got {n})")
     tiles = GEMV_TILES if form in ("gemv", "expert_gemv") else GROUPED_TILES
+    # the per-pair down kernel's own defaults; a tile given by the caller applies to both kernels
+    down_tiles = tuple(t if v is None else v for t, v in zip(GEMV_DOWN_TILES, (block_n, block_k), strict=True))
     block_n = tiles[0] if block_n is None else block_n
     block_k = tiles[1] if block_k is None else block_k
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
@@ -148,7 +154,9 @@ def moe_experts(
     ):
         raise ValueError(f"moe_experts: shared expert weights {[a.shape for a in shared]} must be [D, Fs] x2, [Fs, D]")
     interpret = registry.interpret_default(interpret)
-    experts_gemv = {"gemv": _experts_gemv, "expert_gemv": _experts_expert_gemv}.get(form)
+    experts_gemv = {
+        "gemv": functools.partial(_experts_gemv, down_tiles=down_tiles), "expert_gemv": _experts_expert_gemv
+    }.get(form)  # fmt: skip
     if experts_gemv and shared is not None and shared[0].shape[1] == f:  # the shared expert in the same launches
         return experts_gemv(
             x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared, limit=limit
@@ -215,17 +223,19 @@ def moe_experts(
 
 
 def _experts_gemv(x, idx, w, gate_proj, up_proj, down_proj, block_n, block_k, split_k, interpret, shared=None,
-                  mma=True, limit=None):  # fmt: skip
+                  mma=True, limit=None, down_tiles=None):  # fmt: skip
     """form="gemv": every token-expert pair through the per-pair kernels, then the weighted sum over k; the
     shared expert's (gate, up, down) as one more program row per token in the same launches. limit: the
-    SwiGLU limit, applied where the down kernels form h (routed pairs and shared rows alike)."""
+    SwiGLU limit, applied where the down kernels form h (routed pairs and shared rows alike). (block_n,
+    block_k) tile gate/up, down_tiles (default the same) the down kernel."""
     n, d = x.shape
     k = idx.shape[1]
     f = gate_proj.shape[-1]
+    down_n, down_k = down_tiles or (block_n, block_k)
     bk_d, d_in = _tile(d, block_k)  # D as the contraction of gate/up
     bn_f, f_out = _tile(f, block_n)  # F as their output
-    bk_f, f_in = _tile(f_out, block_k)  # F as the contraction of down
-    bn_d, d_out = _tile(d, block_n)  # D as its output
+    bk_f, f_in = _tile(f_out, down_k)  # F as the contraction of down
+    bn_d, d_out = _tile(d, down_n)  # D as its output
     f_pad = max(f_out, f_in)
     pad3 = lambda a, p1, p2: _pad_weights(a, p1, p2, x.dtype)  # noqa: E731
     e_ids = idx.reshape(-1).astype(jnp.int32)  # [P] pair p = token p // k
