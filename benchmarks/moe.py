@@ -65,6 +65,8 @@ def rows_for(shape: str, tokens: int, bw: float, rate: float) -> list[dict]:
     variants = {"lax.ragged_dot (XLA)": dict(impl="reference")}
     if tokens * k <= 256:  # decode sizes: each pair's expert weights gathered / read in place (opt-in impls)
         variants["gathered weights (XLA)"] = dict(impl="reference", form="gather")
+        # the defaults: gate/up at GEMV_TILES, down at GEMV_DOWN_TILES (a tile given below tiles both kernels)
+        variants["pallas per-pair gemv, default tiles, split auto"] = dict(impl="pallas", form="gemv")
         for bn, bk, sk in GEMV_BLOCKS:  # one Pallas program per pair, output tile and split
             name = f"pallas per-pair gemv, block_n={bn} k={bk} split {sk or 'auto'}"
             variants[name] = dict(impl="pallas", form="gemv", block_n=bn, block_k=bk, split_k=sk)

@@ -255,12 +255,23 @@ def test_gemv_default_tiles_differ_per_kernel_and_a_given_tile_applies_to_both()
         # each pallas_call's name and grid, in launch order: gate/up then down
         return [(m.group(1), m.group(2)) for m in re.finditer(r"grid=\(([0-9, ]+)\).*?name=(moe_\w+_gemv)", text, re.S)]
 
+    def axes(grid):  # (programs per pair row, output tiles, splits)
+        return tuple(int(a) for a in grid.split(",") if a.strip())
+
     (gu_grid, gu), (dn_grid, dn) = grids()
     assert (gu, dn) == ("moe_gate_up_gemv", "moe_down_gemv")
-    f_tiles = -(-f // GEMV_TILES[0])  # gate/up's output F in its block_n tiles
-    assert int(gu_grid.split(",")[1]) == f_tiles and int(dn_grid.split(",")[1]) == d // GEMV_DOWN_TILES[0]
+    # the down kernel's splits follow from its block_k over F (192: whole 64-deep slabs, 128 would pad it)
+    down_n, down_k = GEMV_DOWN_TILES
+    assert axes(gu_grid)[1] == -(-f // GEMV_TILES[0])  # gate/up's output F in its block_n tiles
+    assert axes(dn_grid)[1:] == (d // down_n, auto_split_k(n * k, d, f, down_n, down_k))
     (gu_grid, _), (dn_grid, _) = grids(block_n=32, block_k=32)
-    assert int(gu_grid.split(",")[1]) == f // 32 and int(dn_grid.split(",")[1]) == d // 32
+    assert axes(gu_grid)[1] == f // 32 and axes(dn_grid)[1:] == (d // 32, auto_split_k(n * k, d, f, 32, 32))
+    # a shared expert of another width runs outside the launches: the routed down kernel keeps its own tiles
+    shared = tuple(jax.random.normal(jax.random.key(i), s) * 0.1 for i, s in enumerate([(d, 96), (d, 96), (96, d)]))
+    fn = lambda *a: moe_experts(*a, impl="pallas", form="gemv", interpret=True, shared=shared)  # noqa: E731
+    text = str(jax.make_jaxpr(fn)(*args))
+    launches = {m.group(2): m.group(1) for m in re.finditer(r"grid=\(([0-9, ]+)\).*?name=(moe_\w+_gemv)", text, re.S)}
+    assert axes(launches["moe_down_gemv"])[1] == d // down_n
 
 
 def test_group_by_expert_matches_a_stable_sort():

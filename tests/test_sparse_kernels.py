@@ -306,7 +306,7 @@ def test_indexer_tiled_prefill_matches_reference(pool_format):
 # 5 examples (the derandomized draw): every digit width, with and without the prefilter and ties, 1 to 4 rows of
 # 1 to 3 chunks, k below a chunk, past it and past the row; the prefilter and the tie rules have their own tests
 # below (prefiltered / split selection on heavy tails, ties, empty rows)
-@settings(max_examples=examples(4), deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     rows=st.integers(1, 4),

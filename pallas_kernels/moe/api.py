@@ -139,6 +139,7 @@ def moe_experts(
     tiles = GEMV_TILES if form in ("gemv", "expert_gemv") else GROUPED_TILES
     # the per-pair down kernel's own defaults; a tile given by the caller applies to both kernels
     down_tiles = tuple(t if v is None else v for t, v in zip(GEMV_DOWN_TILES, (block_n, block_k), strict=True))
+    given = dict(block_n=block_n, block_k=block_k)  # as the caller gave them (None: each kernel's default)
     block_n = tiles[0] if block_n is None else block_n
     block_k = tiles[1] if block_k is None else block_k
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
@@ -163,8 +164,7 @@ def moe_experts(
         )
     if shared is not None:
         return moe_experts(
-            x, idx, w, gate_proj, up_proj, down_proj, impl=impl, form=form, block_m=block_m, block_n=block_n,
-            block_k=block_k,
+            x, idx, w, gate_proj, up_proj, down_proj, impl=impl, form=form, block_m=block_m, **given,
             split_k=split_k, num_warps=num_warps, num_stages=num_stages, precision=precision, interpret=interpret,
             swiglu_limit=limit,
         ) + swiglu_reference(x, *shared, swiglu_limit=limit)  # fmt: skip
