@@ -248,12 +248,14 @@ def test_gemv_default_tiles_differ_per_kernel_and_a_given_tile_applies_to_both()
     args = _case(13, n, d, f, e, k, 0.0)
     ref = moe_experts(*args, impl="reference")
 
+    def launches(fn):  # each pallas_call's (grid, name), in launch order: gate/up then down
+        text = str(jax.make_jaxpr(fn)(*args))
+        return [(m.group(1), m.group(2)) for m in re.finditer(r"grid=\(([0-9, ]+)\).*?name=(moe_\w+_gemv)", text, re.S)]
+
     def grids(**kw):
         fn = lambda *a: moe_experts(*a, impl="pallas", form="gemv", interpret=True, **kw)  # noqa: E731
-        text = str(jax.make_jaxpr(fn)(*args))
         assert rel_err(fn(*args), ref) < 1e-5
-        # each pallas_call's name and grid, in launch order: gate/up then down
-        return [(m.group(1), m.group(2)) for m in re.finditer(r"grid=\(([0-9, ]+)\).*?name=(moe_\w+_gemv)", text, re.S)]
+        return launches(fn)
 
     def axes(grid):  # (programs per pair row, output tiles, splits)
         return tuple(int(a) for a in grid.split(",") if a.strip())
@@ -268,10 +270,13 @@ def test_gemv_default_tiles_differ_per_kernel_and_a_given_tile_applies_to_both()
     assert axes(gu_grid)[1] == f // 32 and axes(dn_grid)[1:] == (d // 32, auto_split_k(n * k, d, f, 32, 32))
     # a shared expert of another width runs outside the launches: the routed down kernel keeps its own tiles
     shared = tuple(jax.random.normal(jax.random.key(i), s) * 0.1 for i, s in enumerate([(d, 96), (d, 96), (96, d)]))
-    fn = lambda *a: moe_experts(*a, impl="pallas", form="gemv", interpret=True, shared=shared)  # noqa: E731
-    text = str(jax.make_jaxpr(fn)(*args))
-    launches = {m.group(2): m.group(1) for m in re.finditer(r"grid=\(([0-9, ]+)\).*?name=(moe_\w+_gemv)", text, re.S)}
-    assert axes(launches["moe_down_gemv"])[1] == d // down_n
+    by_name = {
+        name: grid
+        for grid, name in launches(
+            lambda *a: moe_experts(*a, impl="pallas", form="gemv", interpret=True, shared=shared)
+        )
+    }
+    assert axes(by_name["moe_down_gemv"])[1] == d // down_n
 
 
 def test_group_by_expert_matches_a_stable_sort():
