@@ -311,10 +311,11 @@ def test_whole_model_context_parallel_prefill_equals_single_device():
         import jax, jax.numpy as jnp, numpy as np
         from flax import nnx
         jax.config.update("jax_default_matmul_precision", "highest")
-        from hybrid_jax import HybridConfig, HybridLM
+        from hybrid_jax import HybridLM
         from sharding import make_mesh, shard_params
         from sharding.context_parallel import forward_context_parallel
-        cfg = HybridConfig.tiny()
+        from tests.test_context_parallel import four_layer_tiny
+        cfg = four_layer_tiny()
         model = HybridLM(cfg, rngs=nnx.Rngs(0))
         # 137 tokens: a multiple of no layout's piece count, so every case pads internally
         ids = jax.random.randint(jax.random.key(1), (2, 137), 0, 256)
