@@ -31,7 +31,7 @@ WIDE_OPERAND_MAX_STAGES = 2
 GROUPED_TILES = (128, 64)
 GEMV_TILES = (64, 128)
 # The per-pair down kernel (form "gemv"): wider output tiles, shallower steps; its splits by SPLIT_TARGET as
-# gate/up's (1.1-1.8x faster than GEMV_TILES at hybrid_small, Kimi, Qwen3-Next, GLM-5.3 and DeepSeek widths).
+# gate/up's (timed against GEMV_TILES at every shipped model's widths: docs/performance.md, MoE).
 GEMV_DOWN_TILES = (128, 64)
 
 # The router kernels (GEMV partial logits + one selection program per token) take up to this many tokens
