@@ -2,7 +2,7 @@
 the sequential split) and decode throughput under tensor parallelism, with outputs checked against the
 smallest mesh of the run. One table; rows go to benchmarks/results/.
 
-    python -m benchmarks.multigpu [--config hybrid_small] [--prompt-len 131072] [--cps 1 2 4 8]
+    python -m benchmarks.multigpu [--config hybrid_small] [--layers N] [--prompt-len 131072] [--cps 1 2 4 8]
                                   [--cp-tp 2x4 4x2] [--tps 1 2 4 8] [--batch 16] [--context 2048]
 
 Mesh shapes that need more devices than the machine has are skipped (and listed). Goals (issue 9): prefill
@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import report
+from benchmarks.gpu_parity import cut_config
 from benchmarks.sharded_overhead import interleaved_medians, rel_err
 from hybrid_jax import PRESETS, HybridLM
 from sharding import make_mesh, shard_params
@@ -41,6 +42,7 @@ def _decode_loop(model, tok, cache, steps: int):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", default="hybrid_small", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=None, help="a preset cut to this many layers (gpu_parity.cut_config)")
     p.add_argument("--prompt-len", type=int, default=131072)
     p.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--cp-tp", nargs="+", default=["2x4", "4x2"], help="CP x TP prefill meshes, e.g. 2x4")
@@ -54,6 +56,10 @@ def main() -> None:
     args = p.parse_args()
 
     cfg = PRESETS[args.config]()
+    if args.layers is not None:
+        if args.layers < 1:
+            raise SystemExit(f"--layers must be >= 1, got {args.layers}")
+        cfg = cut_config(cfg, args.layers, cfg.num_experts)
     dtype = jnp.dtype(args.dtype)
     n_dev = jax.device_count()
     skipped, rows = [], []
@@ -124,7 +130,8 @@ def main() -> None:
         del model, cache
     if skipped:
         print(f"skipped (need more than {n_dev} devices): {', '.join(skipped)}")
-    title = f"CP x TP on {n_dev} devices, {args.config}, {args.dtype}"
+    model_name = args.config + (f" cut to {cfg.num_layers} layers" if args.layers is not None else "")
+    title = f"CP x TP on {n_dev} devices, {model_name}, {args.dtype}"
     report("multigpu.py", title, rows, record=not args.no_record)
 
 

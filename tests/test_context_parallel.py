@@ -244,7 +244,7 @@ def test_two_process_jobs_build_one_mesh_and_match_one_process(tmp_path, capsys)
     import jax
     from flax import nnx
 
-    from hybrid_jax import HybridConfig, HybridLM
+    from hybrid_jax import HybridLM
     from hybrid_jax.cli import main
 
     ids = jax.random.randint(jax.random.key(5), (2, 9), 0, 256)
@@ -256,10 +256,11 @@ def test_two_process_jobs_build_one_mesh_and_match_one_process(tmp_path, capsys)
         from sharding.launch import barrier, initialize, spec_from
         initialize(spec_from())  # from the HYBRID_JAX_* environment variables
         jax.config.update("jax_default_matmul_precision", "highest")
-        from hybrid_jax import HybridConfig, HybridLM
+        from hybrid_jax import HybridLM
         from sharding import make_mesh, shard_params
         assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
-        model = shard_params(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), make_mesh(dp=2, tp=2))
+        from tests.test_context_parallel import four_layer_tiny
+        model = shard_params(HybridLM(four_layer_tiny(), rngs=nnx.Rngs(0)), make_mesh(dp=2, tp=2))
         ids = np.load({str(tmp_path / "ids.npy")!r})
         forward = jax.jit(lambda m, i: m(i)).lower(model, ids).compile()
         if jax.process_index() == 1:  # a host that compiles 35 s slower: past gloo's fixed 30 s set-up deadline
@@ -280,7 +281,7 @@ def test_two_process_jobs_build_one_mesh_and_match_one_process(tmp_path, capsys)
         return argv, {}
 
     with _two_processes(mesh_job) as mesh:
-        ref = np.asarray(jax.jit(lambda m, i: m(i))(HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0)), ids))
+        ref = np.asarray(jax.jit(lambda m, i: m(i))(HybridLM(four_layer_tiny(), rngs=nnx.Rngs(0)), ids))
         assert main(["generate", "--max-new-tokens", "5", "--compile-cache", ""]) == 0
         single = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens:"))
         with _two_processes(cli_job) as procs:
@@ -343,7 +344,7 @@ def test_context_parallel_prefill_fills_the_decode_cache():
         import jax, jax.numpy as jnp, numpy as np
         from flax import nnx
         jax.config.update("jax_default_matmul_precision", "highest")
-        from hybrid_jax import HybridConfig, HybridLM
+        from hybrid_jax import HybridLM
         from sharding import make_mesh, shard_params
         from sharding.context_parallel import prefill_context_parallel
         from tests.test_context_parallel import four_layer_tiny
@@ -395,20 +396,21 @@ def test_context_parallel_prefill_fills_the_decode_cache():
 
 @pytest.mark.slow
 def test_multigpu_benchmark_runs_on_fake_devices():
-    """The issue-9 benchmark script end to end at toy size (4 fake devices): CP and TP rows, outputs checked."""
+    """The issue-9 benchmark script end to end at toy size (4 fake devices): CP and TP rows, outputs checked.
+    `--layers 2` cuts tiny to four layers, one of every kind (CI time: each mesh compiles the whole model)."""
     env = {
         **os.environ,
         "XLA_FLAGS": xla_flags(4),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }
-    argv = [sys.executable, "-m", "benchmarks.multigpu", "--config", "tiny", "--prompt-len", "64", "--cps", "1", "2"]
-    argv += ["--cp-tp", "2x2", "4x2", "--tps", "1", "2", "--batch", "2", "--context", "16", "--decode-steps", "3"]
-    argv += ["--dtype", "float32", "--iters", "1", "--no-record"]
+    argv = [sys.executable, "-m", "benchmarks.multigpu", "--config", "tiny", "--layers", "2", "--prompt-len", "64"]
+    argv += ["--cps", "1", "2", "--cp-tp", "2x2", "4x2", "--tps", "1", "2", "--batch", "2", "--context", "16"]
+    argv += ["--decode-steps", "3", "--dtype", "float32", "--iters", "1", "--no-record"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
-    assert "skipped (need more than 4 devices): prefill cp=4 tp=2" in out
+    assert "skipped (need more than 4 devices): prefill cp=4 tp=2" in out and "tiny cut to 4 layers" in out
     rows = [line for line in out.splitlines() if line.startswith("| prefill") or line.startswith("| decode")]
     assert len(rows) == 6, out  # cp=1, cp=2 zigzag + sequential, 2x2; decode tp=1, tp=2
     for line in rows[:4]:
