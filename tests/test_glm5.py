@@ -160,14 +160,14 @@ def test_hyper_connection_mixer_is_doubly_stochastic_and_mixes_as_written():
 # ------------------------------------------------------------------------------------------------ the model
 @pytest.mark.slow
 def test_glm5_decode_and_chunked_prefill_reproduce_the_full_forward(jitted):
-    cfg = glm5_tiny()
+    cfg = glm5_cut()  # layers: KDA, sparse with its own indexer, shared-indexer sparse
     model = HybridLM(cfg, rngs=nnx.Rngs(0))
     ids = random_ids(11, (2, 29), cfg.vocab_size)  # 29: a multiple of neither the pool (4) nor the chunk (8)
     full = jitted["forward"](model, ids)
     stepped, cache = prefill_then_decode(model, ids, jitted, 13, 40)
     assert rel_err(stepped, full) < 1e-4
-    assert cache.layers[3].index_k is None and cache.layers[3].index_tail is None  # the shared layer keeps none
-    assert cache.layers[2].index_tail.shape == (2, 4, 2 * cfg.index_head_dim)
+    assert cache.layers[2].index_k is None and cache.layers[2].index_tail is None  # the shared layer keeps none
+    assert cache.layers[1].index_tail.shape == (2, 4, 2 * cfg.index_head_dim)
 
 
 @pytest.mark.slow
@@ -175,7 +175,7 @@ def test_glm5_ragged_chunks_inactive_and_overflow_rows(jitted):
     """Rows of different lengths prefilled in two right-padded chunks, then decode steps with one row inactive and,
     under jit, one that overflows its cache: every real token's logits equal the forward of its own row, and a row
     that takes no token keeps its KPool tail and pooled keys."""
-    cfg = glm5_tiny()
+    cfg = glm5_cut()  # layer 1: the sparse layer with its own indexer
     model = HybridLM(cfg, rngs=nnx.Rngs(0))
     ids = random_ids(13, (2, 16), cfg.vocab_size)
     ids = ids.at[1, 13].set(ids[1, 6])  # row 1's first decode step (ids[:, 13]) is its token 6: it holds ids[1, :7]
@@ -188,24 +188,24 @@ def test_glm5_ragged_chunks_inactive_and_overflow_rows(jitted):
     lg2, cache = jitted["prefill"](model, ids[:, 7:14], cache, jnp.array([6, 0]))  # the same shape: row 0 takes 6
     assert rel_err(lg1[0], full[0][:7]) < 1e-5 and rel_err(lg2[0, :6], full[0][7:13]) < 1e-5
     assert rel_err(lg1[1, :6], full[1][:6]) < 1e-5
-    before = cache.layers[2]
+    before = cache.layers[1]
     step = jax.jit(lambda m, i, c, a: m.decode_step(i, c, a))
     lg, cache = step(model, ids[:, 13], cache, jnp.array([True, True]))  # both rows step (row 1 at its position 6)
     assert rel_err(lg[0], full[0][13]) < 1e-5 and rel_err(lg[1], full[1][6]) < 1e-5
     lg_a, cache_a = step(model, ids[:, 14], cache, jnp.array([True, False]))
     assert rel_err(lg_a[0], full[0][14]) < 1e-5
     for name in ("index_tail",):
-        np.testing.assert_array_equal(getattr(cache_a.layers[2], name)[1], getattr(cache.layers[2], name)[1])
-    np.testing.assert_array_equal(cache_a.layers[2].index_k.values, cache.layers[2].index_k.values)  # no pool ends
-    assert before.index_tail.shape == cache_a.layers[2].index_tail.shape
+        np.testing.assert_array_equal(getattr(cache_a.layers[1], name)[1], getattr(cache.layers[1], name)[1])
+    np.testing.assert_array_equal(cache_a.layers[1].index_k.values, cache.layers[1].index_k.values)  # no pool ends
+    assert before.index_tail.shape == cache_a.layers[1].index_tail.shape
     # under jit a row that would overflow takes none of its tokens: NaN logits, its cache untouched. Row 0 holds
     # 15 of 16 tokens and is given 6; row 1 (7 tokens) takes its next 6.
     lgo, over = jitted["prefill"](model, ids[:, 7:14], cache_a, jnp.array([6, 6]))
     assert np.isnan(np.asarray(lgo[0])).all() and not np.isnan(np.asarray(lgo[1, :6])).any()
     assert np.asarray(over.lengths).tolist() == [15, 13]
-    np.testing.assert_array_equal(over.layers[2].index_tail[0], cache_a.layers[2].index_tail[0])
+    np.testing.assert_array_equal(over.layers[1].index_tail[0], cache_a.layers[1].index_tail[0])
     pages = np.asarray(over.page_table[0])
-    np.testing.assert_array_equal(over.layers[2].latent.values[pages], cache_a.layers[2].latent.values[pages])
+    np.testing.assert_array_equal(over.layers[1].latent.values[pages], cache_a.layers[1].latent.values[pages])
     assert rel_err(lgo[1, :6], full[1][7:13]) < 1e-5
 
 
