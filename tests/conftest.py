@@ -67,15 +67,14 @@ def lower_for_sm90_in_subprocess(script: str) -> None:
     assert res.returncode == 0 and "lowered" in res.stdout, res.stderr[-3000:]
 
 
-# XLA backend level 2 instead of the tests' level 0, for a program whose running, not its
-# compile, takes a test's time (the recall model over 500 prompts runs about 3x faster at level 2 and compiles
-# as fast).
+# XLA backend level 2 instead of the tests' level 0, for a program whose running, not its compile, takes a
+# test's time (the recall model over 500 prompts runs about 3x faster at level 2 and compiles as fast).
 OPTIMIZED = {"xla_backend_optimization_level": 2}
 
 
 def compile_optimized(jitted, *args):
-    """`jitted` (a `jax.jit` function) compiled for `args` with `OPTIMIZED`'s options instead of the tests'
-    flags; call the result with the same arguments."""
+    """`jitted` (a `jax.jit` function) compiled for `args` at `OPTIMIZED`'s backend level instead of the tests'
+    level 0; call the result with the same arguments."""
     return jitted.lower(*args).compile(OPTIMIZED)
 
 
