@@ -240,16 +240,48 @@ def loop_ms(fn, module, x, *args, n: int = 20, reps: int = 5, carry=None) -> flo
     return median_ms(call, warmup=1, iters=reps) / n
 
 
-def decode_loop(model, n: int):
+def decode_loop(model, n: int, count_experts: bool = False):
     """f(tok [B] int32, cache) -> (tok, cache) after n greedy decode steps in one executable (argmax fed
-    back, cache donated): the loop `generate` compiles, without its stopping and sampling."""
+    back, cache donated): the loop `generate` compiles, without its stopping and sampling.
+
+    count_experts: also return counts [n, MoE layers] int32, the distinct routed experts the step's B tokens
+    chose in each MoE layer (what `e2e.decode_floor_bytes(touched=)` reads). The router's choices are taken
+    where the layer asks `moe_route` for them; the counting adds work, so a timed loop runs without it."""
+    from hybrid_jax.layers import moe as moe_layer
+
+    experts, layers = model.config.num_experts, model.config.mlp_types.count("moe")
+    if count_experts and not layers:
+        raise ValueError(f"decode_loop: count_experts=True on a model without MoE layers: {model.config.mlp_types}")
+
+    def step(m, tok, cache):
+        if not count_experts:
+            return m.decode_step(tok, cache), None
+        chosen, route = [], moe_layer.moe_route
+
+        def recorded(*a, **kw):
+            w, idx = route(*a, **kw)
+            chosen.append(idx)
+            return w, idx
+
+        moe_layer.moe_route = recorded  # only while this step is traced
+        try:
+            out = m.decode_step(tok, cache)
+        finally:
+            moe_layer.moe_route = route
+        if len(chosen) != layers:  # the step routes once per MoE layer: anything else is not what was counted
+            raise ValueError(f"decode_loop: {len(chosen)} routings in a step of {layers} MoE layers")
+        hit = [jnp.zeros((experts,), jnp.int32).at[idx.reshape(-1)].max(1).sum() for idx in chosen]
+        return out, jnp.stack(hit)
 
     def steps(m, tok, cache):
-        def body(_, carry):
-            logits, cache = m.decode_step(*carry)
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+        def body(i, carry):
+            (logits, cache), hit = step(m, carry[0], carry[1])
+            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (tok, cache) if hit is None else (tok, cache, carry[2].at[i].set(hit))
 
-        return jax.lax.fori_loop(0, n, body, (tok, cache))
+        if not count_experts:
+            return jax.lax.fori_loop(0, n, body, (tok, cache))
+        return jax.lax.fori_loop(0, n, body, (tok, cache, jnp.zeros((n, layers), jnp.int32)))
 
     return jit_module(steps, model, donate_argnums=1)
 

@@ -18,10 +18,11 @@ float32 logits from the same bf16-rounded weights (the row "parity").
   `decode_step` called once per step from Python (host dispatch included; the model's arrays passed as a
   flat list, `common.jit_module`). The table says how many XLA compilations happened during the timed calls
   (should be 0).
-- Floors: decode = bytes one step must move (weights read — routed experts scaled by the expected share a
-  batch touches — plus recurrent states read and written and cache rows read) over the measured copy
-  bandwidth; prefill = counted FLOPs (2 x active matmul parameters per token plus attention) over the
-  measured bf16 matmul rate (or the weight bytes over bandwidth, if larger).
+- Floors: decode = bytes one step must move (weights read — routed experts scaled by the share a batch
+  touches: at B > 1 the distinct experts counted over the 16 decode steps after the timed ones, the note's
+  "experts a layer" beside what uniform routing would touch — plus recurrent states read and written and cache
+  rows read) over the measured copy bandwidth; prefill = counted FLOPs (2 x active matmul parameters per token
+  plus attention) over the measured bf16 matmul rate (or the weight bytes over bandwidth, if larger).
 - Peak memory of each row's call, from XLA's accounting: the device bytes live before the call (weights,
   cache, inputs) plus the compiled executable's temporaries and its outputs that do not alias a donated
   input (`_row_peak_gib`). The device's process-wide peak only grows over a run (the ceiling measurement
@@ -153,7 +154,8 @@ def _param_bytes(model):
         fixed_bytes += nbytes
         if x.ndim >= 2 and names[0] != "lm_head":
             dense_params += x.size
-    return fixed_bytes, list(routed.values()), dense_params, list(routed_params.values())
+    order = sorted(routed, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))  # layer order
+    return fixed_bytes, [routed[k] for k in order], dense_params, [routed_params[k] for k in order]
 
 
 def per_position(pool, page_size: int) -> float:
@@ -165,14 +167,18 @@ def per_position(pool, page_size: int) -> float:
     return nbytes / (pool.values.shape[0] * page_size)
 
 
-def decode_floor_bytes(model, cache, batch: int, context: int, tokens: int = 1) -> float:
+def decode_floor_bytes(model, cache, batch: int, context: int, tokens: int = 1, touched=None) -> float:
     """Bytes one decode step must move: weights (routed experts: the expected number of distinct experts
-    that the step's tokens choose under uniform routing), KDA states read + written, cache rows read.
+    that the step's tokens choose under uniform routing, or `touched`), KDA states read + written, cache rows
+    read.
 
     tokens: positions each of the `batch` rows runs in the step (a speculative verify block: k drafts + 1).
     Its batch x tokens tokens choose the experts; each row's KDA state is still read and written once, and its
     cached rows are read once (the block's positions can share the reads): a sparse layer's top-k rows count
-    once, as if the block's positions selected the same rows (the least they can read)."""
+    once, as if the block's positions selected the same rows (the least they can read).
+    touched: per MoE layer in layer order, the distinct experts a step's tokens chose (the mean over the steps
+    `common.decode_loop(count_experts=True)` counted) instead of the uniform expectation: tokens a router
+    sends to the same experts read fewer bytes than it assumes. One token's k experts are k either way."""
     from hybrid_jax.cache import AttnState, KDAState, MLAState
 
     if batch < 1 or tokens < 1:
@@ -180,10 +186,18 @@ def decode_floor_bytes(model, cache, batch: int, context: int, tokens: int = 1) 
     cfg = model.config
     fixed, routed, _, _ = _param_bytes(model)
     k = cfg.num_experts_per_tok
+    if touched is not None and (
+        len(touched) != len(routed)
+        or any(not 0 < t <= min(e, k * batch * tokens) for t, (_, e) in zip(touched, routed, strict=False))
+    ):
+        raise ValueError(
+            f"decode_floor_bytes: touched={list(touched)} must give 1 to min(experts, {k} x {batch * tokens} tokens) "
+            f"experts for each of the {len(routed)} MoE layers"
+        )
     total = float(fixed)
-    for nbytes, e in routed:
-        touched = e * (1 - (1 - k / e) ** (batch * tokens))
-        total += nbytes * touched / e
+    for i, (nbytes, e) in enumerate(routed):
+        chosen = e * (1 - (1 - k / e) ** (batch * tokens)) if touched is None else touched[i]
+        total += nbytes * chosen / e
     for kind, state in zip(cfg.layer_types, cache.layers, strict=True):
         if isinstance(state, KDAState):
             total += 2 * (_nbytes(state.recurrent) + _nbytes(state.conv))
@@ -200,6 +214,25 @@ def decode_floor_bytes(model, cache, batch: int, context: int, tokens: int = 1) 
             else:
                 total += batch * context * row
     return total
+
+
+def count_touched(count_loop, model, batch: int, tok, cache):
+    """(tok, cache, touched, note) after `count_loop` (`common.decode_loop(model, n, count_experts=True)`) ran its
+    n steps from (tok, cache), donated: touched the mean distinct experts a step's tokens chose per MoE layer
+    (`decode_floor_bytes(touched=)`), note what the row says of them. touched is None, and nothing runs, at
+    one row (its k experts are k) or with no MoE layer. The steps are the n after the timed ones: the same
+    decode run, not the timed steps themselves (those donated their cache)."""
+    import numpy as np
+
+    cfg = model.config
+    if batch == 1 or "moe" not in cfg.mlp_types:
+        return tok, cache, None, ""
+    tok, cache, hits = count_loop(tok, cache)
+    touched = [float(x) for x in np.asarray(hits, np.float64).mean(axis=0)]
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    uniform = e * (1 - (1 - k / e) ** batch)
+    note = f"experts a layer {sum(touched) / len(touched):.1f} of {e} (uniform {uniform:.1f})"
+    return tok, cache, touched, note
 
 
 def prefill_flops(model, tokens: int) -> float:
@@ -305,6 +338,7 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
     decode = jit_module(lambda m, ids, c: m.decode_step(ids, c), model, donate_argnums=1)
     loop_n, reps = 16, 5
     loop = decode_loop(model, loop_n)
+    count_loop = decode_loop(model, loop_n, count_experts=True) if "moe" in cfg.mlp_types else None
     steps = 20
     for b in args.batches:
         ctx = args.context
@@ -312,11 +346,10 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
         try:
             # the context goes in pieces of <= 32K tokens over the batch: one 64 x 2048 call would hand
             # XLA's ragged_dot lowering a [B*T*k, E*D] operand (144 GiB at Kimi widths: it ran out of memory)
-            cache = model.init_cache(b, -(-(ctx + steps + 2 + loop_n * (reps + 1) + 8) // page) * page)
+            cache = model.init_cache(b, -(-(ctx + steps + 2 + loop_n * (reps + 2) + 8) // page) * page)
             piece = max(page, (32768 // b) // page * page)
             for s0 in range(0, ctx, piece):
                 logits, cache = prefill(ids[:, s0 : s0 + piece], cache)
-            nbytes = decode_floor_bytes(model, cache, b, ctx)
             box = {"cache": cache, "tok": jnp.argmax(logits, axis=-1).astype(jnp.int32)}  # logits [B, vocab]
 
             def step(box=box):
@@ -338,7 +371,10 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
                     times.append((time.perf_counter() - t0) * 1e3)
                 ms_loop = median_ms(looped, warmup=0, iters=reps) / loop_n
             ms = statistics.median(times)
+            loop_note = f"{cc.compiled} compilations in all timed calls"
             peak = _row_peak_gib(loop, box["tok"], box["cache"])  # after the counted calls: it compiles
+            box["tok"], box["cache"], touched, experts = count_touched(count_loop, model, b, box["tok"], box["cache"])
+            nbytes = decode_floor_bytes(model, box["cache"], b, ctx, touched=touched)
         except Exception as e:  # noqa: BLE001
             emit(
                 dict(base, case="decode step", batch=b, tokens=ctx, note=f"failed: {type(e).__name__}: {str(e)[:150]}")
@@ -348,13 +384,14 @@ def measure_model(name, quant_name, args, bw, rate, emit) -> None:
             dict(
                 base, case="decode step (in-jit loop, as generate)", batch=b, tokens=ctx, ms=ms_loop,
                 tok_s=b / ms_loop * 1e3, floor_ms=nbytes / bw * 1e3, peak=peak,
-                note=f"{loop_n} steps per executable; {cc.compiled} compilations in all timed calls",
+                note="; ".join(filter(None, [f"{loop_n} steps per executable", loop_note, experts])),
             )
         )  # fmt: skip
         emit(
             dict(
                 base, case="decode step (one call per step)", batch=b, tokens=ctx, ms=ms, tok_s=b / ms * 1e3,
-                floor_ms=nbytes / bw * 1e3, note=f"host dispatch included; {steps} timed steps",
+                floor_ms=nbytes / bw * 1e3,
+                note="; ".join(filter(None, ["host dispatch included", f"{steps} timed steps", experts])),
             )
         )  # fmt: skip
         del box, cache, logits

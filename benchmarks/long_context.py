@@ -13,7 +13,9 @@ prefills one long prompt chunk by chunk through the caches, and decodes after it
   `generate` compiles) on a copy of the cache; the prefill continues from the cache before them. Floor: the
   bytes one step must move (`e2e.decode_floor_bytes`) over the copy bandwidth.
 - Decode at each of --batches rows after each of --batch-contexts: the caches filled with random rows of the right
-  length (no prefill: a step's cost depends on the lengths, not on the values), the same 16-step loop.
+  length (no prefill: a step's cost depends on the lengths, not on the values), the same 16-step loop. Its floor
+  counts the routed experts the 16 steps after the timed ones chose (`e2e.count_touched`, in the note beside what
+  uniform routing would touch), not the uniform expectation.
 - Peak: the device's peak bytes in use after each row (it only grows over a run).
 """
 
@@ -65,7 +67,7 @@ def main() -> None:
     from flax import nnx
 
     from benchmarks.common import ceilings, decode_loop, jit_module, report
-    from benchmarks.e2e import _param_bytes, decode_floor_bytes, prefill_flops
+    from benchmarks.e2e import _param_bytes, count_touched, decode_floor_bytes, prefill_flops
     from hybrid_jax.config import PRESETS
     from hybrid_jax.model import HybridLM
 
@@ -98,6 +100,7 @@ def main() -> None:
     ids = jax.random.randint(jax.random.key(1), (1, n_chunks * chunk), 0, cfg.vocab_size, jnp.int32)
     step = jit_module(lambda m, i, c, n: m.prefill(i, c, n, last_only=True), model, donate_argnums=1)
     loop = decode_loop(model, DECODE_STEPS)
+    count_loop = decode_loop(model, DECODE_STEPS, count_experts=True) if "moe" in cfg.mlp_types else None
     cache = model.init_cache(1, total + DECODE_STEPS + 1)
     # compile the chunk step and the decode loop before the clock runs (on throwaway caches of the same shapes)
     warm = step(ids[:, :chunk], model.init_cache(1, total + DECODE_STEPS + 1), jnp.array([chunk], jnp.int32))
@@ -128,18 +131,21 @@ def main() -> None:
             del copy
     del cache
     for b, ctx in ((b, ctx) for ctx in args.batch_contexts for b in args.batches):
-        cache = model.init_cache(b, ctx + 2 * DECODE_STEPS + 2)
+        cache = model.init_cache(b, ctx + 3 * DECODE_STEPS + 2)
         cache = _random_like(cache, jax.random.key(ctx)).replace(lengths=jnp.full((b,), ctx, jnp.int32))
         tok = jnp.zeros((b,), jnp.int32)
         tok, cache = loop(tok, cache)  # compile and warm
         jax.block_until_ready(tok)
         t1 = time.perf_counter()
-        jax.block_until_ready(loop(tok, cache))
+        tok, cache = loop(tok, cache)
+        jax.block_until_ready(tok)
         ms = (time.perf_counter() - t1) * 1e3 / DECODE_STEPS
+        peak = _peak_gib()  # before the counting loop's executable
+        tok, cache, touched, experts = count_touched(count_loop, model, b, tok, cache)
         emit(case="decode step (random-filled cache)", batch=b, tokens=ctx, ms=ms,
-             floor_ms=decode_floor_bytes(model, cache, b, ctx) / bw * 1e3, peak=_peak_gib(),
-             note=f"{DECODE_STEPS} steps per executable")  # fmt: skip
-        del cache
+             floor_ms=decode_floor_bytes(model, cache, b, ctx, touched=touched) / bw * 1e3, peak=peak,
+             note="; ".join(filter(None, [f"{DECODE_STEPS} steps per executable", experts])))  # fmt: skip
+        del cache, tok
     table = [
         {
             "preset": args.preset, "case": r["case"], "batch": r["batch"], "tokens": r["tokens"],

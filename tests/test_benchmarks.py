@@ -4,6 +4,7 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -51,6 +52,7 @@ def test_e2e_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| tiny | none | hybrid-jax | TTFT | 1 | 64 |" in out
     assert "16 steps per executable; 0 compilations in all timed calls" in out  # no recompilation
+    assert "experts a layer " in out and "of 8 (uniform 3.5)" in out  # 2 rows' floor: the experts counted
 
 
 @pytest.mark.slow
@@ -140,6 +142,85 @@ def test_e2e_floors_count_what_a_step_moves(tiny_model):
     assert decode_floor_bytes(tiny_model, cache, 1, 32, tokens=1) == one
     with pytest.raises(ValueError, match="tokens=0"):
         decode_floor_bytes(tiny_model, cache, 1, 32, tokens=0)
+
+
+def test_e2e_floor_takes_the_experts_a_step_touched(tiny_model):
+    from benchmarks.e2e import _param_bytes, decode_floor_bytes
+
+    cfg = tiny_model.config
+    cache = tiny_model.init_cache(4, 64)
+    layers, e, k = cfg.mlp_types.count("moe"), cfg.num_experts, cfg.num_experts_per_tok
+    routed = sum(nbytes for nbytes, _ in _param_bytes(tiny_model)[1])
+    # one token's k experts are what uniform routing expects of one token
+    assert decode_floor_bytes(tiny_model, cache, 1, 32, touched=[k] * layers) == decode_floor_bytes(
+        tiny_model, cache, 1, 32
+    )
+    # 4 rows: all 8 experts read every expert's bytes; rows routed alike read one token's k
+    every = decode_floor_bytes(tiny_model, cache, 4, 32, touched=[e] * layers)
+    alike = decode_floor_bytes(tiny_model, cache, 4, 32, touched=[k] * layers)
+    assert every - alike == pytest.approx(routed * (e - k) / e)
+    assert alike < decode_floor_bytes(tiny_model, cache, 4, 32) < every
+    # per layer, in layer order: one layer at e, the rest at k
+    one = decode_floor_bytes(tiny_model, cache, 4, 32, touched=[e] + [k] * (layers - 1))
+    assert one - alike == pytest.approx(routed / layers * (e - k) / e)
+    for bad in ([k] * (layers - 1), [0] + [k] * (layers - 1), [3 * k] + [k] * (layers - 1)):
+        with pytest.raises(ValueError, match=r"touched=\["):  # one row picks at most k: 3k is no count
+            decode_floor_bytes(tiny_model, cache, 1, 32, touched=bad)
+
+
+def test_decode_loop_counts_the_distinct_experts_each_step_chose(tiny_model, monkeypatch):
+    """The counting loop decodes what the plain loop decodes, and its counts are the distinct experts the
+    step's rows chose in each MoE layer: rows of one prompt choose one token's k; rows of different prompts the
+    union that an eager step-by-step run with the router's choices recorded finds."""
+    from benchmarks.common import decode_loop
+    from hybrid_jax.layers import moe as moe_layer
+
+    cfg = tiny_model.config
+    layers, k = cfg.mlp_types.count("moe"), cfg.num_experts_per_tok
+    n, b = 3, 4
+    plain, count = decode_loop(tiny_model, n), decode_loop(tiny_model, n, count_experts=True)
+    prefill = jax.jit(lambda m, ids, c: m.prefill(ids, c, last_only=True))
+
+    def start(ids):
+        logits, cache = prefill(tiny_model, ids, tiny_model.init_cache(b, 32))
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+    same = jnp.tile(jax.random.randint(jax.random.key(3), (1, 9), 0, cfg.vocab_size), (b, 1))
+    tok, cache, hits = count(*start(same))
+    assert hits.shape == (n, layers) and (np.asarray(hits) == k).all(), hits
+
+    ids = jax.random.randint(jax.random.key(4), (b, 9), 0, cfg.vocab_size)
+    tok0, cache0 = start(ids)
+    want_tok, want_cache = plain(tok0, jax.tree.map(jnp.copy, cache0))
+    chosen, route = [], moe_layer.moe_route
+
+    def recorded(*a, **kw):
+        w, idx = route(*a, **kw)
+        chosen.append(np.asarray(idx))
+        return w, idx
+
+    monkeypatch.setattr(moe_layer, "moe_route", recorded)
+    t, c, want_hits = tok0, jax.tree.map(jnp.copy, cache0), []
+    for _ in range(n):  # eager: every routing is a concrete array
+        chosen.clear()
+        logits, c = tiny_model.decode_step(t, c)
+        t = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        want_hits.append([len(np.unique(idx)) for idx in chosen])
+    monkeypatch.setattr(moe_layer, "moe_route", route)
+    tok, cache, hits = count(tok0, cache0)
+    np.testing.assert_array_equal(np.asarray(hits), np.array(want_hits))
+    assert (np.array(want_hits) > k).any()  # the rows did not all choose alike
+    np.testing.assert_array_equal(tok, want_tok)
+    np.testing.assert_array_equal(tok, t)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    dense = tiny_model.config.replace(mlp_types=("dense",) * cfg.num_layers)
+    from flax import nnx
+
+    from hybrid_jax import HybridLM
+
+    with pytest.raises(ValueError, match="without MoE layers"):
+        decode_loop(HybridLM(dense, rngs=nnx.Rngs(0)), 2, count_experts=True)
 
 
 def test_e2e_decode_floor_reads_one_pooled_key_per_kpool_positions():
@@ -703,6 +784,9 @@ def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
                                 ("decode step (random-filled cache)", 1, 48),
                                 ("decode step (random-filled cache)", 2, 48)]:  # fmt: skip
         assert f"case={case} | batch={batch} | tokens={tokens} | ms=" in out, out[-3000:]
+    # the 2-row floor counts the experts its steps chose; one row's k experts need no count
+    rows = [ln for ln in out.splitlines() if ln.startswith("  case=decode step (random-filled cache)")]
+    assert ["experts a layer " in ln for ln in rows] == [False, True] and "of 8 (uniform 3.5)" in rows[1], rows
 
 
 @pytest.mark.slow
