@@ -145,6 +145,8 @@ def _param_bytes(model):
         names = [str(p) for p in path]
         if names[0] == "embed_tokens":
             continue  # a step reads B rows of the table, not the table
+        if names[0] == "mtp":
+            continue  # the drafter's modules: a decode step or a prefill never runs them
         if "experts" in names and "shared_experts" not in names:
             key = names[1]
             b, p = routed.get(key, (0, 0)), routed_params.get(key, (0, 0))
@@ -154,7 +156,7 @@ def _param_bytes(model):
         fixed_bytes += nbytes
         if x.ndim >= 2 and names[0] != "lm_head":
             dense_params += x.size
-    order = sorted(routed, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))  # layer order
+    order = sorted(routed, key=int)  # keys are layer indices: layer order
     return fixed_bytes, [routed[k] for k in order], dense_params, [routed_params[k] for k in order]
 
 

@@ -163,6 +163,14 @@ def test_e2e_floor_takes_the_experts_a_step_touched(tiny_model):
     # per layer, in layer order: one layer at e, the rest at k
     one = decode_floor_bytes(tiny_model, cache, 4, 32, touched=[e] + [k] * (layers - 1))
     assert one - alike == pytest.approx(routed / layers * (e - k) / e)
+    # a multi-token-prediction module is the drafter's: a decode step reads none of it
+    from flax import nnx
+
+    from hybrid_jax import HybridLM
+
+    plain = cfg.replace(attn_res_block_size=None)  # MTP takes plain residuals
+    with_mtp = HybridLM(plain.replace(mtp_layers=1), rngs=nnx.Rngs(0))
+    assert _param_bytes(with_mtp) == _param_bytes(HybridLM(plain, rngs=nnx.Rngs(0)))
     for bad in ([k] * (layers - 1), [0] + [k] * (layers - 1), [3 * k] + [k] * (layers - 1)):
         with pytest.raises(ValueError, match=r"touched=\["):  # one row picks at most k: 3k is no count
             decode_floor_bytes(tiny_model, cache, 1, 32, touched=bad)
