@@ -2,7 +2,7 @@
 prefills one long prompt chunk by chunk through the caches, and decodes after it.
 
     python -m benchmarks.long_context [--preset kimi_linear_48b] [--lengths 32768 131072 524288 1048000]
-        [--chunk 16384] [--batch-contexts 32768 131072] [--batches 16] [--no-record]
+        [--chunk 16384] [--batch-contexts 32768 131072] [--batches 16] [--layers 8] [--no-record]
 
 - TTFT: one prompt of max(--lengths) tokens is prefilled --chunk tokens at a time (one compiled chunk step; the
   cache spans the whole prompt from the start, as `generate(prefill_chunk=)` does). Prefilling the first L
@@ -61,7 +61,12 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=16384)
     p.add_argument("--batches", type=int, nargs="*", default=[16], help="rows of the random-filled decode rows")
     p.add_argument("--batch-contexts", type=int, nargs="*", default=[32768, 131072])
-    p.add_argument("--layers", type=int, default=None, help="keep the first N layers (a cut model)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="keep the first N layers (and the first of each kind they lack: gpu_parity.cut_config)",
+    )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     from flax import nnx
@@ -72,8 +77,12 @@ def main() -> None:
     from hybrid_jax.model import HybridLM
 
     cfg = PRESETS[args.preset]()
-    if args.layers:
-        cfg = cfg.replace(layer_types=cfg.layer_types[: args.layers], mlp_types=cfg.mlp_types[: args.layers])
+    if args.layers is not None:
+        if args.layers < 1:
+            raise SystemExit(f"--layers {args.layers}: keep at least one layer")
+        from benchmarks.gpu_parity import cut_config
+
+        cfg = cut_config(cfg, args.layers, cfg.num_experts)  # every expert kept: the weights a step reads
     total = max(args.lengths)
     if total + DECODE_STEPS + 1 > cfg.max_position_embeddings:
         raise SystemExit(
@@ -156,7 +165,7 @@ def main() -> None:
         for r in rows
     ]  # fmt: skip
     title = (
-        f"Long context on one device ({args.preset}{f', {args.layers} layers' if args.layers else ''}, "
+        f"Long context on one device ({args.preset}{f', {cfg.num_layers} layers' if args.layers else ''}, "
         f"{params / 1e9:.2f} B parameters, random bf16 weights); chunks of {chunk}; ceilings: copy "
         f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
     )

@@ -783,11 +783,14 @@ def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     40 and 96 tokens, then 1- and 2-row decodes on a random-filled 48-token cache."""
     from benchmarks import long_context
 
-    argv = ["long_context", "--preset", "tiny", "--lengths", "40", "96", "--chunk", "32", "--batches", "1", "2",
-            "--batch-contexts", "48", "--no-record"]  # fmt: skip
+    # --layers 2: tiny cut to its first two layers plus the first of each kind they lack (4 layers, as
+    # gpu_parity.cut_config does), one MoE layer among them
+    argv = ["long_context", "--preset", "tiny", "--layers", "2", "--lengths", "40", "96", "--chunk", "32",
+            "--batches", "1", "2", "--batch-contexts", "48", "--no-record"]  # fmt: skip
     monkeypatch.setattr("sys.argv", argv)
     long_context.main()
     out = capsys.readouterr().out
+    assert "Long context on one device (tiny, 4 layers, " in out
     for case, batch, tokens in [("TTFT (chunked prefill)", 1, 40), ("decode step (after the prefill)", 1, 96),
                                 ("decode step (random-filled cache)", 1, 48),
                                 ("decode step (random-filled cache)", 2, 48)]:  # fmt: skip
