@@ -245,8 +245,9 @@ def decode_loop(model, n: int, count_experts: bool = False):
     back, cache donated): the loop `generate` compiles, without its stopping and sampling.
 
     count_experts: also return counts [n, MoE layers] int32, the distinct routed experts the step's B tokens
-    chose in each MoE layer (what `e2e.decode_floor_bytes(touched=)` reads). The router's choices are taken
-    where the layer asks `moe_route` for them; the counting adds work, so a timed loop runs without it."""
+    chose in each MoE layer (what `e2e.decode_floor_bytes(touched=)` reads), -1 where the router returned an
+    id outside [0, experts) (NaN scores pick none). The router's choices are taken where the layer asks
+    `moe_route` for them; the counting adds work, so a timed loop runs without it."""
     from hybrid_jax.layers import moe as moe_layer
 
     experts, layers = model.config.num_experts, model.config.mlp_types.count("moe")
@@ -270,7 +271,11 @@ def decode_loop(model, n: int, count_experts: bool = False):
             moe_layer.moe_route = route
         if len(chosen) != layers:  # the step routes once per MoE layer: anything else is not what was counted
             raise ValueError(f"decode_loop: {len(chosen)} routings in a step of {layers} MoE layers")
-        hit = [jnp.zeros((experts,), jnp.int32).at[idx.reshape(-1)].max(1).sum() for idx in chosen]
+        hit = []
+        for idx in chosen:  # one slot past the experts collects out-of-range ids (.at[] would drop them)
+            idx = idx.reshape(-1)
+            seen = jnp.zeros((experts + 1,), jnp.int32).at[jnp.where((idx >= 0) & (idx < experts), idx, experts)].max(1)
+            hit.append(jnp.where(seen[experts] > 0, -1, seen[:experts].sum()))
         return out, jnp.stack(hit)
 
     def steps(m, tok, cache):

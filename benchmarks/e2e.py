@@ -223,18 +223,33 @@ def count_touched(count_loop, model, batch: int, tok, cache):
     n steps from (tok, cache), donated: touched the mean distinct experts a step's tokens chose per MoE layer
     (`decode_floor_bytes(touched=)`), note what the row says of them. touched is None, and nothing runs, at
     one row (its k experts are k) or with no MoE layer. The steps are the n after the timed ones: the same
-    decode run, not the timed steps themselves (those donated their cache)."""
+    decode run, not the timed steps themselves (those donated their cache), and the note says so.
+
+    A count that fails (out of memory, or the router returned ids outside the experts) leaves the row its
+    timings: touched None (the uniform expectation) and a note naming the error; tok and cache are then the
+    ones given, unless the loop consumed them (its error is the row's, as any decode failure)."""
+    import jax
     import numpy as np
 
     cfg = model.config
     if batch == 1 or "moe" not in cfg.mlp_types:
         return tok, cache, None, ""
-    tok, cache, hits = count_loop(tok, cache)
-    touched = [float(x) for x in np.asarray(hits, np.float64).mean(axis=0)]
     e, k = cfg.num_experts, cfg.num_experts_per_tok
+    try:
+        out_tok, out_cache, hits = count_loop(tok, cache)
+        hits = np.asarray(hits, np.float64)
+    except Exception as err:  # noqa: BLE001 — a count that cannot run costs the floor its count, not the row
+        if any(x.is_deleted() for x in jax.tree.leaves(cache) if isinstance(x, jax.Array)):
+            raise
+        return tok, cache, None, f"experts not counted ({type(err).__name__}): uniform floor"
+    if (hits < 0).any():
+        bad = int((hits < 0).sum())
+        return out_tok, out_cache, None, f"experts not counted (router ids outside 0..{e - 1}, {bad}x): uniform floor"
+    touched = [float(x) for x in hits.mean(axis=0)]
     uniform = e * (1 - (1 - k / e) ** batch)
-    note = f"experts a layer {sum(touched) / len(touched):.1f} of {e} (uniform {uniform:.1f})"
-    return tok, cache, touched, note
+    mean = sum(touched) / len(touched)
+    note = f"experts a layer {mean:.1f} of {e} over the next {hits.shape[0]} steps (uniform {uniform:.1f})"
+    return out_tok, out_cache, touched, note
 
 
 def prefill_flops(model, tokens: int) -> float:

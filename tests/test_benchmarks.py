@@ -52,7 +52,7 @@ def test_e2e_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| tiny | none | hybrid-jax | TTFT | 1 | 64 |" in out
     assert "16 steps per executable; 0 compilations in all timed calls" in out  # no recompilation
-    assert "experts a layer " in out and "of 8 (uniform 3.5)" in out  # 2 rows' floor: the experts counted
+    assert "experts a layer " in out and "of 8 over the next 16 steps (uniform 3.5)" in out  # 2 rows: counted
 
 
 @pytest.mark.slow
@@ -160,7 +160,7 @@ def test_e2e_floor_takes_the_experts_a_step_touched(tiny_model):
     alike = decode_floor_bytes(tiny_model, cache, 4, 32, touched=[k] * layers)
     assert every - alike == pytest.approx(routed * (e - k) / e)
     assert alike < decode_floor_bytes(tiny_model, cache, 4, 32) < every
-    # per layer, in layer order: one layer at e, the rest at k
+    # per layer: one layer at e, the rest at k, adds one layer's share (every layer here has the same bytes)
     one = decode_floor_bytes(tiny_model, cache, 4, 32, touched=[e] + [k] * (layers - 1))
     assert one - alike == pytest.approx(routed / layers * (e - k) / e)
     # a multi-token-prediction module is the drafter's: a decode step reads none of it
@@ -174,6 +174,34 @@ def test_e2e_floor_takes_the_experts_a_step_touched(tiny_model):
     for bad in ([k] * (layers - 1), [0] + [k] * (layers - 1), [3 * k] + [k] * (layers - 1)):
         with pytest.raises(ValueError, match=r"touched=\["):  # one row picks at most k: 3k is no count
             decode_floor_bytes(tiny_model, cache, 1, 32, touched=bad)
+
+
+def test_count_touched_keeps_the_row_when_the_count_fails(tiny_model):
+    """A count that cannot run, or that saw router ids outside the experts (the GPU router's pick for NaN
+    scores), falls back to the uniform floor and says why; a good count gives the mean per layer."""
+    from benchmarks.e2e import count_touched
+
+    cfg = tiny_model.config
+    layers = cfg.mlp_types.count("moe")
+    tok, cache = jnp.zeros((2,), jnp.int32), tiny_model.init_cache(2, 16)
+
+    def failing(t, c):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
+
+    got = count_touched(failing, tiny_model, 2, tok, cache)
+    assert got[0] is tok and got[1] is cache and got[2] is None
+    assert got[3] == "experts not counted (RuntimeError): uniform floor"
+    hits = np.full((3, layers), 3, np.int32)
+    hits[1, 2] = -1
+    got = count_touched(lambda t, c: (t, c, hits), tiny_model, 2, tok, cache)
+    assert got[2] is None and got[3] == "experts not counted (router ids outside 0..7, 1x): uniform floor"
+    hits[1, 2], hits[0, 0] = 3, 4
+    got = count_touched(lambda t, c: (t, c, hits), tiny_model, 2, tok, cache)
+    assert got[2] == [10 / 3] + [3.0] * (layers - 1)
+    assert (
+        got[3] == f"experts a layer {(10 / 3 + 3 * (layers - 1)) / layers:.1f} of 8 over the next 3 steps (uniform 3.5)"
+    )
+    assert count_touched(failing, tiny_model, 1, tok, cache)[2:] == (None, "")  # one row: k, nothing runs
 
 
 def test_decode_loop_counts_the_distinct_experts_each_step_chose(tiny_model, monkeypatch):
@@ -194,13 +222,15 @@ def test_decode_loop_counts_the_distinct_experts_each_step_chose(tiny_model, mon
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     same = jnp.tile(jax.random.randint(jax.random.key(3), (1, 9), 0, cfg.vocab_size), (b, 1))
+    route = moe_layer.moe_route
     tok, cache, hits = count(*start(same))
     assert hits.shape == (n, layers) and (np.asarray(hits) == k).all(), hits
+    assert moe_layer.moe_route is route  # the recording router was only in place while the step was traced
 
     ids = jax.random.randint(jax.random.key(4), (b, 9), 0, cfg.vocab_size)
     tok0, cache0 = start(ids)
     want_tok, want_cache = plain(tok0, jax.tree.map(jnp.copy, cache0))
-    chosen, route = [], moe_layer.moe_route
+    chosen = []
 
     def recorded(*a, **kw):
         w, idx = route(*a, **kw)
@@ -222,6 +252,15 @@ def test_decode_loop_counts_the_distinct_experts_each_step_chose(tiny_model, mon
     np.testing.assert_array_equal(tok, t)
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    def off_the_end(*a, **kw):  # an id past the experts, as the GPU router picks for NaN scores
+        w, idx = route(*a, **kw)
+        return w, idx.at[0, 0].set(cfg.num_experts)
+
+    monkeypatch.setattr(moe_layer, "moe_route", off_the_end)
+    _, _, hits = decode_loop(tiny_model, 1, count_experts=True)(*start(ids))
+    np.testing.assert_array_equal(np.asarray(hits), -np.ones((1, layers), np.int32))
+    monkeypatch.setattr(moe_layer, "moe_route", route)
     dense = tiny_model.config.replace(mlp_types=("dense",) * cfg.num_layers)
     from flax import nnx
 
@@ -797,7 +836,8 @@ def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
         assert f"case={case} | batch={batch} | tokens={tokens} | ms=" in out, out[-3000:]
     # the 2-row floor counts the experts its steps chose; one row's k experts need no count
     rows = [ln for ln in out.splitlines() if ln.startswith("  case=decode step (random-filled cache)")]
-    assert ["experts a layer " in ln for ln in rows] == [False, True] and "of 8 (uniform 3.5)" in rows[1], rows
+    assert ["experts a layer " in ln for ln in rows] == [False, True], rows
+    assert "of 8 over the next 16 steps (uniform 3.5)" in rows[1], rows
 
 
 @pytest.mark.slow
