@@ -823,7 +823,7 @@ def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     from benchmarks import long_context
 
     # --layers 2: tiny cut to its first two layers plus the first of each kind they lack (4 layers, as
-    # gpu_parity.cut_config does), one MoE layer among them
+    # gpu_parity.cut_config does: KDA, KDA, sparse, full; dense MLP then three MoE layers)
     argv = ["long_context", "--preset", "tiny", "--layers", "2", "--lengths", "40", "96", "--chunk", "32",
             "--batches", "1", "2", "--batch-contexts", "48", "--no-record"]  # fmt: skip
     monkeypatch.setattr("sys.argv", argv)
