@@ -79,7 +79,7 @@ def main() -> None:
     cfg = PRESETS[args.preset]()
     if args.layers is not None:
         if args.layers < 1:
-            raise SystemExit(f"--layers {args.layers}: keep at least one layer")
+            raise SystemExit(f"--layers must be >= 1, got {args.layers}")
         from benchmarks.gpu_parity import cut_config
 
         cfg = cut_config(cfg, args.layers, cfg.num_experts)  # every expert kept: the weights a step reads

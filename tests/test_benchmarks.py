@@ -834,6 +834,9 @@ def test_long_context_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
                                 ("decode step (random-filled cache)", 1, 48),
                                 ("decode step (random-filled cache)", 2, 48)]:  # fmt: skip
         assert f"case={case} | batch={batch} | tokens={tokens} | ms=" in out, out[-3000:]
+    monkeypatch.setattr("sys.argv", ["long_context", "--preset", "tiny", "--layers", "0"])
+    with pytest.raises(SystemExit, match="--layers must be >= 1, got 0"):
+        long_context.main()
     # the 2-row floor counts the experts its steps chose; one row's k experts need no count
     rows = [ln for ln in out.splitlines() if ln.startswith("  case=decode step (random-filled cache)")]
     assert ["experts a layer " in ln for ln in rows] == [False, True], rows
