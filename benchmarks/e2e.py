@@ -21,7 +21,7 @@ float32 logits from the same bf16-rounded weights (the row "parity").
 - Floors: decode = bytes one step must move (weights read — routed experts scaled by the share a batch
   touches: at B > 1 the distinct experts counted over the 16 decode steps after the timed ones, the note's
   "experts a layer" beside what uniform routing would touch — plus recurrent states read and written and cache
-  rows read) over the measured copy bandwidth; prefill = counted FLOPs (2 x active matmul parameters per token
+  rows read) over the measured HBM bandwidth; prefill = counted FLOPs (2 x active matmul parameters per token
   plus attention) over the measured bf16 matmul rate (or the weight bytes over bandwidth, if larger).
 - Peak memory of each row's call, from XLA's accounting: the device bytes live before the call (weights,
   cache, inputs) plus the compiled executable's temporaries and its outputs that do not alias a donated
@@ -456,7 +456,7 @@ def run_title(args, bw: float, rate: float) -> str:
     )
     return (
         f"End to end ({', '.join(args.models)}; {shapes}{', tiny widths' if args.tiny else ''}); decode after "
-        f"{args.context} tokens; ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+        f"{args.context} tokens; ceilings: HBM {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
     )
 
 
@@ -510,7 +510,7 @@ def main() -> None:
         raise SystemExit(f"--pallas-ops {args.pallas_ops}: expected some of {OPS}")
 
     bw, rate = ceilings()
-    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"measured ceilings: HBM {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     for r in torch_rows:
         case = {"ttft": "TTFT", "decode": "decode step"}[r["case"]]
         fla = "fla kernels" if r.get("fla") else "no fla (torch fallback)"

@@ -4,7 +4,7 @@ and the roofline. One run prints one table (its rows go to benchmarks/results/).
 Decode steps are timed 20 at a time: inside one jitted `fori_loop` for JAX, as one replayed CUDA graph for
 fla, so neither pays a host dispatch per step; prefill calls 5 at a time back to back (JAX: wall time of
 queued dispatches and one wait; fla: CUDA events around the 5), median of 10.
-Floors: FLOPs over the measured bf16 matmul rate and bytes over the measured copy bandwidth (both measured
+Floors: FLOPs over the measured bf16 matmul rate and bytes over the measured HBM bandwidth (both measured
 at the start of the run); the larger is the floor and "% of floor" is floor / time. Decode bytes: the
 float32 state read and written once (2·B·N·K·V·4) plus q, k, v, g, beta, o. Prefill bytes: q, k, v
 (bf16), g (float32), beta, o (bf16) once; prefill FLOPs: the chunked WY/UT form at chunk 64 (see
@@ -418,7 +418,7 @@ def main() -> None:
     if not 0 < args.gate_scale < float("inf"):
         p.error(f"--gate-scale={args.gate_scale} must be finite and > 0")
     bw, rate = ceilings()
-    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"measured ceilings: HBM {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     fla = fla_ops()
     rows = []
     if args.only in (None, "decode"):
@@ -432,7 +432,7 @@ def main() -> None:
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0], mosaic=args.mosaic)
     title = (
-        f"KDA kernels (N={N} heads, K=V={DK}); ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
+        f"KDA kernels (N={N} heads, K=V={DK}); ceilings measured in this run: HBM {bw / 1e12:.2f} TB/s, "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
     )
     report("linear_attention.py", title, rows, record=not args.no_record)

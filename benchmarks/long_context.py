@@ -8,10 +8,10 @@ prefills one long prompt chunk by chunk through the caches, and decodes after it
   cache spans the whole prompt from the start, as `generate(prefill_chunk=)` does). Prefilling the first L
   tokens is the same work as a prompt of L tokens, so TTFT(L) is the time at which the chunk holding token L
   has finished (each chunk waited for). Floor: the counted FLOPs (`e2e.prefill_flops`) over the measured matmul
-  rate, or the weight bytes over the copy bandwidth if larger.
+  rate, or the weight bytes over the measured HBM bandwidth if larger.
 - Decode after L (batch 1): when the prefill reaches each L, 16 greedy steps in one executable (the loop
   `generate` compiles) on a copy of the cache; the prefill continues from the cache before them. Floor: the
-  bytes one step must move (`e2e.decode_floor_bytes`) over the copy bandwidth.
+  bytes one step must move (`e2e.decode_floor_bytes`) over the measured HBM bandwidth.
 - Decode at each of --batches rows after each of --batch-contexts: the caches filled with random rows of the right
   length (no prefill: a step's cost depends on the lengths, not on the values), the same 16-step loop. Its floor
   counts the routed experts the 16 steps after the timed ones chose (`e2e.count_touched`, in the note beside what
@@ -90,7 +90,7 @@ def main() -> None:
             f"{cfg.max_position_embeddings}"
         )
     bw, rate = ceilings()
-    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"measured ceilings: HBM {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     t0 = time.perf_counter()
     model = HybridLM(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     jax.block_until_ready(nnx.state(model))

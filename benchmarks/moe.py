@@ -4,7 +4,7 @@ the gathered-weights jnp form and the per-pair GEMV kernels). One table; rows go
 benchmarks/results/.
 
 Floors: the weights of the experts the tokens touch (expected count under uniform routing) read once plus
-x and y, over the measured copy bandwidth; 2·3·D·F FLOPs per token-expert pair over the measured bf16
+x and y, over the measured HBM bandwidth; 2·3·D·F FLOPs per token-expert pair over the measured bf16
 matmul rate; the larger.
 
     python -m benchmarks.moe [--shape kimi|hybrid_small] [--tokens 1 16 64 4096 32768] [--no-record]
@@ -98,7 +98,7 @@ def main() -> None:
     args = p.parse_args()
     bw, rate = ceilings()
     rows = [r for s in args.shape for t in args.tokens for r in rows_for(s, t, bw, rate)]
-    title = f"MoE routed experts; ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    title = f"MoE routed experts; ceilings: HBM {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
     report("moe.py", title, rows, record=not args.no_record)
 
 

@@ -1,7 +1,7 @@
 """Projections at decode row counts: does XLA's bf16 x @ W keep the bandwidth of a weight read when x has
 1-16 rows? Each shape as XLA compiles it, with the rows padded to 16 (one tensor-core tile), and through
 the `projection` op's Pallas GEMV (`pallas_kernels.projection`: its automatic tiles and split, and
-variants of them), beside the floor (weight bytes over the measured copy bandwidth). Device time from
+variants of them), beside the floor (weight bytes over the measured HBM bandwidth). Device time from
 chained calls in one executable (`common.loop_ms`). Rows go to benchmarks/results/.
 
     python -m benchmarks.small_m [--rows 1 4 16] [--no-pallas-variants] [--no-record]
@@ -78,7 +78,7 @@ def main() -> None:
                 impl = auto if not label else f"pallas gemv, {kind}, {label}"
                 rows.append(roofline_row("projection", f"{name}, {m} rows", impl, ms, flops, nbytes, bw, rate))
     title = (
-        f"bf16 projections at decode row counts; ceilings: copy {bw / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} TFLOP/s"
+        f"bf16 projections at decode row counts; ceilings: HBM {bw / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} TFLOP/s"
     )
     report("small_m.py", title, rows, record=not args.no_record)
 

@@ -9,7 +9,7 @@ ms) is spread over the calls, so the check column also gives the kernels' span p
 pays its launch; ~0.1 ms calls at B=64 hide the host's dispatch).
 Prefill rows: one call at a time, median of a few.
 
-Floors: bytes that must move over the measured copy bandwidth and FLOPs over the measured bf16 matmul rate
+Floors: bytes that must move over the measured HBM bandwidth and FLOPs over the measured bf16 matmul rate
 (the larger). Indexer: the key cache read once (BF16, or MXFP8 values + E8M0 scales) plus the queries;
 FLOPs 2·N·H per query-key pair. Sparse MLA (`_mla_work`): FLOPs 2·N·(2L + R) per selected row (an early
 causal query selects fewer than K); bytes the queries and outputs, and the selected rows once per query at
@@ -576,7 +576,7 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bw, rate = ceilings()
-    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"measured ceilings: HBM {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     if args.only != "mla":
         rows += indexer_rows(
@@ -593,7 +593,7 @@ def main() -> None:
             args.mla_decode_variants, tuple(args.mla_prefill_heads), args.chain,
         )  # fmt: skip
     title = (
-        f"Sparse-attention kernels; ceilings measured in this run: copy {bw / 1e12:.2f} TB/s, "
+        f"Sparse-attention kernels; ceilings measured in this run: HBM {bw / 1e12:.2f} TB/s, "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
     )
     report("sparse_attention.py", title, rows, record=not args.no_record)

@@ -7,7 +7,7 @@ whether XLA records the step into CUDA graphs (command buffers) and which ops it
 says which option set `hybrid_jax.compilation.DECODE_COMPILER_OPTIONS` should hold.
 
 Columns: the option set, the median ms per step (n steps per executable, median of reps), the step's
-byte floor (`e2e.decode_floor_bytes` over the measured copy bandwidth), and the kernels one step launches,
+byte floor (`e2e.decode_floor_bytes` over the measured HBM bandwidth), and the kernels one step launches,
 counted in the optimized HLO (`kernel_count.count_kernels`: the loop body once, plus the few kernels around it).
 
 `--pallas-ops` adds the opt-in kernels to compare in the same process: each entry a "+"-joined set of
@@ -144,7 +144,7 @@ def main() -> None:
         jax.clear_caches()
     title = (
         f"Decode step under XLA compiler options ({args.steps} greedy steps per executable, median of "
-        f"{args.reps}); floor = bytes over the measured copy bandwidth {bw / 1e12:.2f} TB/s"
+        f"{args.reps}); floor = bytes over the measured HBM bandwidth {bw / 1e12:.2f} TB/s"
     )
     report("xla_flags.py", title, rows, record=not args.no_record)
 

@@ -489,12 +489,22 @@ def test_profile_stage_maps_xla_kernels_to_their_source_lines(capsys):
 
 
 def test_ceilings_take_the_best_of_their_repeats(monkeypatch):
-    """Each ceiling is the best of `repeats` medians (the warm-up timings not counted)."""
-    timed = iter([9.0, 2.0, 1.0, 4.0, 9.0, 8.0, 0.5, 2.0])  # copy: warm-up, 3 medians; matmul: the same
-    monkeypatch.setattr(benchmarks.common, "median_ms", lambda fn, **kw: (fn(), next(timed))[1])
-    bw, rate = benchmarks.common.ceilings(repeats=3, copy_elems=1024, mm=16)
-    assert bw == 2 * 1024 * 4 / 1e-3  # the 1.0 ms median, not the 9.0 ms warm-up
+    """Each ceiling is the best of `repeats` medians (the warm-up timings not counted); the bandwidth is the
+    better of the copy's rate (2 bytes moved per byte of input) and the two sums' (1 byte read)."""
+
+    def run(copy, row_sum, scalar_sum, matmul):
+        timed = iter([9.0, *copy, 9.0, *row_sum, 9.0, *scalar_sum, 9.0, *matmul])  # each: warm-up, 3 medians
+        monkeypatch.setattr(benchmarks.common, "median_ms", lambda fn, **kw: (fn(), next(timed))[1])
+        return benchmarks.common.ceilings(repeats=3, copy_elems=1024, mm=16)
+
+    nbytes = 1024 * 4
+    bw, rate = run([2.0, 1.0, 4.0], [8.0, 3.0, 5.0], [6.0, 7.0, 9.0], [8.0, 0.5, 2.0])
+    assert bw == 2 * nbytes / 1e-3  # the copy's 1.0 ms median, not the 9.0 ms warm-up: 2x the sums' best
     assert rate == 2 * 16**3 / 0.5e-3
+    bw, _ = run([2.0, 1.0, 4.0], [8.0, 0.4, 5.0], [6.0, 0.25, 9.0], [1.0, 1.0, 1.0])
+    assert bw == nbytes / 0.25e-3  # a read alone went faster than the copy
+    bw, _ = run([2.0, 1.0, 4.0], [0.4, 3.0, 5.0], [6.0, 7.0, 9.0], [1.0, 1.0, 1.0])
+    assert bw == nbytes / 0.4e-3
 
 
 def test_gpu_parity_cuts_each_preset_to_a_valid_config_with_every_layer_kind():
