@@ -166,7 +166,7 @@ def main() -> None:
     ]  # fmt: skip
     title = (
         f"Long context on one device ({args.preset}{f', {cfg.num_layers} layers' if args.layers else ''}, "
-        f"{params / 1e9:.2f} B parameters, random bf16 weights); chunks of {chunk}; ceilings: copy "
+        f"{params / 1e9:.2f} B parameters, random bf16 weights); chunks of {chunk}; ceilings: HBM "
         f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"
     )
     report("long_context.py", title, table, record=not args.no_record)
