@@ -1114,3 +1114,24 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         linear_attention.main()
     assert "--a-blocks='64,16' adds a Mosaic GPU row: it needs --mosaic" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_moe_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
+    """The MoE benchmark at toy size in interpret mode: at one token every decode form (the gathered-weights
+    XLA form, the per-pair GEMV kernels, the grouped matmuls) and at 512 tokens (a prefill-sized call) the
+    grouped matmuls alone, each row checked against the first (`lax.ragged_dot`)."""
+    from benchmarks import moe
+
+    few_timings(monkeypatch, moe)
+    monkeypatch.setattr(moe, "chained_ms", lambda fn, *args: benchmarks.common.median_ms(lambda: fn(*args)))
+    monkeypatch.setattr(moe, "SHAPES", {**moe.SHAPES, "tiny": (256, 128, 8, 2)})  # D divides every GEMV block_k
+    monkeypatch.setattr("sys.argv", ["moe", "--shape", "tiny", "--tokens", "1", "512", "--no-record"])
+    moe.main()
+    out = capsys.readouterr().out
+    rows = {t: [ln for ln in out.splitlines() if ln.startswith(f"| moe experts | tiny: {t} tokens")] for t in (1, 512)}
+    n_grouped = len(moe.VARIANTS)
+    assert len(rows[1]) == 2 + 1 + len(moe.GEMV_BLOCKS) + n_grouped + 1, out[-3000:]
+    assert len(rows[512]) == 1 + n_grouped, out[-3000:]
+    for ln in rows[1][1:] + rows[512][1:]:  # every kernel row agrees with lax.ragged_dot
+        assert float(ln.split("rel err ")[1].split()[0]) < 2e-2, ln
