@@ -124,7 +124,7 @@ def test_e2e_titles_keep_the_recorded_table_names():
         args = argparse.Namespace(**vars(p.parse_args([])), models=models, context=2048, tiny=False)
         table, run = split_title(run_title(args, 3.7e12, 7.5e14))
         assert table == want and want in recorded, (models, table)
-        assert run["models"] == ", ".join(models) and run["ceilings"].startswith("copy 3.70 TB/s")
+        assert run["models"] == ", ".join(models) and run["ceilings"].startswith("HBM 3.70 TB/s")
 
 
 def test_e2e_floors_count_what_a_step_moves(tiny_model):
@@ -699,7 +699,7 @@ def test_report_appends_rows_to_jsonl_in_the_results_dir(results_dir, capsys):
 
     from benchmarks.common import ROOT, report
 
-    title = "Toy kernels; ceilings measured in this run: copy 3.00 TB/s, bf16 matmul 600 TFLOP/s"
+    title = "Toy kernels; ceilings measured in this run: HBM 3.00 TB/s, bf16 matmul 600 TFLOP/s"
     rows = [
         {"case": "toy", "shape": "B=4", "impl": "jnp reference", "median ms": "2.000", "% of floor": "10%"},
         {"case": "toy", "shape": "B=4", "impl": "pallas", "median ms": "0.500", "% of floor": "40%"},
@@ -715,7 +715,7 @@ def test_report_appends_rows_to_jsonl_in_the_results_dir(results_dir, capsys):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", ref["date"])
     assert ref["commit"] == benchmarks.common.commit() and ref["jax"] == jax.__version__
     assert ref["device"].startswith("cpu:") and ref["script"] == "toy_bench.py"
-    assert ref["table"] == "Toy kernels" and ref["run"] == {"ceilings": "copy 3.00 TB/s, bf16 matmul 600 TFLOP/s"}
+    assert ref["table"] == "Toy kernels" and ref["run"] == {"ceilings": "HBM 3.00 TB/s, bf16 matmul 600 TFLOP/s"}
     assert ref["identity"] == ["case", "shape", "impl"] and ref["columns"] == rows[0]
     assert (ref["metric"], ref["value"], ref["unit"]) == ("median ms", 2.0, "ms") and "baseline" not in ref
     assert pallas["baseline"] == {"impl": "jnp reference", "value": 2.0, "unit": "ms"}
