@@ -426,3 +426,61 @@ def test_a_kernel_block_forms_match_the_reference(dtype, monkeypatch):
     for bad in ((16, 64), (48,), [64]):
         with pytest.raises(ValueError, match=r"a_blocks=.* must be a tuple of sizes from \(64, 32, 16\)"):
             kda(*args, impl="pallas", interpret=True, a_blocks=bad)
+
+
+def test_fused_cumsum_picks_the_rows_the_ref_reads():
+    """The A kernel's value form of G (`fuse_cumsum`): every row pick it makes (each block's reference row at
+    each level, 16-row slices, the last row) is bit for bit what indexing the cumsum kernel's output gives,
+    with NaN and ±inf in rows that are not picked."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.linear_attention.chunked import _RefG, _ValueG
+
+    g = jnp.cumsum(-jax.random.uniform(jax.random.key(4), (64, 24)), axis=0)
+    g = g.at[5, 3].set(jnp.nan).at[40, 7].set(-jnp.inf).at[62, 0].set(jnp.inf)
+    picks = [(64, 31), (32, 15), (16, 7), (8, 3), (4, 1), (2, 0), (64, 32), (16, 8), (16, 0), (64, 0)]
+
+    def kernel(g_ref, ref_out, val_out):
+        by_ref, by_value = _RefG(g_ref), _ValueG(g_ref[...])
+        for i, (size, at) in enumerate(picks):
+            ref_out[i] = by_ref.rows_at(size, at)
+            val_out[i] = by_value.rows_at(size, at)
+        for s in range(0, 64, 16):
+            ref_out[len(picks), pl.ds(s, 16), :] = by_ref.rows(s, 16)
+            val_out[len(picks), pl.ds(s, 16), :] = by_value.rows(s, 16)
+        ref_out[len(picks) + 1] = jnp.broadcast_to(by_ref.row(63)[None], (64, 24))
+        val_out[len(picks) + 1] = jnp.broadcast_to(by_value.row(63)[None], (64, 24))
+
+    shape = jax.ShapeDtypeStruct((len(picks) + 2, 64, 24), jnp.float32)
+    by_ref, by_value = pl.pallas_call(kernel, out_shape=[shape, shape], interpret=True)(g)
+    np.testing.assert_array_equal(np.asarray(by_value), np.asarray(by_ref))
+    assert np.isnan(np.asarray(by_ref)[4]).any()  # (4, 1) picks row 5, which holds the NaN
+    assert not np.isnan(np.asarray(by_ref)[5]).any()  # (2, 0) picks row 4 for rows 4 and 5
+
+
+@pytest.mark.parametrize("blocks", [(), (64, 16)])
+def test_fused_cumsum_prefill_matches_the_reference(blocks):
+    """kda_chunked_pallas(fuse_cumsum=True): no cumsum kernel, the A kernel forms G itself; against the
+    float32 recurrence on graded gates (every A-kernel form taken), and on packed inputs read in place the
+    separate cumsum kernel's result up to float32 rounding (the picks are exact; in interpret mode XLA fuses
+    the two programs' arithmetic differently) with the pad rows' NaN dropped alike."""
+    from pallas_kernels.linear_attention.chunked import kda_chunked_pallas
+
+    q, k, v, g, beta = _graded_gates(6)
+    s0 = jax.random.normal(jax.random.key(2), (1, 2, 32, 32))
+    kw = dict(scale=32**-0.5, l2norm=True, block_v=16, precision="ieee", interpret=True, a_blocks=blocks)
+    ref_o, ref_s = kda(q, k, v, g, beta, initial_state=s0, impl="reference", form="recurrent")
+    o, s = kda_chunked_pallas(q, k, v, g, beta, s0, fuse_cumsum=True, **kw)
+    assert rel_err(o, ref_o) < 1e-4 and rel_err(s, ref_s) < 1e-4
+    names = lambda fuse: str(
+        jax.make_jaxpr(lambda *a: kda_chunked_pallas(*a, fuse_cumsum=fuse, **kw))(q, k, v, g, beta, s0)
+    )  # noqa: E731
+    assert "kda_chunk_cumsum" in names(False) and "kda_chunk_cumsum" not in names(True)
+    first, valid = np.array([0, 50, 114]), np.array([30, 64, 36])
+    rows = (jnp.asarray(first, jnp.int32), jnp.asarray(valid, jnp.int32))
+    q, k, v, g, beta = (x[:, :150].at[:, 30:50].set(jnp.nan) for x in (q, k, v, g, beta))
+    fused = kda_chunked_pallas(q, k, v, g, beta, s0, rows=rows, fuse_cumsum=True, **kw)
+    separate = kda_chunked_pallas(q, k, v, g, beta, s0, rows=rows, fuse_cumsum=False, **kw)
+    assert bool(jnp.isfinite(fused[1]).all())
+    for x, y in zip(fused, separate, strict=True):
+        assert rel_err(x, y) < 1e-6

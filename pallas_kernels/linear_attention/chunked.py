@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
+from pallas_kernels.linear_attention.tuning import FUSE_CUMSUM, INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
 SUB = 16  # the Neumann chain's diagonal sub-blocks: the smallest tensor-core tile
@@ -119,6 +119,60 @@ def _chunk_cumsum(g, *, interpret, params, rows=None):
         name="kda_chunk_cumsum",
         **params,
     )(*(rows or ()), g)
+
+
+class _RefG:
+    """G·log2(e) of one chunk read from its ref [C, K] (the `_chunk_cumsum` output): rows picked by index."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def whole(self):
+        return self.ref[...]
+
+    def rows_at(self, size: int, at: int):
+        """[C, K]: every row replaced by row `at` of its block of `size` rows."""
+        r = jax.lax.broadcasted_iota(jnp.int32, (self.ref.shape[0],), 0)
+        return self.ref[(r // size) * size + at, :]
+
+    def rows(self, first: int, n: int):
+        return self.ref[pl.ds(first, n), :]
+
+    def row(self, i: int):
+        return self.ref[i, :]
+
+
+class _ValueG(_RefG):
+    """G·log2(e) of one chunk as a value [C, K] (computed in the A kernel: `fuse_cumsum`). Triton's lowering
+    slices and gathers no values, so a row is picked by a masked sum over a reshaped block axis: exact (the
+    other rows add zeros through a select, whatever they hold) and the same numbers the ref reads give."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def whole(self):
+        return self.g
+
+    def _pick(self, size: int, at: int):
+        """[C / size, K]: row `at` of each block of `size` rows."""
+        c, dk = self.g.shape
+        blocks = self.g.reshape(c // size, size, dk)
+        pick = jax.lax.broadcasted_iota(jnp.int32, blocks.shape, 1) == at
+        return jnp.sum(jnp.where(pick, blocks, 0.0), axis=1)
+
+    def rows_at(self, size: int, at: int):
+        c, dk = self.g.shape
+        picked = self._pick(size, at)[:, None, :]
+        return jnp.broadcast_to(picked, (c // size, size, dk)).reshape(c, dk)
+
+    def rows(self, first: int, n: int):
+        c, dk = self.g.shape
+        blocks = self.g.reshape(c // n, n, dk)
+        pick = jax.lax.broadcasted_iota(jnp.int32, blocks.shape, 0) == first // n
+        return jnp.sum(jnp.where(pick, blocks, 0.0), axis=0)
+
+    def row(self, i: int):
+        return self._pick(self.g.shape[0], i)[0]
 
 
 def _inv_norm(x, l2norm: bool):
@@ -226,16 +280,14 @@ def _normed_rows(table, q_ref, k_ref, start, n, *, scale, l2norm):
 
 
 def _level_masks(c):
-    """(row, column) iotas of a [C, C] tile and, per level h = C/2, C/4, ..., 1: (the middle row of each row's
-    block of 2h [C], the mask of the pairs that level splits)."""
-    r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
+    """(row, column) iotas of a [C, C] tile and, per level h = C/2, C/4, ..., 1: (h, the mask of the pairs that
+    level splits); the level's middle row is row h − 1 of each block of 2h rows."""
     ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     levels, h = [], c // 2
     while h:
-        middle = (r // (2 * h)) * (2 * h) + h - 1
         keep = (ra // (2 * h) == rb // (2 * h)) & (ra % (2 * h) >= h) & (rb % (2 * h) < h)
-        levels.append((middle, keep))
+        levels.append((h, keep))
         h //= 2
     return ra, rb, levels
 
@@ -263,17 +315,16 @@ def check_a_blocks(a_blocks, who: str) -> None:
         raise ValueError(f"{who}: a_blocks={a_blocks!r} must be a tuple of sizes from {A_BLOCK_SIZES}, largest first")
 
 
-def _block_pairs(q, k, g_ref, size, dot):
+def _block_pairs(q, k, gr, size, dot):
     """A_qk (a ≥ b) and strict-lower A_kk (without β) over the row pairs inside each block of `size` rows, from
     one reference per block: with P the G row at the block's middle, exp(G_a − G_b) = exp(G_a − P) · exp(P −
     G_b) holds for any P, and each factor is at most 2^span (`_block_span`; bounded by A_SPAN_LIMIT). Two
     [C, K] x [K, C] products (the a = b terms of A_qk included)."""
     c = q.shape[0]
-    r = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
     ra = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     rb = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    g = g_ref[...]
-    p = g_ref[(r // size) * size + size // 2, :]  # [C, K]: each row's block reference
+    g = gr.whole()
+    p = gr.rows_at(size, size // 2)  # [C, K]: each row's block reference
     left, right = jnp.exp2(g - p), jnp.exp2(p - g)
     same = ra // size == rb // size
     a_qk = jnp.where(same & (ra >= rb), dot(q * left, k * right, CONTRACT_LAST), 0.0)
@@ -281,12 +332,11 @@ def _block_pairs(q, k, g_ref, size, dot):
     return a_qk, a_kk
 
 
-def _block_span(g_ref, size):
+def _block_span(gr, size):
     """The largest decay span of the chunk's blocks of `size` rows, log2 units: max over rows and channels of
     G_first − G_row (G decreases within a block). A NaN in G may pass where the max drops NaNs (the GPU's);
     it makes the block form's entries NaN as it does the levels'."""
-    r = jax.lax.broadcasted_iota(jnp.int32, (g_ref.shape[0],), 0)
-    return _max_of_tile(g_ref[(r // size) * size, :] - g_ref[...])
+    return _max_of_tile(gr.rows_at(size, 0) - gr.whole())
 
 
 def _max_of_tile(x):
@@ -295,35 +345,35 @@ def _max_of_tile(x):
     return jnp.max(jnp.max(x, axis=1))
 
 
-def _a_pairs(q, k, g_ref, *, precision, levels, blocks=()):
+def _a_pairs(q, k, gr, *, precision, levels, blocks=()):
     """`_a_levels`, or with `blocks` (sizes from A_BLOCK_SIZES, largest first) the first size whose blocks'
     decay span, plus log2 of the largest |q|, |k| element, this chunk keeps within A_SPAN_LIMIT[precision]: the pairs
     inside those blocks by `_block_pairs`, the pairs across them by the levels above (`_a_levels(above=)`):
     2 products at 64 rows, 4 at 32, 6 at 16 against 13. A chunk whose gates are too strong for every size
     takes the levels (a runtime branch per chunk: the kernel compiles every form it may take)."""
     if not blocks or not levels:
-        return _a_levels(q, k, g_ref, precision=precision, levels=levels)
+        return _a_levels(q, k, gr, precision=precision, levels=levels)
     dot = _products(precision)
 
     def with_blocks(size):
-        in_qk, in_kk = _block_pairs(q, k, g_ref, size, dot)
-        across_qk, across_kk = _a_levels(q, k, g_ref, precision=precision, levels=True, above=size)
+        in_qk, in_kk = _block_pairs(q, k, gr, size, dot)
+        across_qk, across_kk = _a_levels(q, k, gr, precision=precision, levels=True, above=size)
         return in_qk + across_qk, in_kk + across_kk
 
-    form = lambda: _a_levels(q, k, g_ref, precision=precision, levels=True)  # noqa: E731
+    form = lambda: _a_levels(q, k, gr, precision=precision, levels=True)  # noqa: E731
     # the operands' own magnitude (1 for L2-normalised q and k) takes its share of the limit
     largest = jnp.maximum(_max_of_tile(jnp.abs(q)), _max_of_tile(jnp.abs(k)))
     limit = A_SPAN_LIMIT[precision] - jnp.log2(jnp.maximum(largest, 1.0))
     for size in reversed(blocks):  # built innermost first: the largest size is tried first
         form = functools.partial(
-            jax.lax.cond, _block_span(g_ref, size) <= limit, functools.partial(with_blocks, size), form
+            jax.lax.cond, _block_span(gr, size) <= limit, functools.partial(with_blocks, size), form
         )
     return form()
 
 
-def _a_levels(q, k, g_ref, *, precision, levels, above=0):
-    """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, g_ref
-    holding G·log2(e). above > 0 (`_a_pairs`): only the pairs of the levels whose blocks are coarser than
+def _a_levels(q, k, gr, *, precision, levels, above=0):
+    """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, gr reading
+    G·log2(e) (`_RefG` or `_ValueG`). above > 0 (`_a_pairs`): only the pairs of the levels whose blocks are coarser than
     `above` rows, no a = b terms (the block form forms the rest).
 
     A pair of rows a > b is split by exactly one level h ∈ {32, 16, ..., 1} of a binary hierarchy over the
@@ -340,34 +390,39 @@ def _a_levels(q, k, g_ref, *, precision, levels, above=0):
     a_qk = a_kk if above else jnp.where(ra == rb, dot(q, k, CONTRACT_LAST), 0.0)
     if not levels:
         return a_qk, a_kk
-    g = g_ref[...]  # [C, K]
-    for i, (middle, keep) in enumerate(hierarchy):
-        if q.shape[0] >> i <= above:  # level h = C / 2^(i + 1): blocks of 2h rows, not coarser than `above`
+    g = gr.whole()  # [C, K]
+    for h, keep in hierarchy:
+        if 2 * h <= above:  # level h: blocks of 2h rows, not coarser than `above`
             continue
-        e = jnp.exp2(-jnp.abs(g - g_ref[middle, :]))
+        e = jnp.exp2(-jnp.abs(g - gr.rows_at(2 * h, h - 1)))
         qe, ke = q * e, k * e
         a_qk += jnp.where(keep, dot(qe, ke, CONTRACT_LAST), 0.0)
         a_kk += jnp.where(keep, dot(ke, ke, CONTRACT_LAST), 0.0)
     return a_qk, a_kk
 
 
-def _a_kernel(*refs, scale, l2norm, precision, parts, blocks=(), in_place=False):
+def _a_kernel(*refs, scale, l2norm, precision, parts, blocks=(), in_place=False, fuse_cumsum=False):
     """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g, β exp(G) ⊙ k (W's right factor, for the solve
     kernel) and exp(G_C) of one chunk (`_a_levels`; with `blocks`, `_a_pairs`). q, k, β through
-    `_source_rows` (in place: the packed inputs), G in the chunk layout."""
+    `_source_rows` (in place: the packed inputs); G in the chunk layout, or with fuse_cumsum the log decays
+    g themselves (through `_source_rows` too), G formed here as `_cumsum_kernel` forms it."""
     table, refs = _split_table(refs, in_place)
     q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref = refs
+    if fuse_cumsum:
+        gr = _ValueG(jnp.cumsum(_source_rows(table, g_ref, 0, CHUNK).astype(jnp.float32), axis=0) * LOG2E)
+    else:
+        gr = _RefG(g_ref)
     q, k = _normed_rows(table, q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
-    a_qk, a_kk = _a_pairs(q, k, g_ref, precision=precision, levels="levels" in parts, blocks=blocks)
+    a_qk, a_kk = _a_pairs(q, k, gr, precision=precision, levels="levels" in parts, blocks=blocks)
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
     akk_ref[...] = a_kk * _source_rows(table, beta_ref, 0, CHUNK).astype(jnp.float32)[:, None]
     # the gated tiles 16 rows at a time: the [C, K] tiles above are dead by now, nothing large stays live
-    g_last = g_ref[CHUNK - 1, :]  # [K]
+    g_last = gr.row(CHUNK - 1)  # [K]
     gl_ref[...] = jnp.exp2(g_last)[:, None]
     for s in range(0, CHUNK, SUB):
         rows = pl.ds(s, SUB)
         q, k = _normed_rows(table, q_ref, k_ref, s, SUB, scale=scale, l2norm=l2norm)
-        gs = g_ref[rows, :]
+        gs = gr.rows(s, SUB)
         eg = jnp.exp2(gs)
         beta = _source_rows(table, beta_ref, s, SUB).astype(jnp.float32)
         qg_ref[rows, :] = (eg * q).astype(qg_ref.dtype)
@@ -412,21 +467,26 @@ def _table_specs(rows):
     return [pl.BlockSpec((rows[0].shape[0],), lambda i, h, c: (0,))] * 2
 
 
-def _a_call(q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks=(), rows=None):
-    """`_a_kernel` over every chunk; g is G·log2(e) in the chunk layout (`_chunk_cumsum`) -> (A_qk, β-scaled
-    A_kk float32, q_g, k_g, β exp(G) ⊙ k, exp(G_C)); q, k, beta read in place with `rows`."""
-    b, t, n, dk = g.shape
+def _a_call(
+    q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks=(), rows=None, fuse_cumsum=False,
+):  # fmt: skip
+    """`_a_kernel` over every chunk; g is G·log2(e) in the chunk layout (`_chunk_cumsum`), or with fuse_cumsum
+    the log decays as given (read like q, k, beta) -> (A_qk, β-scaled A_kk float32, q_g, k_g, β exp(G) ⊙ k,
+    exp(G_C)); q, k, beta (and g with fuse_cumsum) read in place with `rows`."""
+    b, t, n, dk = q.shape
+    if rows is not None:
+        t = rows[0].shape[0] * CHUNK
     nc = t // CHUNK
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     kernel = functools.partial(
         _a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, blocks=blocks,
-        in_place=rows is not None,
+        in_place=rows is not None, fuse_cumsum=fuse_cumsum,
     )  # fmt: skip
     return pl.pallas_call(
         kernel,
         grid=(b, n, nc),
-        in_specs=[*_table_specs(rows), _source_spec(q, rows), _source_spec(k, rows), _chunk_spec(dk),
-                  _source_spec(beta, rows)],  # fmt: skip
+        in_specs=[*_table_specs(rows), _source_spec(q, rows), _source_spec(k, rows),
+                  _source_spec(g, rows) if fuse_cumsum else _chunk_spec(dk), _source_spec(beta, rows)],  # fmt: skip
         out_specs=[
             _chunk_spec(CHUNK), _chunk_spec(CHUNK), _chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk),
             pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
@@ -462,17 +522,19 @@ def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, sol
 
 def _intra(
     q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
-    a_blocks=(), rows=None,
+    a_blocks=(), rows=None, fuse_cumsum=False,
 ):  # fmt: skip
     """Phase 1 over every chunk: the cumsum, `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
     [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first);
     a_blocks: the A kernel's block forms to try (`_a_pairs`); rows: packed inputs read in place
-    (`kda_chunked_pallas`), the outputs in the chunk layout."""
+    (`kda_chunked_pallas`), the outputs in the chunk layout; fuse_cumsum: the A kernel forms G itself (no
+    cumsum kernel, no G written to HBM and read back)."""
     a_warps, solve_warps = num_warps
-    g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2), rows=rows)
+    if not fuse_cumsum:
+        g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2), rows=rows)
     aqk, akk, qg, kg, kb, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
-        parts=parts, blocks=a_blocks, rows=rows,
+        parts=parts, blocks=a_blocks, rows=rows, fuse_cumsum=fuse_cumsum,
     )  # fmt: skip
     w, u = _solve_call(
         kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve,
@@ -506,12 +568,13 @@ def _gate_spec(nc, dk):
         "state_every",
         "state_impl",
         "a_blocks",
+        "fuse_cumsum",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
-    state_impl="triton", a_blocks=(), rows=None, o_rows=None,
+    state_impl="triton", a_blocks=(), rows=None, o_rows=None, fuse_cumsum=None,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -546,7 +609,10 @@ def kda_chunked_pallas(
 
     a_blocks (sizes from A_BLOCK_SIZES, largest first; empty: off): the A kernel forms the row pairs inside
     blocks of the first size whose decay span the chunk keeps within A_SPAN_LIMIT from one reference row per
-    block, the rest by the levels (`_a_pairs`: fewer products for mild gates, the same values up to rounding)."""
+    block, the rest by the levels (`_a_pairs`: fewer products for mild gates, the same values up to rounding).
+
+    fuse_cumsum: the A kernel forms G from g itself instead of reading it from the cumsum kernel's output (the
+    same values); None: `tuning.FUSE_CUMSUM`."""
     if state_impl not in ("triton", "mosaic"):
         raise ValueError(f"kda_chunked_pallas: state_impl={state_impl!r} must be 'triton' or 'mosaic'")
     check_a_blocks(a_blocks, "kda_chunked_pallas")
@@ -587,6 +653,7 @@ def kda_chunked_pallas(
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
         parts=parts, a_blocks=tuple(a_blocks), rows=rows,
+        fuse_cumsum=FUSE_CUMSUM if fuse_cumsum is None else fuse_cumsum,
     )  # fmt: skip
     if state_impl == "mosaic":
         out = state_mosaic.kda_state_pass_mosaic(
