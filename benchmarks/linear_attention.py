@@ -264,11 +264,13 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
 
 
 def prefill_rows(
-    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_blocks=None, gate_scale=GATE_SCALE
-) -> list[dict]:
+    bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_blocks=None, gate_scale=GATE_SCALE,
+    fuse_cumsum=False,
+) -> list[dict]:  # fmt: skip
     """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products),
     and with a_blocks (not None) a second such row with `kda(a_blocks=)` (the A kernel's block forms; (): the
-    binary split alone). gate_scale: the log
+    binary split alone), with fuse_cumsum one with the A kernel's cumsum the other way than the default
+    (`kda(fuse_cumsum=)`, `tuning.FUSE_CUMSUM`). gate_scale: the log
     decays are -gate_scale * softplus(N(0, 1)) per element (the default 0.1 keeps a chunk's decay span small;
     larger scales push the A kernel's block forms onto the binary split)."""
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
@@ -298,11 +300,17 @@ def prefill_rows(
             label = f"pallas chunked, block_v={bv}, warps={nw}" + (f", {prec} products" if prec != "tf32" else "")
             label += f", {solve}" if solve != "neumann" else ""
             rows.append(row("prefill", shape, label, ms, flops, nbytes, bw, rate, err))
-        for blocks in (None, a_blocks)[: 1 + (a_blocks is not None)] if mosaic else ():
-            fn = jax.jit(functools.partial(kda, impl="mosaic", a_blocks=blocks))
-            label = "Mosaic GPU state pass (Triton phase 1), bf16 products"  # "auto" on sm_90 (tuning.py)
-            if blocks is not None:  # None: the defaults, as the other rows
-                label += f", A block forms {','.join(map(str, blocks))}" if blocks else ", binary split"
+        label = "Mosaic GPU state pass (Triton phase 1), bf16 products"  # "auto" on sm_90 (tuning.py)
+        mosaic_rows = [(label, {})] if mosaic else []  # the defaults, as the other rows
+        if mosaic and a_blocks is not None:
+            forms = f", A block forms {','.join(map(str, a_blocks))}" if a_blocks else ", binary split"
+            mosaic_rows.append((label + forms, {"a_blocks": a_blocks}))
+        if mosaic and fuse_cumsum:
+            fused = not kda_tuning.FUSE_CUMSUM
+            where = ", cumsum in the A kernel" if fused else ", cumsum kernel"
+            mosaic_rows.append((label + where, {"fuse_cumsum": fused}))
+        for label, options in mosaic_rows:
+            fn = jax.jit(functools.partial(kda, impl="mosaic", **options))
             try:  # a failure to compile or run is a row, and the other rows stay
                 err = rel_err(jax.block_until_ready(fn(q, k, v, g, beta))[0], ref_o)
                 ms = median_ms(functools.partial(fn, q, k, v, g, beta), 2, PREFILL_ITERS, PREFILL_CALLS)
@@ -400,6 +408,8 @@ def main() -> None:
     )  # fmt: skip
     a_help = "with --mosaic, also a row with kda(a_blocks=...): sizes as 64,16, or 'split' (the binary split alone)"
     p.add_argument("--a-blocks", default=None, help=a_help)
+    fuse_help = "with --mosaic, also a row with the chunk cumsum the other way than kda's default (kda(fuse_cumsum=))"
+    p.add_argument("--fuse-cumsum", action="store_true", help=fuse_help)
     p.add_argument(
         "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
     )
@@ -407,6 +417,8 @@ def main() -> None:
     args = p.parse_args()
     if args.a_blocks is not None and not args.mosaic:
         p.error(f"--a-blocks={args.a_blocks!r} adds a Mosaic GPU row: it needs --mosaic")
+    if args.fuse_cumsum and not args.mosaic:
+        p.error("--fuse-cumsum adds a Mosaic GPU row: it needs --mosaic")
     a_blocks = () if args.a_blocks == "split" else args.a_blocks  # None: no such row
     if isinstance(a_blocks, str):
         try:
@@ -428,7 +440,7 @@ def main() -> None:
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
         rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic, a_blocks,
-                             args.gate_scale)  # fmt: skip
+                             args.gate_scale, args.fuse_cumsum)  # fmt: skip
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0], mosaic=args.mosaic)
     title = (

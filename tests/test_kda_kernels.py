@@ -484,3 +484,30 @@ def test_fused_cumsum_prefill_matches_the_reference(blocks):
     assert bool(jnp.isfinite(fused[1]).all())
     for x, y in zip(fused, separate, strict=True):
         assert rel_err(x, y) < 1e-6
+
+
+def test_every_kda_path_passes_fuse_cumsum(monkeypatch):
+    """kda(fuse_cumsum=) reaches the A kernel on every Pallas path (plain, state_every, packed sequences, the
+    Mosaic state pass) and the state summary follows tuning.FUSE_CUMSUM as kda's default does: no cumsum
+    kernel is traced with it on, one with it off; the fused prefill matches the float32 recurrence; a value
+    other than a bool or None is a ValueError naming it."""
+    args = tuple(x.astype(jnp.bfloat16) if x.ndim == 4 and i != 3 else x for i, x in enumerate(_graded_gates(7)))
+    ref_o, _ = kda(*args, impl="reference", form="recurrent")
+    o, _ = kda(*args, impl="pallas", interpret=True, block_v=16, fuse_cumsum=True)
+    assert rel_err(o, ref_o) < 2e-2
+    cu = np.asarray([0, 100, 256])
+    paths = [{}, {"state_every": 128}, {"cu_seqlens": cu}, {"impl": "mosaic"}, {"impl": "mosaic", "cu_seqlens": cu}]
+    jaxpr = lambda call, **kw: str(jax.make_jaxpr(lambda *a: kda(*a, **call, **kw))(*args))  # noqa: E731
+    for extra in paths:
+        call = {"impl": "pallas", "interpret": True, **extra}
+        assert "kda_chunk_cumsum" not in jaxpr(call, fuse_cumsum=True), extra
+        assert "kda_chunk_cumsum" in jaxpr(call, fuse_cumsum=False), extra
+    k, v, g, beta = args[1], args[2], args[3], args[4]
+    summary = lambda: str(
+        jax.make_jaxpr(lambda *a: kda_state_summary(*a, impl="pallas", interpret=True))(k, v, g, beta)
+    )  # noqa: E731
+    for fuse in (False, True):
+        monkeypatch.setattr(kda_tuning, "FUSE_CUMSUM", fuse)
+        assert ("kda_chunk_cumsum" in summary()) is not fuse
+    with pytest.raises(ValueError, match="fuse_cumsum='yes'"):
+        kda(*args, impl="pallas", interpret=True, fuse_cumsum="yes")

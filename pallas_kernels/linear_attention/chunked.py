@@ -713,11 +713,15 @@ def kda_chunked_pallas(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages", "a_blocks")
-)
+    jax.jit,
+    static_argnames=(
+        "l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages", "a_blocks", "fuse_cumsum",
+    ),
+)  # fmt: skip
 def kda_state_summary_pallas(
-    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=None, a_blocks=()
-):
+    k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=None, a_blocks=(),
+    fuse_cumsum=None,
+):  # fmt: skip
     """The affine map of a sequence shard, S_end = M S_start + E (docs/architecture.md §4), from the same two
     phases.
 
@@ -725,14 +729,24 @@ def kda_state_summary_pallas(
     the augmented state [M | E] [K, K + V], started from [I | 0], with U replaced by [0 | U], leaves
     [M | E] at the end. k, g [B, T, N, K]; v [B, T, N, V]; beta [B, T, N] (same constraints as
     `kda_chunked_pallas`, K + V a multiple of block_v) -> (M [B, N, K, K], E [B, N, K, V]) float32.
-    a_blocks: the A kernel's block forms, as `kda_chunked_pallas`'s."""
+    a_blocks, fuse_cumsum: the A kernel's block forms and where G is formed, as `kda_chunked_pallas`'s."""
     check_a_blocks(a_blocks, "kda_state_summary_pallas")
     b, t, n, dk = k.shape
     dv = v.shape[-1]
     nc = t // CHUNK
     params = triton_params(interpret, num_warps, num_stages or state_stages(precision))
     _, w, u, _, kg, gl = _intra(
-        k, k, v, g, beta, scale=1.0, l2norm=l2norm, precision=precision, interpret=interpret, a_blocks=tuple(a_blocks)
+        k,
+        k,
+        v,
+        g,
+        beta,
+        scale=1.0,
+        l2norm=l2norm,
+        precision=precision,
+        interpret=interpret,
+        a_blocks=tuple(a_blocks),
+        fuse_cumsum=FUSE_CUMSUM if fuse_cumsum is None else fuse_cumsum,
     )
     u_aug = jnp.concatenate([jnp.zeros((b, t, n, dk), jnp.float32), u], axis=-1)
     eye = jnp.eye(dk, dk + dv, dtype=jnp.float32)
