@@ -299,8 +299,9 @@ def ceilings(repeats: int = 3, copy_elems: int = 1 << 30, mm: int = 8192) -> tup
     counted) and a read alone (a sum: row sums of 8,192 values, and one scalar). Decode floors are mostly
     weights read, and HBM reads alone go faster than a copy's mix (on an H100 the lm_head GEMM read 3.11
     TB/s where copies measured 2.5-2.8), so a copy-rate floor was not a lower bound there. The matmul and
-    the sums queue 5 calls per host dispatch and wait (a call is ~1 ms); the copy is timed one call at a
-    time, since each queued call would hold its own 4 GiB output."""
+    the sums queue 5 calls per host dispatch and wait (a call is ~1-2 ms); the copy is timed one call at a
+    time, since each queued call would hold its own 4 GiB output. copy_elems: a multiple of 8,192 (the row
+    sums' width) or fewer."""
     x = jnp.ones((copy_elems,), jnp.float32)  # 4 GiB: far past the L2
     copy = jax.jit(lambda x: x * 1.5 + 1.0)
     median_ms(lambda: copy(x), warmup=20, iters=1)  # long warm-up: the clocks ramp from idle

@@ -492,19 +492,21 @@ def test_ceilings_take_the_best_of_their_repeats(monkeypatch):
     """Each ceiling is the best of `repeats` medians (the warm-up timings not counted); the bandwidth is the
     better of the copy's rate (2 bytes moved per byte of input) and the two sums' (1 byte read)."""
 
-    def run(copy, row_sum, scalar_sum, matmul):
-        timed = iter([9.0, *copy, 9.0, *row_sum, 9.0, *scalar_sum, 9.0, *matmul])  # each: warm-up, 3 medians
+    def run(copy, row_sum, scalar_sum, matmul, warmup=9.0):
+        timed = iter([warmup, *copy, warmup, *row_sum, warmup, *scalar_sum, warmup, *matmul])  # warm-up, 3 medians
         monkeypatch.setattr(benchmarks.common, "median_ms", lambda fn, **kw: (fn(), next(timed))[1])
         return benchmarks.common.ceilings(repeats=3, copy_elems=1024, mm=16)
 
     nbytes = 1024 * 4
     bw, rate = run([2.0, 1.0, 4.0], [8.0, 3.0, 5.0], [6.0, 7.0, 9.0], [8.0, 0.5, 2.0])
-    assert bw == 2 * nbytes / 1e-3  # the copy's 1.0 ms median, not the 9.0 ms warm-up: 2x the sums' best
+    assert bw == 2 * nbytes / 1e-3  # the copy's 1.0 ms median: 2x the sums' best
     assert rate == 2 * 16**3 / 0.5e-3
     bw, _ = run([2.0, 1.0, 4.0], [8.0, 0.4, 5.0], [6.0, 0.25, 9.0], [1.0, 1.0, 1.0])
     assert bw == nbytes / 0.25e-3  # a read alone went faster than the copy
     bw, _ = run([2.0, 1.0, 4.0], [0.4, 3.0, 5.0], [6.0, 7.0, 9.0], [1.0, 1.0, 1.0])
     assert bw == nbytes / 0.4e-3
+    bw, rate = run([2.0, 1.0, 4.0], [8.0, 3.0, 5.0], [6.0, 7.0, 9.0], [8.0, 0.5, 2.0], warmup=0.01)
+    assert (bw, rate) == (2 * nbytes / 1e-3, 2 * 16**3 / 0.5e-3)  # a fast warm-up counts in no ceiling
 
 
 def test_gpu_parity_cuts_each_preset_to_a_valid_config_with_every_layer_kind():
@@ -1126,6 +1128,7 @@ def test_moe_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     from benchmarks import moe
 
     few_timings(monkeypatch, moe)
+    monkeypatch.setattr(moe, "ceilings", benchmarks.common.ceilings)  # imported by name: the fixture's fake
     monkeypatch.setattr(moe, "chained_ms", lambda fn, *args: benchmarks.common.median_ms(lambda: fn(*args)))
     monkeypatch.setattr(moe, "SHAPES", {**moe.SHAPES, "tiny": (256, 128, 8, 2)})  # D divides every GEMV block_k
     monkeypatch.setattr("sys.argv", ["moe", "--shape", "tiny", "--tokens", "1", "512", "--no-record"])

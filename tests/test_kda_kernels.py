@@ -438,7 +438,8 @@ def test_fused_cumsum_picks_the_rows_the_ref_reads():
 
     g = jnp.cumsum(-jax.random.uniform(jax.random.key(4), (64, 24)), axis=0)
     g = g.at[5, 3].set(jnp.nan).at[40, 7].set(-jnp.inf).at[62, 0].set(jnp.inf)
-    picks = [(64, 31), (32, 15), (16, 7), (8, 3), (4, 1), (2, 0), (64, 32), (16, 8), (16, 0), (64, 0)]
+    picks = [(64, 31), (32, 15), (16, 7), (8, 3), (4, 1), (2, 0)]  # the level middles
+    picks += [(64, 32), (32, 16), (16, 8), (64, 0), (32, 0), (16, 0)]  # block references, span rows
 
     def kernel(g_ref, ref_out, val_out):
         by_ref, by_value = _RefG(g_ref), _ValueG(g_ref[...])
@@ -458,7 +459,7 @@ def test_fused_cumsum_picks_the_rows_the_ref_reads():
     assert not np.isnan(np.asarray(by_ref)[5]).any()  # (2, 0) picks row 4 for rows 4 and 5
 
 
-@pytest.mark.parametrize("blocks", [(), (64, 16)])
+@pytest.mark.parametrize("blocks", [(), (64, 32, 16)])
 def test_fused_cumsum_prefill_matches_the_reference(blocks):
     """kda_chunked_pallas(fuse_cumsum=True): no cumsum kernel, the A kernel forms G itself; against the
     float32 recurrence on graded gates (every A-kernel form taken), and on packed inputs read in place the
@@ -487,16 +488,23 @@ def test_fused_cumsum_prefill_matches_the_reference(blocks):
 
 
 def test_every_kda_path_passes_fuse_cumsum(monkeypatch):
-    """kda(fuse_cumsum=) reaches the A kernel on every Pallas path (plain, state_every, packed sequences, the
-    Mosaic state pass) and the state summary follows tuning.FUSE_CUMSUM as kda's default does: no cumsum
-    kernel is traced with it on, one with it off; the fused prefill matches the float32 recurrence; a value
-    other than a bool or None is a ValueError naming it."""
+    """kda(fuse_cumsum=) reaches the A kernel on every Pallas path (plain, state_every in the state pass and by
+    segments, packed sequences, the Mosaic state pass) and the state summary follows tuning.FUSE_CUMSUM as kda's
+    default does: no cumsum kernel is traced with it on, one with it off; the fused prefill matches the float32
+    recurrence; a value other than a bool or None is a ValueError naming it."""
     args = tuple(x.astype(jnp.bfloat16) if x.ndim == 4 and i != 3 else x for i, x in enumerate(_graded_gates(7)))
     ref_o, _ = kda(*args, impl="reference", form="recurrent")
     o, _ = kda(*args, impl="pallas", interpret=True, block_v=16, fuse_cumsum=True)
     assert rel_err(o, ref_o) < 2e-2
     cu = np.asarray([0, 100, 256])
-    paths = [{}, {"state_every": 128}, {"cu_seqlens": cu}, {"impl": "mosaic"}, {"impl": "mosaic", "cu_seqlens": cu}]
+    paths = [
+        {},
+        {"state_every": 128},
+        {"state_every": 100},
+        {"cu_seqlens": cu},
+        {"impl": "mosaic"},
+        {"impl": "mosaic", "cu_seqlens": cu},
+    ]  # state_every=100: segments of 100 tokens, one kda call each
     jaxpr = lambda call, **kw: str(jax.make_jaxpr(lambda *a: kda(*a, **call, **kw))(*args))  # noqa: E731
     for extra in paths:
         call = {"impl": "pallas", "interpret": True, **extra}

@@ -310,7 +310,7 @@ def _check_mosaic(q, precision: str, interpret) -> None:
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
     solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", a_blocks=(), rows=None,
-    o_rows=None, fuse_cumsum=None,
+    o_rows=None, fuse_cumsum=False,
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16, >= 64 for the Mosaic GPU
     state pass, `state_impl="mosaic"`), runs, unpads.

@@ -5,7 +5,8 @@ Chunks of C = 64 tokens. With G the within-chunk running sum of the log decays (
 L2-normalised and q scaled:
 
 Phase 0 (`_cumsum_kernel`): G, the running sum of the log decays within each chunk, float32 and in base 2
-(G·log2(e)), so that every exponential below is one exp2.
+(G·log2(e)), so that every exponential below is one exp2 — or, with `fuse_cumsum`, G formed by the A kernel
+itself from g (no phase 0; `_ValueG`).
 Phase 1, grid (B, N, chunks), two kernels per chunk:
   `_a_kernel` (`_a_levels`):
     A_qk[a, b] = Σ_k q_ak k_bk exp(G_ak − G_bk)  (a ≥ b),   A_kk[a, b] = β_a Σ_k k_ak k_bk exp(G_ak − G_bk)  (a > b)
@@ -39,7 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._pallas import triton_params
 from pallas_kernels.linear_attention import state_mosaic
-from pallas_kernels.linear_attention.tuning import FUSE_CUMSUM, INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
+from pallas_kernels.linear_attention.tuning import INTRA_WARPS, STATE_STAGES, WIDE_STATE_STAGES
 
 CHUNK = 64
 SUB = 16  # the Neumann chain's diagonal sub-blocks: the smallest tensor-core tile
@@ -574,7 +575,7 @@ def _gate_spec(nc, dk):
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
-    state_impl="triton", a_blocks=(), rows=None, o_rows=None, fuse_cumsum=None,
+    state_impl="triton", a_blocks=(), rows=None, o_rows=None, fuse_cumsum=False,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -612,7 +613,8 @@ def kda_chunked_pallas(
     block, the rest by the levels (`_a_pairs`: fewer products for mild gates, the same values up to rounding).
 
     fuse_cumsum: the A kernel forms G from g itself instead of reading it from the cumsum kernel's output (the
-    same values); None: `tuning.FUSE_CUMSUM`."""
+    same values). `kda` passes `tuning.FUSE_CUMSUM` unless told otherwise; the kernels take a bool, a static
+    argument, so a changed constant is never hidden behind a trace cached under a default."""
     if state_impl not in ("triton", "mosaic"):
         raise ValueError(f"kda_chunked_pallas: state_impl={state_impl!r} must be 'triton' or 'mosaic'")
     check_a_blocks(a_blocks, "kda_chunked_pallas")
@@ -653,7 +655,7 @@ def kda_chunked_pallas(
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
         parts=parts, a_blocks=tuple(a_blocks), rows=rows,
-        fuse_cumsum=FUSE_CUMSUM if fuse_cumsum is None else fuse_cumsum,
+        fuse_cumsum=fuse_cumsum,
     )  # fmt: skip
     if state_impl == "mosaic":
         out = state_mosaic.kda_state_pass_mosaic(
@@ -720,7 +722,7 @@ def kda_chunked_pallas(
 )  # fmt: skip
 def kda_state_summary_pallas(
     k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=None, a_blocks=(),
-    fuse_cumsum=None,
+    fuse_cumsum=False,
 ):  # fmt: skip
     """The affine map of a sequence shard, S_end = M S_start + E (docs/architecture.md §4), from the same two
     phases.
@@ -746,7 +748,7 @@ def kda_state_summary_pallas(
         precision=precision,
         interpret=interpret,
         a_blocks=tuple(a_blocks),
-        fuse_cumsum=FUSE_CUMSUM if fuse_cumsum is None else fuse_cumsum,
+        fuse_cumsum=fuse_cumsum,
     )
     u_aug = jnp.concatenate([jnp.zeros((b, t, n, dk), jnp.float32), u], axis=-1)
     eye = jnp.eye(dk, dk + dv, dtype=jnp.float32)
