@@ -234,7 +234,8 @@ PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 def _intra_phase(q, k, v, g, beta, *, parts=None):
     """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
     its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
-    chunk cumsum that precedes it. The A kernel's block forms as `kda`'s default (`tuning.A_BLOCKS`)."""
+    chunk cumsum that precedes it. The A kernel's block forms and cumsum as `kda`'s defaults (`tuning.A_BLOCKS`,
+    `tuning.FUSE_CUMSUM`)."""
     from pallas_kernels._pallas import triton_params
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
@@ -242,7 +243,8 @@ def _intra_phase(q, k, v, g, beta, *, parts=None):
     if parts == "cumsum":
         return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, INTRA_WARPS[0], 2))
     return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret,
-                  parts=PARTS if parts is None else frozenset(parts), a_blocks=kda_tuning.A_BLOCKS)  # fmt: skip
+                  parts=PARTS if parts is None else frozenset(parts), a_blocks=kda_tuning.A_BLOCKS,
+                  fuse_cumsum=kda_tuning.FUSE_CUMSUM)  # fmt: skip
 
 
 # --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
