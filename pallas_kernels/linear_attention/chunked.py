@@ -143,10 +143,10 @@ class _RefG:
         return self.ref[i, :]
 
 
-class _ValueG(_RefG):
+class _ValueG:
     """G·log2(e) of one chunk as a value [C, K] (computed in the A kernel: `fuse_cumsum`). Triton's lowering
     slices and gathers no values, so a row is picked by a masked sum over a reshaped block axis: exact (the
-    other rows add zeros through a select, whatever they hold) and the same numbers the ref reads give."""
+    other rows add zeros through a select, whatever they hold) and the same numbers `_RefG`'s reads give."""
 
     def __init__(self, g):
         self.g = g
