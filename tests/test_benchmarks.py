@@ -1082,7 +1082,8 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     """`benchmarks.linear_attention --only prefill --phases --mosaic --a-blocks split --fuse-cumsum --gate-scale 2`
     at a toy length: the jnp reference, one Pallas variant and the three Mosaic rows (kda's defaults; the binary
     split alone; the cumsum the other way) checked against it, and phase 1 with each of its parts left out
-    (interpret mode); the stronger gates are named in the shape; a bad --a-blocks or --gate-scale is one line."""
+    (interpret mode); the stronger gates are named in the shape; a bad --a-blocks or --gate-scale, or
+    --fuse-cumsum without --mosaic, is one line."""
     from benchmarks import linear_attention
     from pallas_kernels.linear_attention import tuning as kda_tuning
 
@@ -1109,6 +1110,10 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             linear_attention.main()
         assert f"--gate-scale={float(bad)} must be finite and > 0" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["linear_attention", "--fuse-cumsum"])
+    with pytest.raises(SystemExit):
+        linear_attention.main()
+    assert "--fuse-cumsum adds a Mosaic GPU row: it needs --mosaic" in capsys.readouterr().err
     for bad in ("32,x", "16,64", ""):
         monkeypatch.setattr(sys, "argv", ["linear_attention", "--mosaic", "--a-blocks", bad])
         with pytest.raises(SystemExit):
