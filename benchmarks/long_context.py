@@ -17,12 +17,14 @@ prefills one long prompt chunk by chunk through the caches, and decodes after it
   counts the routed experts the 16 steps after the timed ones chose (`e2e.count_touched`, in the note beside what
   uniform routing would touch), not the uniform expectation.
 - Peak: the device's peak bytes in use after each row (it only grows over a run).
+- Memory: the script lets jax take 95% of the GPU (`XLA_PYTHON_CLIENT_MEM_FRACTION`, unless set).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import jax
@@ -31,18 +33,37 @@ import jax.numpy as jnp
 DECODE_STEPS = 16
 
 
-def _random_like(cache, key):
+# The random fill draws at most this many float32 bytes at a time (a block of an array's leading axis).
+FILL_BYTES = 256 << 20
+
+
+def _fill(x, key, block_bytes: int = FILL_BYTES):
+    """x (floating) filled with 0.1 x normal values in its own dtype, block by block along its leading axis
+    (blocks of at most `block_bytes` of float32 draws; the last block overlaps the one before it), written
+    in place when x is donated: the temporary is one block, not a float32 copy of the whole array."""
+    rows = x.shape[0] if x.ndim else 1
+    y = x.reshape(rows, -1)
+    block = max(1, min(rows, block_bytes // (4 * max(1, y.shape[1]))))
+
+    def body(i, y):
+        start = jnp.minimum(i * block, rows - block)
+        v = 0.1 * jax.random.normal(jax.random.fold_in(key, i), (block, y.shape[1]), jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(y, v.astype(y.dtype), start, 0)
+
+    return jax.lax.fori_loop(0, -(-rows // block), body, y).reshape(x.shape)
+
+
+def _random_like(cache, key, block_bytes: int = FILL_BYTES):
     """The cache's arrays filled with small random values (pools, states); lengths and tables kept. One jitted
-    call with the old arrays donated: the values are made in each array's own buffer (a float32 draw of a
-    B=16 x 128K pool is a 4 GiB temporary, which the full model's memory does not leave room for)."""
+    call with the old arrays donated, each filled in place a block at a time (`_fill`): a float32 draw of a
+    whole B=64 x 32K pool is a temporary of several GiB, which the full model's memory does not leave room for."""
     leaves, treedef = jax.tree.flatten(cache.layers)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def fill(leaves):
         keys = jax.random.split(key, len(leaves))
         return [
-            (0.1 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
-            if jnp.issubdtype(x.dtype, jnp.floating) else x
+            _fill(x, k, block_bytes) if jnp.issubdtype(x.dtype, jnp.floating) else x
             for k, x in zip(keys, leaves, strict=True)
         ]  # fmt: skip
 
@@ -55,6 +76,9 @@ def _peak_gib() -> float | None:
 
 
 def main() -> None:
+    # the full model's 91.6 GiB of weights and a B=64 x 32K cache pass jax's default share of the H200 (75%);
+    # read when the GPU backend starts, so before the first device call (an explicit setting wins)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="kimi_linear_48b")
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048000])

@@ -1145,3 +1145,22 @@ def test_moe_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
     assert len(rows[512]) == 1 + n_grouped, out[-3000:]
     for ln in rows[1][1:] + rows[512][1:]:  # every kernel row agrees with lax.ragged_dot
         assert float(ln.split("rel err ")[1].split()[0]) < 2e-2, ln
+
+
+def test_long_context_random_fill_is_blockwise_and_covers_every_row():
+    """The random cache fill draws a block of the leading axis at a time (the full model's memory leaves no
+    room for a float32 draw of a whole B=64 x 32K pool): every element of every row gets a value (no zero
+    left, the overlapping last block included), in the array's dtype and shape, spread as 0.1 x normal; the
+    compiled fill's temporaries scale with the block (on the CPU ~6x its float32 bytes: the bits and unfused
+    intermediates; a whole-array draw of the shape below takes 64 MiB)."""
+    from benchmarks.long_context import _fill
+
+    x = jnp.zeros((37, 5, 24), jnp.bfloat16)  # 37 rows, blocks of 3 rows (1,440 bytes of float32 each)
+    y = jax.jit(lambda x: _fill(x, jax.random.key(0), block_bytes=1440))(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    v = np.asarray(y, np.float32)
+    assert (v != 0).all() and 0.08 < v.std() < 0.12 and abs(v.mean()) < 0.01
+    assert len({tuple(r.ravel()[:4]) for r in v}) == 37  # each block its own draw
+    big = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)  # 8 MiB bf16, a 16 MiB float32 draw if taken whole
+    mem = jax.jit(lambda x: _fill(x, jax.random.key(0), block_bytes=1 << 20), donate_argnums=0).lower(big).compile()
+    assert mem.memory_analysis().temp_size_in_bytes <= 8 << 20
