@@ -17,7 +17,7 @@ prefills one long prompt chunk by chunk through the caches, and decodes after it
   counts the routed experts the 16 steps after the timed ones chose (`e2e.count_touched`, in the note beside what
   uniform routing would touch), not the uniform expectation.
 - Peak: the device's peak bytes in use after each row (it only grows over a run).
-- Memory: the script lets jax take 95% of the GPU (`XLA_PYTHON_CLIENT_MEM_FRACTION`, unless set).
+- Memory: the script lets jax take 95% of the GPU (`XLA_CLIENT_MEM_FRACTION`, unless set).
 """
 
 from __future__ import annotations
@@ -33,14 +33,18 @@ import jax.numpy as jnp
 DECODE_STEPS = 16
 
 
-# The random fill draws at most this many float32 bytes at a time (a block of an array's leading axis).
+# The random fill draws about this many float32 bytes at a time (a block of an array's leading axis, at least
+# one row).
 FILL_BYTES = 256 << 20
 
 
 def _fill(x, key, block_bytes: int = FILL_BYTES):
     """x (floating) filled with 0.1 x normal values in its own dtype, block by block along its leading axis
-    (blocks of at most `block_bytes` of float32 draws; the last block overlaps the one before it), written
-    in place when x is donated: the temporary is one block, not a float32 copy of the whole array."""
+    (blocks of at most `block_bytes` of float32 draws, or one row where a row is larger; the last block
+    overlaps the one before it), written in place when x is donated: the temporary is one block, not a
+    float32 copy of the whole array."""
+    if x.size == 0:
+        return x
     rows = x.shape[0] if x.ndim else 1
     y = x.reshape(rows, -1)
     block = max(1, min(rows, block_bytes // (4 * max(1, y.shape[1]))))
@@ -75,10 +79,17 @@ def _peak_gib() -> float | None:
     return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
 
 
+def _claim_gpu_memory(env) -> None:
+    """The full model's 91.6 GiB of weights and a B=64 x 32K cache pass jax's default share of the H200 (75%):
+    ask for 95%. Read when the GPU backend starts, so called before the first device call. A caller's setting
+    under either name wins (jax refuses both names set together; XLA_PYTHON_CLIENT_MEM_FRACTION is the
+    deprecated one)."""
+    if not any(name in env for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")):
+        env["XLA_CLIENT_MEM_FRACTION"] = "0.95"
+
+
 def main() -> None:
-    # the full model's 91.6 GiB of weights and a B=64 x 32K cache pass jax's default share of the H200 (75%);
-    # read when the GPU backend starts, so before the first device call (an explicit setting wins)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    _claim_gpu_memory(os.environ)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="kimi_linear_48b")
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048000])

@@ -1164,3 +1164,18 @@ def test_long_context_random_fill_is_blockwise_and_covers_every_row():
     big = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)  # 8 MiB bf16, a 16 MiB float32 draw if taken whole
     mem = jax.jit(lambda x: _fill(x, jax.random.key(0), block_bytes=1 << 20), donate_argnums=0).lower(big).compile()
     assert mem.memory_analysis().temp_size_in_bytes <= 8 << 20
+    assert _fill(jnp.zeros((0, 3), jnp.bfloat16), jax.random.key(0)).shape == (0, 3)
+
+
+def test_long_context_asks_for_gpu_memory_unless_the_caller_did():
+    """95% of the GPU under jax's current name; a setting under either name (the deprecated one included:
+    jax refuses both together) is left as it is."""
+    from benchmarks.long_context import _claim_gpu_memory
+
+    env = {}
+    _claim_gpu_memory(env)
+    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.95"}
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        env = {name: "0.5"}
+        _claim_gpu_memory(env)
+        assert env == {name: "0.5"}
