@@ -9,6 +9,7 @@ from hybrid_jax.quant.formats import dequantize_kv_fp8, quantize_kv_fp8
 from pallas_kernels import registry
 from pallas_kernels.registry import is_sm90, mosaic_sparse_unsupported
 from pallas_kernels.sparse_attention import sparse_mla
+from pallas_kernels.sparse_attention import tuning as sparse_tuning
 from pallas_kernels.sparse_attention.api import dequantizes_pool
 from tests.conftest import lower_for_sm90_in_subprocess, rel_err
 from tests.test_sparse_kernels import _case
@@ -136,19 +137,45 @@ def test_mosaic_refusals_name_the_reason():
     assert "float32 queries" in mosaic_sparse_unsupported(**{**fp8_facts, "q_dtype": jnp.float32, "precision": "tf32"})
     assert mosaic_sparse_unsupported(**{**facts, "rope": 0}) is None  # NoPE DSA (GLM-5.3-Flash)
     assert "float32 pool" in mosaic_sparse_unsupported(**{**facts, "pool_dtype": jnp.float32})
-    # "auto" picks it on an sm_90 GPU from 64 heads, never off one, nor for fewer heads or with tile knobs
-    for device, heads, tiles, want in [
-        (("gpu", "9.0"), 128, False, "mosaic"),
-        (("gpu", "9.0"), 64, False, "mosaic"),
-        (("gpu", "9.0"), 16, False, "pallas"),
-        (("gpu", "9.0"), 128, True, "pallas"),
-        (("gpu", "8.0"), 128, False, "pallas"),
-        (("cpu", None), 128, False, "reference"),
+    # "auto" picks it on an sm_90 GPU from MOSAIC_MIN_HEADS heads (from MOSAIC_MIN_HEADS_FP8_ROWS on FP8 rows
+    # read at decode), never off one, nor for fewer heads or with tile knobs
+    fewest, fewest_fp8 = sparse_tuning.MOSAIC_MIN_HEADS, sparse_tuning.MOSAIC_MIN_HEADS_FP8_ROWS
+    assert fewest_fp8 < fewest
+    for device, heads, tiles, fp8_rows, want in [
+        (("gpu", "9.0"), 128, False, False, "mosaic"),
+        (("gpu", "9.0"), fewest, False, False, "mosaic"),
+        (("gpu", "9.0"), fewest - 1, False, False, "pallas"),
+        (("gpu", "9.0"), fewest_fp8, False, True, "mosaic"),
+        (("gpu", "9.0"), fewest_fp8 - 1, False, True, "pallas"),
+        (("gpu", "9.0"), 128, True, True, "pallas"),
+        (("gpu", "8.0"), 128, False, True, "pallas"),
+        (("cpu", None), 128, False, True, "reference"),
     ]:
-        for f in (facts, fp8_facts):  # the same choice on a BF16 and on an FP8 latent pool
+        # a BF16 pool and an FP8 pool dequantized whole (prefill) follow the first rule, FP8 rows the second
+        for f in ({**fp8_facts, "fp8_rows": True},) if fp8_rows else (facts, fp8_facts):
             with registry.assume_device(*device):
                 got = registry.resolve("sparse_mla", heads=heads, tiles_given=tiles, **f)
-            assert got.impl == want, (device, heads, tiles, f["fp8"], got)
+            assert got.impl == want, (device, heads, tiles, f, got)
+
+
+def test_auto_reads_fp8_rows_from_the_call():
+    """`sparse_mla` tells the rule whether an FP8 latent pool is read row by row (decode) or dequantized whole
+    (`dequantizes_pool`: a prefill), so 16 heads take the Mosaic GPU kernel only on FP8 rows."""
+    import jax
+
+    heads, pool_rows, k = sparse_tuning.MOSAIC_MIN_HEADS_FP8_ROWS, 64 * 40, 64
+    prefill_t = -(-sparse_tuning.POOL_DEQUANT_MIN_RATIO * pool_rows // k)
+    for t, fp8_rows in ((1, True), (prefill_t, False)):
+        assert dequantizes_pool(t, k, pool_rows) != fp8_rows
+        S = jax.ShapeDtypeStruct
+        args = (S((1, t, heads, 512), jnp.bfloat16), S((1, t, heads, 64), jnp.bfloat16),
+                S((40, 64, 512), jnp.float8_e4m3fn), S((1, 40), jnp.int32), S((1, t, k), jnp.int32))  # fmt: skip
+        kw = dict(latent_scales=S((40, 64, 4), jnp.float32), rope_pages=S((40, 64, 64), jnp.bfloat16))
+        with registry.assume_device("gpu", "9.0"), registry.record() as records:
+            jax.eval_shape(lambda *a, **kw: sparse_mla(*a, scale=0.1, **kw), *args, **kw)
+        [(op, choice, facts)] = records
+        assert facts["fp8_rows"] is fp8_rows and facts["heads"] == heads, facts
+        assert choice.impl == ("mosaic" if fp8_rows else "pallas"), choice
 
 
 _LOWER = """

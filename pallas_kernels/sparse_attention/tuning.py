@@ -4,8 +4,13 @@ Chosen from sweeps on a Hopper GPU at decode (B = 16-128, top-2048) and prefill 
 and 128 heads; the measurements are in docs/performance.md (section "Sparse MLA")."""
 
 # The Mosaic GPU kernel (sm_90) runs from this many heads: it computes 64 heads a CTA, and below 64 the
-# padding costs more than the kernel saves.
+# padding costs more than the kernel saves against the Triton kernel on a BF16 pool (or an FP8 pool dequantized
+# whole, the prefill case of `POOL_DEQUANT_MIN_RATIO`).
 MOSAIC_MIN_HEADS = 64
+# The same where an FP8 latent pool is read row by row (decode): the Triton FP8-row kernel converts every
+# gathered E4M3 value in the warps that issue the products, so the padded Mosaic GPU kernel, whose producer
+# warpgroup converts the rows, can win at fewer heads.
+MOSAIC_MIN_HEADS_FP8_ROWS = 16
 
 # Split of the selected rows into parts merged by LSE (flash-decoding) when the grid (query rows x head
 # blocks) would leave SMs idle: parts are added while the grid stays at most TARGET_PROGRAMS programs
