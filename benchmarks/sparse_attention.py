@@ -508,7 +508,7 @@ def sparse_mla_rows(
             ms = timer(fp8, *args)
             check = f"rel err {err:.1e} (FP8 rounding)"
             rows.append(row(case, shape, label, ms, flops, fp8_bytes, bw, rate, check))
-        if is_sm90():  # the Mosaic GPU kernel on the FP8 pool ("auto"'s choice from MOSAIC_MIN_HEADS_FP8_ROWS heads)
+        if is_sm90():  # the Mosaic GPU kernel on the FP8 pool (see "auto"'s rule in sparse_attention/tuning.py)
             label = "mosaic, FP8 latent pool (" + (
                 "pool dequantized once to bfloat16, then the BF16 Mosaic GPU kernel)"
                 if dequantizes_pool(b * t, topk, pool_rows)
