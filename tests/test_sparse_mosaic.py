@@ -71,6 +71,8 @@ def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool, rope
         (13, 3, 1, 64, 320, [900, 70, 1], 0, 64),
         # prefill-sized: 40 query rows read 20x the pool's rows, so the pool is dequantized once (BF16 kernel)
         (14, 1, 40, 128, 256, [300], 64, 64),
+        # 16 heads padded to 64 at 32 query rows: where "auto" takes FP8 rows to this kernel below 64 heads
+        (15, 32, 1, 16, 256, [900 - 25 * i for i in range(31)] + [1], 64, 64),
     ],
 )
 def test_mosaic_fp8_pool_matches_reference(seed, b, t, n, topk, lengths, rope, page):
@@ -92,7 +94,7 @@ def test_mosaic_fp8_pool_matches_reference(seed, b, t, n, topk, lengths, rope, p
     kw = dict(latent_scales=scales, rope_pages=rope_pages, scale=0.07)
     ref_o, ref_lse = sparse_mla(ql, qr, values, table, idx, impl="reference", **kw)
     o, lse = sparse_mla(ql, qr, values, table, idx, impl="mosaic", **kw)
-    auto_o, _ = sparse_mla(ql, qr, values, table, idx, **kw)  # "auto" picks it from 64 heads
+    auto_o, _ = sparse_mla(ql, qr, values, table, idx, **kw)  # "auto" picks it for each of these cases
     np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
     assert dequantizes_pool(b * t, topk, pool.shape[0] * pool.shape[1]) == (seed == 14)
     bf16_pool = dequantize_kv_fp8(values, scales, jnp.bfloat16)
