@@ -10,9 +10,8 @@ MOSAIC_MIN_HEADS = 64
 # Where an FP8 latent pool is read row by row (decode) the padded Mosaic GPU kernel, whose producer warpgroup
 # converts the rows, runs from MOSAIC_MIN_HEADS_FP8_ROWS heads once a call has MOSAIC_FP8_ROWS_MIN_QUERIES query
 # rows: the Triton FP8-row kernel converts every gathered E4M3 value in the warps that issue the products and its
-# time grows with the rows, while the Mosaic one's stays near flat (16 heads, top-2048, H100: Triton 0.089 /
-# 0.059 / 0.114 / 0.197 ms at 1 / 16 / 32 / 64 rows, Mosaic 0.095 / 0.079 / 0.060 / 0.092). Measured at 16
-# heads only; from 17 to 63 heads the padding is smaller.
+# time grows with the rows, while the Mosaic one's stays near flat. Timed at 16 heads only (17-63 pad less); the
+# crossover below 32 rows is not established (docs/performance.md, "Which sparse-MLA kernel").
 MOSAIC_MIN_HEADS_FP8_ROWS = 16
 MOSAIC_FP8_ROWS_MIN_QUERIES = 32
 
