@@ -142,6 +142,28 @@ def _device_span_ms(call, n: int, reps: int) -> float | None:
     return statistics.median(spans)
 
 
+def dispatched_kernel_ms(fn, *args, calls: int = CHAIN, reps: int = 3) -> float | None:
+    """Kernel ms per call of `calls` separate dispatches of fn queued back to back: the summed durations of the
+    device events in a profiler trace of those calls, over `calls` (median of `reps` traced runs). The wall
+    time of separate dispatches includes the host's dispatch, which calls of tens of microseconds wait on;
+    this leaves it and the gaps between kernels out. None where the trace has no device events (CPU)."""
+
+    def run():
+        return [fn(*args) for _ in range(calls)]
+
+    jax.block_until_ready(run())
+    totals = []
+    for _ in range(reps):
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                jax.block_until_ready(run())
+            events = device_events(Path(d))
+        if not events:
+            return None
+        totals.append(sum(dur for _, dur, _ in events) / 1e3 / calls)
+    return statistics.median(totals)
+
+
 def device_events(trace_dir: Path) -> list[tuple[float, float, str]]:
     """(start us, duration us, name) of the device-side events of the perfetto trace under trace_dir, by start:
     the newest one there (a directory traced into again keeps the earlier runs' traces beside it)."""

@@ -6,7 +6,9 @@ Decode rows: the indexer and the Top-K alone run `--fresh-calls` calls on fresh 
 FRESH_POOL_MAX_BYTES drawn anew per call so none stays in the L2); the executable's launch and wait (~0.3-0.5
 ms) is spread over the calls, so the check column also gives the kernels' span per call from a profiler trace
 (`common.fresh_device_ms`). Sparse MLA decode runs `--chain` separate dispatches queued back to back (each
-pays its launch; ~0.1 ms calls at B=64 hide the host's dispatch).
+pays its launch; ~0.1 ms calls at B=64 hide the host's dispatch); on a GPU their check column adds the kernels'
+time a call from a profiler trace of such dispatches (`common.dispatched_kernel_ms`): smaller calls wait on the
+host, and their wall time does not compare kernels.
 Prefill rows: one call at a time, median of a few.
 
 Floors: bytes that must move over the measured HBM bandwidth and FLOPs over the measured bf16 matmul rate
@@ -30,7 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import CHAIN, ceilings, fresh_device_ms, fresh_ms, median_ms, rel_err, report
+from benchmarks.common import (
+    CHAIN,
+    ceilings,
+    dispatched_kernel_ms,
+    fresh_device_ms,
+    fresh_ms,
+    median_ms,
+    rel_err,
+    report,
+)
 from benchmarks.common import roofline_row as row
 from hybrid_jax.quant.formats import quantize_kv_fp8, quantize_mxfp8
 from pallas_kernels._pallas import pow2
@@ -50,6 +61,13 @@ PAGE = 64
 # rows and the explicit splits at decode are candidates added after the last GPU run (not yet timed).
 MLA_VARIANTS = ((16, 32, "tf32", None), (16, 64, "tf32", None), (32, 32, "tf32", None), (32, 32, "bf16", None))
 MLA_DECODE_VARIANTS = ((32, 32, "bf16", 4), (64, 32, "bf16", None))
+
+
+def _kernel_note(fn, *args, calls: int) -> str:
+    """ "; kernels X ms a call" of `calls` separate dispatches of fn (`dispatched_kernel_ms`) on a GPU, for the
+    check column beside their wall time; "" elsewhere."""
+    k = dispatched_kernel_ms(fn, *args, calls=calls) if jax.default_backend() == "gpu" else None
+    return "" if k is None else f"; kernels {k:.3f} ms a call"
 
 
 def _single_ms(fn, *args, iters):
@@ -433,6 +451,8 @@ def sparse_mla_rows(
         shape = f"B={b} T={t} heads={heads} L={lat} R={rope} top-{topk}"
         shape += f", {chain} separate dispatches" if t == 1 else ""
         timer = functools.partial(_dispatched_ms, calls=chain) if t == 1 else functools.partial(_single_ms, iters=5)
+        kernels = functools.partial(_kernel_note, calls=chain) if t == 1 else lambda *a: ""
+
         ref = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="reference"))
         ref_o, _ = ref(ql, qr, pool, table, idx)
         if extra:
@@ -456,12 +476,12 @@ def sparse_mla_rows(
             if err is None:
                 rows.append(row(case, shape, label, float("nan"), flops, nbytes, bw, rate, "did not run (see log)"))
                 continue
-            ms = timer(fn, ql, qr, pool, table, idx)
+            ms, kn = timer(fn, ql, qr, pool, table, idx), kernels(fn, ql, qr, pool, table, idx)
             if bh is None:
                 dh, dk, dw, ds = default_tiles(heads, b * t, False)
                 tiles = f"{dh} heads, {dk} rows, {dw} warps, {ds} stages, bf16"
                 rows.append(row(case, shape, f"pallas, defaults ({tiles})", ms, flops, nbytes, bw, rate,
-                                f"rel err {err:.1e}"))  # fmt: skip
+                                f"rel err {err:.1e}{kn}"))  # fmt: skip
                 # the grid order before heads_inner: the same kernel with the queries inner
                 label = f"pallas, defaults ({tiles}), queries-inner grid"
                 fn = jax.jit(
@@ -469,17 +489,17 @@ def sparse_mla_rows(
                 )
                 err = _err_if_runs(fn, (ql, qr, pool, table, idx), ref_o, f"{case} | {shape} | {label}")
                 if err is not None:
-                    ms = timer(fn, ql, qr, pool, table, idx)
-                    rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
+                    ms, kn = timer(fn, ql, qr, pool, table, idx), kernels(fn, ql, qr, pool, table, idx)
+                    rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}{kn}"))
                 if is_sm90():  # the Mosaic GPU kernel ("auto"'s choice here)
                     label = "mosaic (Mosaic GPU: cp.async gather warpgroup + 2 wgmma warpgroups, 64 heads)"
                     fn = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="mosaic"))
                     err = _err_if_runs(fn, (ql, qr, pool, table, idx), ref_o, f"{case} | {shape} | {label}")
                     if err is not None:
-                        ms = timer(fn, ql, qr, pool, table, idx)
-                        rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
+                        ms, kn = timer(fn, ql, qr, pool, table, idx), kernels(fn, ql, qr, pool, table, idx)
+                        rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}{kn}"))
                 continue
-            rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}"))
+            rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}{kn}"))
         if not extra:
             continue
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
@@ -506,7 +526,7 @@ def sparse_mla_rows(
                 rows.append(row(case, shape, label, float("nan"), flops, fp8_bytes, bw, rate, "did not run (see log)"))
                 continue
             ms = timer(fp8, *args)
-            check = f"rel err {err:.1e} (FP8 rounding)"
+            check = f"rel err {err:.1e} (FP8 rounding){kernels(fp8, *args)}"
             rows.append(row(case, shape, label, ms, flops, fp8_bytes, bw, rate, check))
         if is_sm90():  # the Mosaic GPU kernel on the FP8 pool (see "auto"'s rule in sparse_attention/tuning.py)
             label = "mosaic, FP8 latent pool (" + (
@@ -523,8 +543,10 @@ def sparse_mla_rows(
             if err is None:
                 rows.append(row(case, shape, label, float("nan"), flops, fp8_bytes, bw, rate, "did not run (see log)"))
                 continue
-            ms = timer(fp8, *args)
-            rows.append(row(case, shape, label, ms, flops, fp8_bytes, bw, rate, f"rel err {err:.1e} (FP8 rounding)"))
+            ms, kn = timer(fp8, *args), kernels(fp8, *args)
+            rows.append(
+                row(case, shape, label, ms, flops, fp8_bytes, bw, rate, f"rel err {err:.1e} (FP8 rounding){kn}")
+            )
     return rows
 
 

@@ -336,6 +336,21 @@ def test_chained_device_time_is_the_traced_span_per_call(monkeypatch):
     assert common.chained_device_ms(jnp.sin, x, n=2, reps=3) == pytest.approx(0.004)
 
 
+def test_dispatched_kernel_time_sums_the_kernels_per_call(monkeypatch):
+    """`dispatched_kernel_ms`: the device events' summed durations over the calls (gaps and the host's
+    dispatch left out), median of the traced runs; None where the trace has no device events (this CPU)."""
+    import jax.numpy as jnp
+
+    from benchmarks import common
+
+    x = jnp.arange(8.0)
+    assert common.dispatched_kernel_ms(jnp.sin, x, calls=2, reps=1) is None
+    runs = iter([[(10.0, 2.0, "a"), (13.0, 5.0, "b")], [(0.0, 1.0, "a"), (50.0, 2.0, "b")], [(5.0, 9.0, "a")]])
+    monkeypatch.setattr(common, "device_events", lambda _: next(runs))
+    # 7, 3 and 9 us of kernels over 2 calls: 3.5, 1.5, 4.5 us a call, median 3.5 us (the 48 us gap not counted)
+    assert common.dispatched_kernel_ms(jnp.sin, x, calls=2, reps=3) == pytest.approx(0.0035)
+
+
 def test_profile_stage_parses_device_kernels_and_writes_hlo(tmp_path, monkeypatch, capsys):
     import gzip
     import json
@@ -614,6 +629,8 @@ def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, caps
     # the script took `ceilings` by name: patch its own reference too (the real ones take minutes here)
     monkeypatch.setattr(sparse_attention, "ceilings", benchmarks.common.ceilings)
     few_timings(monkeypatch, sparse_attention)
+    # a GPU's profiler trace gives the kernels' time of each decode row; none here, so a stand-in shows the plumbing
+    monkeypatch.setattr(sparse_attention, "_kernel_note", lambda fn, *a, calls: f"; kernels {calls}.000 ms a call")
     argv = ["sparse_attention", "--contexts", "2048", "--batches", "1", "--index-heads", "16", "--index-dim", "32",
             "--topk", "256", "--indexer-prefill", "0", "--mla-batch", "2", "--mla-heads", "16", "--mla-context", "512",
             "--mla-prefill", "0", "--mla-decode-variants", "16:32:bf16:-:4:2", "--decode-selects", "default",
@@ -630,6 +647,8 @@ def test_sparse_attention_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, caps
     assert "equal to lax.top_k" in top[3] and all("Top-K overlap 1.0000" in ln for ln in top[1:3]), top
     mla = [ln for ln in out.splitlines() if ln.startswith("| sparse MLA decode | B=2 T=1 heads=16")]
     assert all("2 separate dispatches" in ln for ln in mla), mla
+    # every kernel row of the decode (not the jnp reference) carries its kernels' time beside its wall time
+    assert all(("; kernels 2.000 ms a call" in ln) != ("jnp reference" in ln) for ln in mla), mla
     assert any("queries-inner grid" in ln for ln in mla) and any("FP8 latent pool" in ln for ln in mla)
     assert "did not run" not in out
 
