@@ -129,17 +129,7 @@ def fresh_device_ms(fn, calls: list[tuple], reps: int = 3) -> float | None:
 def _device_span_ms(call, n: int, reps: int) -> float | None:
     """call()'s first kernel start to last kernel end over n, median of `reps` traced executions; None without
     device events."""
-    jax.block_until_ready(call())
-    spans = []
-    for _ in range(reps):
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                jax.block_until_ready(call())
-            events = device_events(Path(d))
-        if not events:
-            return None
-        spans.append((max(t + dur for t, dur, _ in events) - events[0][0]) / 1e3 / n)
-    return statistics.median(spans)
+    return _traced_ms(call, lambda events: max(t + dur for t, dur, _ in events) - events[0][0], n, reps)
 
 
 def dispatched_kernel_ms(fn, *args, calls: int = CHAIN, reps: int = 3) -> float | None:
@@ -147,21 +137,24 @@ def dispatched_kernel_ms(fn, *args, calls: int = CHAIN, reps: int = 3) -> float 
     device events in a profiler trace of those calls, over `calls` (median of `reps` traced runs). The wall
     time of separate dispatches includes the host's dispatch, which calls of tens of microseconds wait on;
     this leaves it and the gaps between kernels out. None where the trace has no device events (CPU)."""
+    run = lambda: [fn(*args) for _ in range(calls)]  # noqa: E731
+    return _traced_ms(run, lambda events: sum(dur for _, dur, _ in events), calls, reps)
 
-    def run():
-        return [fn(*args) for _ in range(calls)]
 
-    jax.block_until_ready(run())
-    totals = []
+def _traced_ms(call, measure, n: int, reps: int) -> float | None:
+    """measure(device events of one traced call(), in us) / n in ms, median of `reps` traces after one untraced
+    call; None without device events."""
+    jax.block_until_ready(call())
+    values = []
     for _ in range(reps):
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
-                jax.block_until_ready(run())
+                jax.block_until_ready(call())
             events = device_events(Path(d))
         if not events:
             return None
-        totals.append(sum(dur for _, dur, _ in events) / 1e3 / calls)
-    return statistics.median(totals)
+        values.append(measure(events) / 1e3 / n)
+    return statistics.median(values)
 
 
 def device_events(trace_dir: Path) -> list[tuple[float, float, str]]:
