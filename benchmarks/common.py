@@ -262,8 +262,8 @@ def decode_loop(model, n: int, count_experts: bool = False):
     count_experts: also return counts [n, MoE layers] int32, the distinct routed experts the step's B tokens
     chose in each MoE layer (what `e2e.decode_floor_bytes(touched=)` reads), -1 where the router returned an
     id outside [0, experts) (NaN scores pick none). The router's choices are taken where the layer asks
-    `moe_route` for them; the counting adds work, so a timed loop runs without it."""
-    from hybrid_jax.layers import moe as moe_layer
+    `record_router` for them; the counting adds work, so a timed loop runs without it."""
+    from hybrid_jax.inspect import record_router
 
     experts, layers = model.config.num_experts, model.config.mlp_types.count("moe")
     if count_experts and not layers:
@@ -272,18 +272,9 @@ def decode_loop(model, n: int, count_experts: bool = False):
     def step(m, tok, cache):
         if not count_experts:
             return m.decode_step(tok, cache), None
-        chosen, route = [], moe_layer.moe_route
-
-        def recorded(*a, **kw):
-            w, idx = route(*a, **kw)
-            chosen.append(idx)
-            return w, idx
-
-        moe_layer.moe_route = recorded  # only while this step is traced
-        try:
+        with record_router(traced=True) as routes:  # inside the trace: the records are this step's tracers
             out = m.decode_step(tok, cache)
-        finally:
-            moe_layer.moe_route = route
+        chosen = [r["indices"] for r in routes]
         if len(chosen) != layers:  # the step routes once per MoE layer: anything else is not what was counted
             raise ValueError(f"decode_loop: {len(chosen)} routings in a step of {layers} MoE layers")
         hit = []

@@ -1,4 +1,5 @@
-"""Looking inside a forward pass: record what the lightning indexers select.
+"""Looking inside a forward pass: record what the lightning indexers select and where the MoE routers send
+each token.
 
     with record_indexer() as records:
         model(ids)          # eagerly, not under jit
@@ -16,11 +17,19 @@ query may read (⌊(t+1)/P⌋ − 1), `indices` the chosen pools, `pool_size` P 
 the token positions read (the chosen pools' tokens, then the query's incomplete pool). A layer that shares
 another's selection records only `indices` (token positions), `positions` and `shared=True`, plus `attention`.
 
+    with record_router() as routes:
+        model(ids)
+    routes[0]["indices"]    # [B*T, experts per token] routed experts of each token in the first MoE layer
+
+One record per MoE layer call, in call order: `indices` [B*T, k] int32 and `weights` [B*T, k] float32 (the
+routing weights the experts' outputs are summed with, after `routed_scaling_factor`), tokens flattened in
+(batch, time) order.
+
 Recording is a context-local switch read while tracing: code outside the `with` block (and every jitted
 function) is unchanged. Under `jax.jit` the values would be tracers, so recording refuses them — unless the
-block is `record_indexer(traced=True)` entered *inside* the traced function: then the records hold the traced
-arrays themselves, for that function to compute with (the indexer's distillation loss in
-`scripts/train_recall.py`); they must not leave the trace.
+block is entered with `traced=True` *inside* the traced function: then the records hold the traced arrays
+themselves, for that function to compute with (the indexer's distillation loss in `scripts/train_recall.py`,
+the experts a decode step touches in `benchmarks/common.decode_loop`); they must not leave the trace.
 """
 
 from __future__ import annotations
@@ -34,35 +43,57 @@ import numpy as np
 
 _RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar("hybrid_jax_indexer_records", default=None)
 _TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar("hybrid_jax_indexer_traced", default=False)
+_ROUTES: contextvars.ContextVar[list | None] = contextvars.ContextVar("hybrid_jax_router_records", default=None)
+_ROUTES_TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar("hybrid_jax_router_traced", default=False)
 
 
 @contextlib.contextmanager
-def record_indexer(*, traced: bool = False):
-    """Collect one record per sparse-layer call made inside the block (in call order). `traced=True`: keep the
-    values as JAX arrays (tracers under jit) instead of copying them to NumPy."""
+def _recording(records_var, traced_var, traced: bool):
     records: list[dict] = []
-    token, mode = _RECORDS.set(records), _TRACED.set(traced)
+    token, mode = records_var.set(records), traced_var.set(traced)
     try:
         yield records
     finally:
-        _RECORDS.reset(token)
-        _TRACED.reset(mode)
+        records_var.reset(token)
+        traced_var.reset(mode)
+
+
+def record_indexer(*, traced: bool = False):
+    """Collect one record per sparse-layer call made inside the block (in call order). `traced=True`: keep the
+    values as JAX arrays (tracers under jit) instead of copying them to NumPy."""
+    return _recording(_RECORDS, _TRACED, traced)
+
+
+def record_router(*, traced: bool = False):
+    """Collect one record per MoE-layer call made inside the block (in call order): the routed experts
+    `indices` and their `weights`, [B*T, k] each. `traced=True`: keep them as JAX arrays (tracers under jit)."""
+    return _recording(_ROUTES, _ROUTES_TRACED, traced)
 
 
 def recording() -> bool:
     return _RECORDS.get() is not None
 
 
-def add_record(**values) -> None:
-    records = _RECORDS.get()
+def _append(records_var, traced_var, name: str, values: dict) -> None:
+    records = records_var.get()
     if records is None:
         return
-    if _TRACED.get():
+    if traced_var.get():
         records.append(dict(values))
         return
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(values)):
-        raise RuntimeError("record_indexer() records eager calls only: call the model outside jax.jit")
+        raise RuntimeError(f"{name}() records eager calls only: call the model outside jax.jit")
     records.append({k: np.asarray(v) if isinstance(v, jax.Array) else v for k, v in values.items()})
+
+
+def add_record(**values) -> None:
+    """A sparse layer's record (`record_indexer`); nothing outside such a block."""
+    _append(_RECORDS, _TRACED, "record_indexer", values)
+
+
+def add_route(**values) -> None:
+    """An MoE layer's routing (`record_router`); nothing outside such a block."""
+    _append(_ROUTES, _ROUTES_TRACED, "record_router", values)
 
 
 def attach(**values) -> None:

@@ -207,8 +207,9 @@ def test_count_touched_keeps_the_row_when_the_count_fails(tiny_model):
 def test_decode_loop_counts_the_distinct_experts_each_step_chose(tiny_model, monkeypatch):
     """The counting loop decodes what the plain loop decodes, and its counts are the distinct experts the
     step's rows chose in each MoE layer: rows of one prompt choose one token's k; rows of different prompts the
-    union that an eager step-by-step run with the router's choices recorded finds."""
+    union that an eager step-by-step run under `record_router` finds."""
     from benchmarks.common import decode_loop
+    from hybrid_jax.inspect import record_router
     from hybrid_jax.layers import moe as moe_layer
 
     cfg = tiny_model.config
@@ -225,26 +226,16 @@ def test_decode_loop_counts_the_distinct_experts_each_step_chose(tiny_model, mon
     route = moe_layer.moe_route
     tok, cache, hits = count(*start(same))
     assert hits.shape == (n, layers) and (np.asarray(hits) == k).all(), hits
-    assert moe_layer.moe_route is route  # the recording router was only in place while the step was traced
 
     ids = jax.random.randint(jax.random.key(4), (b, 9), 0, cfg.vocab_size)
     tok0, cache0 = start(ids)
     want_tok, want_cache = plain(tok0, jax.tree.map(jnp.copy, cache0))
-    chosen = []
-
-    def recorded(*a, **kw):
-        w, idx = route(*a, **kw)
-        chosen.append(np.asarray(idx))
-        return w, idx
-
-    monkeypatch.setattr(moe_layer, "moe_route", recorded)
     t, c, want_hits = tok0, jax.tree.map(jnp.copy, cache0), []
     for _ in range(n):  # eager: every routing is a concrete array
-        chosen.clear()
-        logits, c = tiny_model.decode_step(t, c)
+        with record_router() as routes:
+            logits, c = tiny_model.decode_step(t, c)
         t = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        want_hits.append([len(np.unique(idx)) for idx in chosen])
-    monkeypatch.setattr(moe_layer, "moe_route", route)
+        want_hits.append([len(np.unique(r["indices"])) for r in routes])
     tok, cache, hits = count(tok0, cache0)
     np.testing.assert_array_equal(np.asarray(hits), np.array(want_hits))
     assert (np.array(want_hits) > k).any()  # the rows did not all choose alike

@@ -126,3 +126,48 @@ def test_model_decode_step_through_router_kernel(tiny_cfg):
         text, kernel = step()
     assert "name=moe_router" in text
     assert rel_err(kernel, xla) < 1e-5
+
+
+def test_record_router_records_each_moe_layers_routing(tiny_model, monkeypatch):
+    """`hybrid_jax.inspect.record_router`: one record per MoE layer call, in order, holding what the layer's
+    router returned (checked against a wrapper around it), [B*T, k]; nothing outside the block; under jit it
+    refuses tracers unless entered inside the traced function with traced=True."""
+    from hybrid_jax.inspect import record_router
+    from hybrid_jax.layers import moe as moe_layer
+
+    cfg = tiny_model.config
+    ids = jax.random.randint(jax.random.key(5), (2, 7), 0, cfg.vocab_size)
+    returned, route = [], moe_layer.moe_route
+
+    def wrapped(*a, **kw):
+        w, idx = route(*a, **kw)
+        returned.append((np.asarray(w), np.asarray(idx)))
+        return w, idx
+
+    monkeypatch.setattr(moe_layer, "moe_route", wrapped)
+    with record_router() as routes:
+        logits = tiny_model(ids)
+    monkeypatch.setattr(moe_layer, "moe_route", route)
+    layers, k = cfg.mlp_types.count("moe"), cfg.num_experts_per_tok
+    assert len(routes) == len(returned) == layers > 0
+    for r, (w, idx) in zip(routes, returned, strict=True):
+        assert r["indices"].shape == r["weights"].shape == (2 * 7, k)
+        np.testing.assert_array_equal(r["indices"], idx)
+        np.testing.assert_array_equal(r["weights"], w)
+        assert ((idx >= 0) & (idx < cfg.num_experts)).all()
+    assert len({tuple(r["indices"].ravel()) for r in routes}) > 1  # the layers route differently
+    with record_router() as outside:
+        pass
+    tiny_model(ids)
+    assert outside == []
+    with pytest.raises(RuntimeError, match=r"record_router\(\) records eager calls only"):
+        with record_router():
+            jax.jit(lambda m, i: m(i))(tiny_model, ids)
+
+    def traced(m, i):  # inside the trace: the records are this function's arrays, to compute with
+        with record_router(traced=True) as inside:
+            m(i)
+        return jnp.stack([r["indices"] for r in inside])
+
+    np.testing.assert_array_equal(jax.jit(traced)(tiny_model, ids), np.stack([r["indices"] for r in routes]))
+    assert np.isfinite(np.asarray(logits, np.float32)).all()

@@ -37,7 +37,7 @@ def test_readme_shows_every_public_entry_point():
     code = "\n".join(code for _, code in BLOCKS)
     for name in (
         "generate", "HybridLM", "init_cache", "prefill", "decode_step", "from_pretrained", "save_pretrained",
-        "convert", "load_tokenizer", "use_pallas", "record_indexer", "cache_bytes", "shard_params",
+        "convert", "load_tokenizer", "use_pallas", "record_indexer", "record_router", "cache_bytes", "shard_params",
         "prefill_context_parallel", "kda", "verify", "commit",
     ):  # fmt: skip
         assert re.search(rf"\b{name}\b", code), f"no README example uses {name}"

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_jax import inspect
 from hybrid_jax.config import HybridConfig
 from hybrid_jax.layers.common import DTypes, Projection, SwiGLU, default_init, linear
 from pallas_kernels import pallas_call_allowed
@@ -71,6 +72,7 @@ class MoE(nnx.Module):
         x2 = x.reshape(-1, shape[-1])
         # float32 logits (HF); at decode one router kernel does logits, top-k and weights (pallas_kernels/moe)
         w, idx = moe_route(x2, self.gate.kernel[...], self.gate.bias(), **_routing(self.cfg))
+        inspect.add_route(indices=idx, weights=w)  # hybrid_jax.inspect.record_router(): read at trace time
         shared = self._shared_weights()
         ex = self.experts
         y = moe_experts(  # routed experts as grouped matmuls (pallas_kernels/moe), the shared one with them
