@@ -23,13 +23,15 @@ another's selection records only `indices` (token positions), `positions` and `s
 
 One record per MoE layer call, in call order: `indices` [B*T, k] int32 and `weights` [B*T, k] float32 (the
 routing weights the experts' outputs are summed with, after `routed_scaling_factor`), tokens flattened in
-(batch, time) order.
+(batch, time) order. An MTP head's MoE (`mtp_extend`) records too, after the model's layers.
 
 Recording is a context-local switch read while tracing: code outside the `with` block (and every jitted
 function) is unchanged. Under `jax.jit` the values would be tracers, so recording refuses them — unless the
 block is entered with `traced=True` *inside* the traced function: then the records hold the traced arrays
 themselves, for that function to compute with (the indexer's distillation loss in `scripts/train_recall.py`,
-the experts a decode step touches in `benchmarks/common.decode_loop`); they must not leave the trace.
+the experts a decode step touches in `benchmarks/common.decode_loop`); they must not leave the trace, nor the
+body of a loop (`lax.fori_loop`, `while_loop`) they were recorded in. A function jitted before the block and
+called inside it reuses its trace and records nothing.
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ def _append(records_var, traced_var, name: str, values: dict) -> None:
         records.append(dict(values))
         return
     if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(values)):
-        raise RuntimeError(f"{name}() records eager calls only: call the model outside jax.jit")
+        raise RuntimeError(
+            f"{name}() records eager calls only: call the model outside jax.jit (generate and the other "
+            f"compiled loops trace it), or enter {name}(traced=True) inside the traced function"
+        )
     records.append({k: np.asarray(v) if isinstance(v, jax.Array) else v for k, v in values.items()})
 
 
