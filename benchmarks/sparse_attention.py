@@ -413,6 +413,17 @@ def _dispatched_ms(fn, *args, calls: int) -> float:
     return median_ms(functools.partial(fn, *args), warmup=2, iters=10, calls=calls)
 
 
+def _measured_row(ctx, label, fn, args, nbytes, note="") -> dict:
+    """One row of fn(*args): its time and error against the reference output, or a "did not run" row where it
+    fails (the reason is printed). ctx = (case, shape, flops, bw, rate, reference output, timer, kernel note)."""
+    case, shape, flops, bw, rate, ref, timer, kernels = ctx
+    err = _err_if_runs(fn, args, ref, f"{case} | {shape} | {label}")
+    if err is None:
+        return row(case, shape, label, float("nan"), flops, nbytes, bw, rate, "did not run (see log)")
+    ms, kn = timer(fn, *args), kernels(fn, *args)
+    return row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}{note}{kn}")
+
+
 def sparse_mla_rows(
     bw,
     rate,
@@ -463,6 +474,10 @@ def sparse_mla_rows(
             variants = [_mla_variant(v) for v in decode_variants]
         if not extra:
             variants = [(16, 32, "bf16", None, 4, 2)]  # the default before `default_tiles`
+
+        ctx = (case, shape, flops, bw, rate, ref_o, timer, kernels)
+        measure = functools.partial(_measured_row, ctx)
+        mla_args = (ql, qr, pool, table, idx)
         for bh, bk, prec, sp, nw, ns in [(None,) * 6, *variants]:
             kw = dict(
                 scale=0.1, impl="pallas", block_h=bh, block_k=bk, precision=prec, splits=sp, num_warps=nw,
@@ -472,34 +487,19 @@ def sparse_mla_rows(
             label = f"pallas, block_h={bh}, block_k={bk}" + (f", {prec}" if prec != "tf32" else "")
             label += f", splits={sp}" if sp else ""
             label += f", {nw} warps, {ns} stages" if (nw, ns) != (4, 2) else ""
-            err = _err_if_runs(fn, (ql, qr, pool, table, idx), ref_o, f"{case} | {shape} | {label}")
-            if err is None:
-                rows.append(row(case, shape, label, float("nan"), flops, nbytes, bw, rate, "did not run (see log)"))
+            if bh is not None:
+                rows.append(measure(label, fn, mla_args, nbytes))
                 continue
-            ms, kn = timer(fn, ql, qr, pool, table, idx), kernels(fn, ql, qr, pool, table, idx)
-            if bh is None:
-                dh, dk, dw, ds = default_tiles(heads, b * t, False)
-                tiles = f"{dh} heads, {dk} rows, {dw} warps, {ds} stages, bf16"
-                rows.append(row(case, shape, f"pallas, defaults ({tiles})", ms, flops, nbytes, bw, rate,
-                                f"rel err {err:.1e}{kn}"))  # fmt: skip
-                # the grid order before heads_inner: the same kernel with the queries inner
-                label = f"pallas, defaults ({tiles}), queries-inner grid"
-                fn = jax.jit(
-                    lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="pallas", heads_inner=False)
-                )
-                err = _err_if_runs(fn, (ql, qr, pool, table, idx), ref_o, f"{case} | {shape} | {label}")
-                if err is not None:
-                    ms, kn = timer(fn, ql, qr, pool, table, idx), kernels(fn, ql, qr, pool, table, idx)
-                    rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}{kn}"))
-                if is_sm90():  # the Mosaic GPU kernel ("auto"'s choice here)
-                    label = "mosaic (Mosaic GPU: cp.async gather warpgroup + 2 wgmma warpgroups, 64 heads)"
-                    fn = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="mosaic"))
-                    err = _err_if_runs(fn, (ql, qr, pool, table, idx), ref_o, f"{case} | {shape} | {label}")
-                    if err is not None:
-                        ms, kn = timer(fn, ql, qr, pool, table, idx), kernels(fn, ql, qr, pool, table, idx)
-                        rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}{kn}"))
-                continue
-            rows.append(row(case, shape, label, ms, flops, nbytes, bw, rate, f"rel err {err:.1e}{kn}"))
+            dh, dk, dw, ds = default_tiles(heads, b * t, False)
+            tiles = f"{dh} heads, {dk} rows, {dw} warps, {ds} stages, bf16"
+            rows.append(measure(f"pallas, defaults ({tiles})", fn, mla_args, nbytes))
+            # the grid order before heads_inner: the same kernel with the queries inner
+            fn = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="pallas", heads_inner=False))
+            rows.append(measure(f"pallas, defaults ({tiles}), queries-inner grid", fn, mla_args, nbytes))
+            if is_sm90():  # the Mosaic GPU kernel ("auto"'s choice here)
+                label = "mosaic (Mosaic GPU: cp.async gather warpgroup + 2 wgmma warpgroups, 64 heads)"
+                fn = jax.jit(lambda a, c, p, tb, i: sparse_mla(a, c, p, tb, i, scale=0.1, impl="mosaic"))
+                rows.append(measure(label, fn, mla_args, nbytes))
         if not extra:
             continue
         values, scales = quantize_kv_fp8(pool[..., :lat].astype(jnp.float32), 128)
@@ -521,13 +521,7 @@ def sparse_mla_rows(
                     a, c, v8, tb, i, scale=0.1, impl="pallas", latent_scales=sc, rope_pages=rp, precision=prec
                 )
             )
-            err = _err_if_runs(fp8, args, ref_o, f"{case} | {shape} | {label}")
-            if err is None:
-                rows.append(row(case, shape, label, float("nan"), flops, fp8_bytes, bw, rate, "did not run (see log)"))
-                continue
-            ms = timer(fp8, *args)
-            check = f"rel err {err:.1e} (FP8 rounding){kernels(fp8, *args)}"
-            rows.append(row(case, shape, label, ms, flops, fp8_bytes, bw, rate, check))
+            rows.append(measure(label, fp8, args, fp8_bytes, " (FP8 rounding)"))
         if is_sm90():  # the Mosaic GPU kernel on the FP8 pool (see "auto"'s rule in sparse_attention/tuning.py)
             label = "mosaic, FP8 latent pool (" + (
                 "pool dequantized once to bfloat16, then the BF16 Mosaic GPU kernel)"
@@ -539,14 +533,7 @@ def sparse_mla_rows(
                     a, c, v8, tb, i, scale=0.1, impl="mosaic", latent_scales=sc, rope_pages=rp
                 )
             )
-            err = _err_if_runs(fp8, args, ref_o, f"{case} | {shape} | {label}")
-            if err is None:
-                rows.append(row(case, shape, label, float("nan"), flops, fp8_bytes, bw, rate, "did not run (see log)"))
-                continue
-            ms, kn = timer(fp8, *args), kernels(fp8, *args)
-            rows.append(
-                row(case, shape, label, ms, flops, fp8_bytes, bw, rate, f"rel err {err:.1e} (FP8 rounding){kn}")
-            )
+            rows.append(measure(label, fp8, args, fp8_bytes, " (FP8 rounding)"))
     return rows
 
 

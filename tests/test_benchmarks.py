@@ -1189,3 +1189,25 @@ def test_long_context_asks_for_gpu_memory_unless_the_caller_did():
         env = {name: "0.5"}
         _claim_gpu_memory(env)
         assert env == {name: "0.5"}
+
+
+def test_sparse_mla_row_that_fails_to_run_is_recorded(capsys):
+    """A kernel variant that does not run (a tile past the shared memory) leaves a "did not run" row and its
+    reason in the log, so a sweep never drops it silently; one that runs gets its time and error."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.sparse_attention import _measured_row
+
+    ref = jnp.arange(6.0).reshape(2, 3)
+    ctx = ("sparse MLA decode", "B=2", 1e6, 1e12, 1e15, ref, lambda fn, *a: 0.25, lambda fn, *a: "; kernels 0.2 ms")
+
+    def fails(x):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: shared memory 300000 > 232448")
+
+    bad = _measured_row(ctx, "pallas, block_h=64", fails, (ref,), 1000)
+    assert bad["check vs reference"] == "did not run (see log)" and bad["median ms"] == "nan", bad
+    assert "pallas, block_h=64: did not run: RESOURCE_EXHAUSTED: shared memory 300000" in capsys.readouterr().out
+    good = _measured_row(ctx, "mosaic", lambda x: (x * 1.001,), (ref,), 1000, " (FP8 rounding)")
+    assert good["median ms"] == "0.250" and good["check vs reference"].startswith("rel err 1.0e-03"), good
+    assert good["check vs reference"].endswith(" (FP8 rounding); kernels 0.2 ms"), good
