@@ -287,25 +287,17 @@ def mosaic_sparse_unsupported(
 
 
 def _sparse_pick(
-    heads: int, tiles_given: bool = False, forced: bool = False, fp8_rows: bool = False, rows: int = 1, **facts
+    heads: int, tiles_given: bool = False, forced: bool = False, fp8_rows: bool = False, **facts
 ) -> Choice:
-    """`fp8_rows`: an FP8 latent pool read row by row (decode), not dequantized whole first; `rows`: query rows."""
-    t = sparse_tuning
-    least = t.MOSAIC_MIN_HEADS
-    if fp8_rows and rows >= t.MOSAIC_FP8_ROWS_MIN_QUERIES:
-        least = min(least, t.MOSAIC_MIN_HEADS_FP8_ROWS)
+    """`fp8_rows`: an FP8 latent pool read row by row (decode), not dequantized whole first."""
+    least = sparse_tuning.MOSAIC_MIN_HEADS_FP8_ROWS if fp8_rows else sparse_tuning.MOSAIC_MIN_HEADS
     why_not = mosaic_sparse_unsupported(**facts)
     if why_not is None and not tiles_given and heads >= least and is_sm90():
-        pool = (
-            f"FP8 latent rows ({rows} query rows)"
-            if fp8_rows
-            else "an FP8 latent pool"
-            if facts.get("fp8")
-            else "a bf16 pool"
-        )
+        pool = "FP8 latent rows" if fp8_rows else "an FP8 latent pool" if facts.get("fp8") else "a bf16 pool"
         return Choice("mosaic", None, f"sm_90 with {pool} and {heads} heads >= {least}")
-    few = f"{heads} heads < {least}" + (f" at {rows} query rows" if fp8_rows else "")
-    why = why_not or ("tile knobs given" if tiles_given else few if heads < least else "not sm_90")
+    why = why_not or (
+        "tile knobs given" if tiles_given else f"{heads} heads < {least}" if heads < least else "not sm_90"
+    )
     return Choice("pallas", None, f"Triton kernel (Mosaic GPU kernel not used: {why})")
 
 

@@ -140,41 +140,37 @@ def test_mosaic_refusals_name_the_reason():
     assert mosaic_sparse_unsupported(**{**facts, "rope": 0}) is None  # NoPE DSA (GLM-5.3-Flash)
     assert "float32 pool" in mosaic_sparse_unsupported(**{**facts, "pool_dtype": jnp.float32})
     # "auto" picks it on an sm_90 GPU from MOSAIC_MIN_HEADS heads (on FP8 rows read at decode from
-    # MOSAIC_MIN_HEADS_FP8_ROWS heads once there are MOSAIC_FP8_ROWS_MIN_QUERIES query rows), never off one, nor
-    # for fewer heads or with tile knobs
+    # MOSAIC_MIN_HEADS_FP8_ROWS heads), never off one, nor for fewer heads or with tile knobs
     t = sparse_tuning
-    fewest, fewest_fp8, many = t.MOSAIC_MIN_HEADS, t.MOSAIC_MIN_HEADS_FP8_ROWS, t.MOSAIC_FP8_ROWS_MIN_QUERIES
-    assert fewest_fp8 < fewest and many > 1
-    for device, heads, tiles, fp8_rows, rows, want in [
-        (("gpu", "9.0"), 128, False, False, 1, "mosaic"),
-        (("gpu", "9.0"), fewest, False, False, many, "mosaic"),
-        (("gpu", "9.0"), fewest - 1, False, False, many, "pallas"),
-        (("gpu", "9.0"), fewest, False, True, 1, "mosaic"),
-        (("gpu", "9.0"), fewest_fp8, False, True, many, "mosaic"),
-        (("gpu", "9.0"), fewest_fp8, False, True, many - 1, "pallas"),
-        (("gpu", "9.0"), fewest_fp8 - 1, False, True, many, "pallas"),
-        (("gpu", "9.0"), 128, True, True, many, "pallas"),
-        (("gpu", "8.0"), 128, False, True, many, "pallas"),
-        (("cpu", None), 128, False, True, many, "reference"),
+    fewest, fewest_fp8 = t.MOSAIC_MIN_HEADS, t.MOSAIC_MIN_HEADS_FP8_ROWS
+    assert fewest_fp8 < fewest
+    for device, heads, tiles, fp8_rows, want in [
+        (("gpu", "9.0"), 128, False, False, "mosaic"),
+        (("gpu", "9.0"), fewest, False, False, "mosaic"),
+        (("gpu", "9.0"), fewest - 1, False, False, "pallas"),
+        (("gpu", "9.0"), fewest, False, True, "mosaic"),
+        (("gpu", "9.0"), fewest_fp8, False, True, "mosaic"),
+        (("gpu", "9.0"), fewest_fp8 - 1, False, True, "pallas"),
+        (("gpu", "9.0"), 128, True, True, "pallas"),
+        (("gpu", "8.0"), 128, False, True, "pallas"),
+        (("cpu", None), 128, False, True, "reference"),
     ]:
         # a BF16 pool and an FP8 pool dequantized whole (prefill) follow the first rule, FP8 rows the second
         for f in ({**fp8_facts, "fp8_rows": True},) if fp8_rows else (facts, fp8_facts):
             with registry.assume_device(*device):
-                got = registry.resolve("sparse_mla", heads=heads, tiles_given=tiles, rows=rows, **f)
-            assert got.impl == want, (device, heads, tiles, rows, f, got)
+                got = registry.resolve("sparse_mla", heads=heads, tiles_given=tiles, **f)
+            assert got.impl == want, (device, heads, tiles, f, got)
 
 
 def test_auto_reads_fp8_rows_from_the_call():
     """`sparse_mla` tells the rule whether an FP8 latent pool is read row by row (decode) or dequantized whole
-    (`dequantizes_pool`: a prefill), and how many query rows the call has: 16 heads take the Mosaic GPU kernel
-    only on FP8 rows at a batch of MOSAIC_FP8_ROWS_MIN_QUERIES or more."""
+    (`dequantizes_pool`: a prefill): 16 heads take the Mosaic GPU kernel on FP8 rows at one query row and at
+    many, and the Triton kernel on the pool a prefill dequantizes."""
     import jax
 
     heads, pool_rows, k = sparse_tuning.MOSAIC_MIN_HEADS_FP8_ROWS, 64 * 40, 64
-    many = sparse_tuning.MOSAIC_FP8_ROWS_MIN_QUERIES
     prefill_t = -(-sparse_tuning.POOL_DEQUANT_MIN_RATIO * pool_rows // k)
-    for b, t, fp8_rows, want in ((many, 1, True, "mosaic"), (many - 1, 1, True, "pallas"),
-                                 (1, prefill_t, False, "pallas")):  # fmt: skip
+    for b, t, fp8_rows, want in ((1, 1, True, "mosaic"), (32, 1, True, "mosaic"), (1, prefill_t, False, "pallas")):
         assert dequantizes_pool(b * t, k, pool_rows) != fp8_rows
         S = jax.ShapeDtypeStruct
         args = (S((b, t, heads, 512), jnp.bfloat16), S((b, t, heads, 64), jnp.bfloat16),
@@ -183,7 +179,7 @@ def test_auto_reads_fp8_rows_from_the_call():
         with registry.assume_device("gpu", "9.0"), registry.record() as records:
             jax.eval_shape(lambda *a, **kw: sparse_mla(*a, scale=0.1, **kw), *args, **kw)
         [(op, choice, facts)] = records
-        assert (facts["fp8_rows"], facts["rows"], facts["heads"]) == (fp8_rows, b * t, heads), facts
+        assert (facts["fp8_rows"], facts["heads"]) == (fp8_rows, heads), facts
         assert choice.impl == want, (b, t, choice)
 
 

@@ -194,7 +194,6 @@ def sparse_mla(
         fp8_tile=lat // latent_scales.shape[-1] if fp8 else None,
         rope_dtype=None if rope_pages is None or not rope else rope_pages.dtype,
         fp8_rows=fp8 and not dequantizes_pool(b * t, indices.shape[-1], kv_pages.shape[0] * kv_pages.shape[1]),
-        rows=b * t,
     )  # fmt: skip
     impl = registry.resolve("sparse_mla", impl, **facts).impl
     if impl == "mosaic":

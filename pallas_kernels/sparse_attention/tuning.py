@@ -8,12 +8,11 @@ and 128 heads; the measurements are in docs/performance.md (section "Sparse MLA"
 # whole, the prefill case of `POOL_DEQUANT_MIN_RATIO`).
 MOSAIC_MIN_HEADS = 64
 # Where an FP8 latent pool is read row by row (decode) the padded Mosaic GPU kernel, whose producer warpgroup
-# converts the rows, runs from MOSAIC_MIN_HEADS_FP8_ROWS heads once a call has MOSAIC_FP8_ROWS_MIN_QUERIES query
-# rows: the Triton FP8-row kernel converts every gathered E4M3 value in the warps that issue the products and its
-# time grows with the rows, while the Mosaic one's stays near flat. Timed at 16 heads only (17-63 pad less); the
-# crossover below 32 rows is not established (docs/performance.md, "Which sparse-MLA kernel").
+# converts the rows, runs from MOSAIC_MIN_HEADS_FP8_ROWS heads at any number of query rows: the Triton FP8-row
+# kernel converts every gathered E4M3 value in the warps that issue the products, and at 16 heads its kernel
+# time is above the padded Mosaic kernel's from one query row up (docs/performance.md, "Which sparse-MLA
+# kernel"). Timed at 16 heads only (17-63 pad less).
 MOSAIC_MIN_HEADS_FP8_ROWS = 16
-MOSAIC_FP8_ROWS_MIN_QUERIES = 32
 
 # Split of the selected rows into parts merged by LSE (flash-decoding) when the grid (query rows x head
 # blocks) would leave SMs idle: parts are added while the grid stays at most TARGET_PROGRAMS programs
