@@ -234,8 +234,7 @@ PREFILL_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
 def _intra_phase(q, k, v, g, beta, *, parts=None):
     """Phase 1 of the Pallas prefill alone (its intermediates are the output), optionally with only some of
     its parts (`chunked.PARTS`; the others replaced by zeros / the identity) or, with parts="cumsum", only the
-    chunk cumsum that precedes it. The A kernel's block forms and cumsum as `kda`'s defaults (`tuning.A_BLOCKS`,
-    `tuning.FUSE_CUMSUM`)."""
+    chunk cumsum that precedes it. The A kernel's block forms as `kda`'s default (`tuning.A_BLOCKS`)."""
     from pallas_kernels._pallas import triton_params
     from pallas_kernels.linear_attention.chunked import INTRA_WARPS, PARTS, _chunk_cumsum, _intra
 
@@ -243,8 +242,7 @@ def _intra_phase(q, k, v, g, beta, *, parts=None):
     if parts == "cumsum":
         return _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, INTRA_WARPS[0], 2))
     return _intra(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, l2norm=True, precision="bf16", interpret=interpret,
-                  parts=PARTS if parts is None else frozenset(parts), a_blocks=kda_tuning.A_BLOCKS,
-                  fuse_cumsum=kda_tuning.FUSE_CUMSUM)  # fmt: skip
+                  parts=PARTS if parts is None else frozenset(parts), a_blocks=kda_tuning.A_BLOCKS)  # fmt: skip
 
 
 # --phases rows: phase 1 with some parts only (what the missing parts cost), and the cumsum kernel alone
@@ -267,14 +265,11 @@ def parse_variant(text: str) -> tuple[int, int, str, str]:
 
 def prefill_rows(
     bw, rate, fla, lengths, variants=None, phases=False, heads=(N,), mosaic=False, a_blocks=None, gate_scale=GATE_SCALE,
-    fuse_cumsum=False,
 ) -> list[dict]:  # fmt: skip
     """mosaic: also `kda(impl="mosaic")` (phase 1's Triton kernels, the Mosaic GPU state pass; bf16 products),
     and with a_blocks (not None) a second such row with `kda(a_blocks=)` (the A kernel's block forms; (): the
-    binary split alone), with fuse_cumsum one with the A kernel's cumsum the other way than the default
-    (`kda(fuse_cumsum=)`, `tuning.FUSE_CUMSUM`). gate_scale: the log
-    decays are -gate_scale * softplus(N(0, 1)) per element (the default 0.1 keeps a chunk's decay span small;
-    larger scales push the A kernel's block forms onto the binary split)."""
+    binary split alone). gate_scale: the log decays are -gate_scale * softplus(N(0, 1)) per element (the default
+    0.1 keeps a chunk's decay span small; larger scales push the A kernel's block forms onto the binary split)."""
     variants = variants or [(bv, nw, "tf32", "neumann") for bv, nw in PREFILL_VARIANTS]
     rows = []
     for n, t in ((n, t) for n in heads for t in lengths):
@@ -307,10 +302,6 @@ def prefill_rows(
         if mosaic and a_blocks is not None:
             forms = f", A block forms {','.join(map(str, a_blocks))}" if a_blocks else ", binary split"
             mosaic_rows.append((label + forms, {"a_blocks": a_blocks}))
-        if mosaic and fuse_cumsum:
-            fused = not kda_tuning.FUSE_CUMSUM
-            where = ", cumsum in the A kernel" if fused else ", cumsum kernel"
-            mosaic_rows.append((label + where, {"fuse_cumsum": fused}))
         for label, options in mosaic_rows:
             fn = jax.jit(functools.partial(kda, impl="mosaic", **options))
             try:  # a failure to compile or run is a row, and the other rows stay
@@ -410,8 +401,6 @@ def main() -> None:
     )  # fmt: skip
     a_help = "with --mosaic, also a row with kda(a_blocks=...): sizes as 64,16, or 'split' (the binary split alone)"
     p.add_argument("--a-blocks", default=None, help=a_help)
-    fuse_help = "with --mosaic, also a row with the chunk cumsum the other way than kda's default (kda(fuse_cumsum=))"
-    p.add_argument("--fuse-cumsum", action="store_true", help=fuse_help)
     p.add_argument(
         "--mosaic", action="store_true", help="also time kda(impl='mosaic'): the state pass in Mosaic GPU (sm_90)"
     )
@@ -419,8 +408,6 @@ def main() -> None:
     args = p.parse_args()
     if args.a_blocks is not None and not args.mosaic:
         p.error(f"--a-blocks={args.a_blocks!r} adds a Mosaic GPU row: it needs --mosaic")
-    if args.fuse_cumsum and not args.mosaic:
-        p.error("--fuse-cumsum adds a Mosaic GPU row: it needs --mosaic")
     a_blocks = () if args.a_blocks == "split" else args.a_blocks  # None: no such row
     if isinstance(a_blocks, str):
         try:
@@ -442,7 +429,7 @@ def main() -> None:
     if args.only in (None, "prefill"):
         variants = [parse_variant(v) for v in args.variants]
         rows += prefill_rows(bw, rate, fla, args.prefill_lens, variants, args.phases, args.heads, args.mosaic, a_blocks,
-                             args.gate_scale, args.fuse_cumsum)  # fmt: skip
+                             args.gate_scale)  # fmt: skip
         if args.varlen_total:
             rows += varlen_rows(bw, rate, fla, args.varlen_total, n=args.heads[0], mosaic=args.mosaic)
     title = (

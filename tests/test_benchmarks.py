@@ -1089,30 +1089,27 @@ def test_kda_varlen_rows_time_both_state_passes(monkeypatch):
 
 @pytest.mark.slow
 def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
-    """`benchmarks.linear_attention --only prefill --phases --mosaic --a-blocks split --fuse-cumsum --gate-scale 2`
-    at a toy length: the jnp reference, one Pallas variant and the three Mosaic rows (kda's defaults; the binary
-    split alone; the cumsum the other way) checked against it, and phase 1 with each of its parts left out
-    (interpret mode); the stronger gates are named in the shape; a bad --a-blocks or --gate-scale, or
-    --fuse-cumsum without --mosaic, is one line."""
+    """`benchmarks.linear_attention --only prefill --phases --mosaic --a-blocks split --gate-scale 2` at a toy
+    length: the jnp reference, one Pallas variant and the two Mosaic rows (kda's defaults; the binary split
+    alone) checked against it, and phase 1 with each of its parts left out (interpret mode); the stronger gates
+    are named in the shape; a bad --a-blocks or --gate-scale is one line."""
     from benchmarks import linear_attention
-    from pallas_kernels.linear_attention import tuning as kda_tuning
 
     monkeypatch.setattr(linear_attention, "ceilings", benchmarks.common.ceilings)
     # one timed call a row: the interpreters make each call seconds long, and the rows' values are not checked
     monkeypatch.setattr(linear_attention, "median_ms", lambda fn, *a, **k: (jax.block_until_ready(fn()), 1.0)[1])
     argv = ["linear_attention", "--only", "prefill", "--prefill-lens", "128", "--heads", "1", "--variants",
             "32x4:bf16", "--phases", "--varlen-total", "0", "--no-record", "--mosaic", "--a-blocks",
-            "split", "--fuse-cumsum", "--gate-scale", "2"]  # fmt: skip
+            "split", "--gate-scale", "2"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     linear_attention.main()
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| prefill")]
     labels = [ln.split(" | ")[2] for ln in rows]
     mosaic = "Mosaic GPU state pass (Triton phase 1), bf16 products"
-    fused = ", cumsum in the A kernel" if not kda_tuning.FUSE_CUMSUM else ", cumsum kernel"
-    assert labels[:5] == ["jnp reference (XLA, chunked)", "pallas chunked, block_v=32, warps=4, bf16 products",
-                          mosaic, f"{mosaic}, binary split", mosaic + fused], labels  # fmt: skip
-    assert labels[5:] == [label for _, label in linear_attention.PHASE_PARTS], labels
-    for r in rows[1:5]:
+    assert labels[:4] == ["jnp reference (XLA, chunked)", "pallas chunked, block_v=32, warps=4, bf16 products",
+                          mosaic, f"{mosaic}, binary split"], labels  # fmt: skip
+    assert labels[4:] == [label for _, label in linear_attention.PHASE_PARTS], labels
+    for r in rows[1:4]:
         assert float(r.split("rel err ")[1].split()[0]) < 2e-2, r
     assert all(ln.split(" | ")[1] == "B=1 T=128 N=1 K=128 V=128 gates x2" for ln in rows), rows
     for bad in ("-1", "inf"):
@@ -1120,10 +1117,6 @@ def test_kda_prefill_benchmark_runs_on_cpu(fast_ceilings, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             linear_attention.main()
         assert f"--gate-scale={float(bad)} must be finite and > 0" in capsys.readouterr().err
-    monkeypatch.setattr(sys, "argv", ["linear_attention", "--fuse-cumsum"])
-    with pytest.raises(SystemExit):
-        linear_attention.main()
-    assert "--fuse-cumsum adds a Mosaic GPU row: it needs --mosaic" in capsys.readouterr().err
     for bad in ("32,x", "16,64", ""):
         monkeypatch.setattr(sys, "argv", ["linear_attention", "--mosaic", "--a-blocks", bad])
         with pytest.raises(SystemExit):

@@ -79,11 +79,9 @@ def test_kda_a_kernel_lowers_to_unrolled_products():
     assert ttir.count("scf.for") == 0 and ttir.count("tt.dot") == 13
 
 
-@pytest.mark.parametrize("fuse_cumsum", [False, True])
-def test_kda_a_kernel_block_forms_lower_as_branches(fuse_cumsum):
+def test_kda_a_kernel_block_forms_lower_as_branches():
     """a_blocks=(64, 16): the A kernel compiles the 64-row block form (2 products), the 16-row one (2 + 2 levels
-    x 2 = 6) and the binary split (13) as runtime branches on each chunk's span, no loop. With fuse_cumsum the
-    cumsum kernel is gone and the A kernel's value form of G (reshapes, masked sums) lowers too."""
+    x 2 = 6) and the binary split (13) as runtime branches on each chunk's span, no loop."""
     from benchmarks.kernel_resources import triton_kernels
     from pallas_kernels.linear_attention.chunked import _intra
 
@@ -92,11 +90,10 @@ def test_kda_a_kernel_block_forms_lower_as_branches(fuse_cumsum):
     beta = jnp.ones((1, 128, 2), jnp.float32)
 
     def run(q, g, beta):
-        return _intra(q, q, q, g, beta, scale=0.1, l2norm=True, precision="bf16", interpret=False, a_blocks=(64, 16),
-                      fuse_cumsum=fuse_cumsum)  # fmt: skip
+        return _intra(q, q, q, g, beta, scale=0.1, l2norm=True, precision="bf16", interpret=False, a_blocks=(64, 16))
 
     kernels = {k["name"]: k for k in triton_kernels(run, q, g, beta)}
-    assert ("kda_chunk_cumsum" in kernels) is not fuse_cumsum
+    assert "kda_chunk_cumsum" in kernels
     ttir = kernels["kda_chunk_a"]["ttir"]
     assert ttir.count("scf.for") == 0 and ttir.count("scf.if") == 2 and ttir.count("tt.dot") == 21
 

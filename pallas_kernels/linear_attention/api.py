@@ -61,7 +61,6 @@ def kda(
     solve: str = "neumann",
     state_every: int | None = None,
     a_blocks: tuple[int, ...] | None = None,
-    fuse_cumsum: bool | None = None,
 ):
     """Gated delta rule with per-channel (g [B,T,N,K]) or per-head (g [B,T,N]) log decay.
 
@@ -83,9 +82,7 @@ def kda(
     (64, 32, 16), largest first) the A kernel tries per chunk — the row pairs inside blocks of the first size
     whose decay the chunk's gates keep within range from one reference row per block (2 products at 64 rows,
     6 at 16, against the 13 of the binary split, which chunks with stronger gates take); None (default):
-    `tuning.A_BLOCKS`, () the binary split alone; `fuse_cumsum`: the A kernel forms the chunks' running sums of
-    the log decays itself instead of a cumsum kernel writing them out for it (the same values; None: the
-    default, `tuning.FUSE_CUMSUM`).
+    `tuning.A_BLOCKS`, () the binary split alone.
     Variable-length batch: `cu_seqlens` [S + 1] (host ints, 0 = first, last = T) packs S sequences along
     time in a batch of one; initial_state is then [S,N,K,V] and the final states come back per sequence.
     The Pallas path lays the sequences end to end, each padded to whole 64-token chunks (phase 1 reads the
@@ -115,10 +112,6 @@ def kda(
         raise ValueError(f"kda: precision={precision!r} must be 'tf32', 'bf16' or 'ieee'")
     a_blocks = kda_tuning.A_BLOCKS if a_blocks is None else a_blocks
     check_a_blocks(a_blocks, "kda")
-    if fuse_cumsum is None:
-        fuse_cumsum = kda_tuning.FUSE_CUMSUM
-    if not isinstance(fuse_cumsum, bool):
-        raise ValueError(f"kda: fuse_cumsum={fuse_cumsum!r} must be True, False or None")
     if impl == "auto" and form is None:
         why_not = _mosaic_why_not(q, precision)
         impl = registry.resolve("kda_prefill", impl, tokens=q.shape[1], mosaic_why_not=why_not).impl
@@ -129,7 +122,7 @@ def kda(
             q, k, v, g, beta, state_every, cu_seqlens,
             dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl, form=form,
                  chunk_size=chunk_size, block_v=block_v, precision=precision, num_warps=num_warps,
-                 interpret=interpret, solve=solve, a_blocks=a_blocks, fuse_cumsum=fuse_cumsum),
+                 interpret=interpret, solve=solve, a_blocks=a_blocks),
         )  # fmt: skip
     if cu_seqlens is not None:
         if impl == "mosaic":
@@ -139,7 +132,7 @@ def kda(
         if impl in ("pallas", "mosaic"):
             kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
                       precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps,
-                      solve=solve, a_blocks=a_blocks, fuse_cumsum=fuse_cumsum)  # fmt: skip
+                      solve=solve, a_blocks=a_blocks)  # fmt: skip
             if impl == "mosaic":
                 kw["state_impl"] = "mosaic"
             return _varlen_packed(q, k, v, g, beta, cu_seqlens, initial_state, kw)
@@ -151,7 +144,7 @@ def kda(
         return _kda_pallas(
             q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
             precision=_pallas_precision(precision, q), interpret=interpret, num_warps=num_warps, solve=solve,
-            state_impl="mosaic" if impl == "mosaic" else "triton", a_blocks=a_blocks, fuse_cumsum=fuse_cumsum,
+            state_impl="mosaic" if impl == "mosaic" else "triton", a_blocks=a_blocks,
         )  # fmt: skip
     form = form or ("recurrent" if q.shape[1] == 1 else "chunked")
     kw = dict(initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
@@ -174,7 +167,7 @@ def _with_states(q, k, v, g, beta, every, cu_seqlens, kw):
         o, s = kda(q, k, v, g, beta, **kw)
         return o, s, jnp.zeros((b, 0, n, dk, dv), jnp.float32)
     if impl in ("pallas", "mosaic") and every % CHUNK == 0:
-        opts = {x: kw[x] for x in ("block_v", "num_warps", "solve", "a_blocks", "fuse_cumsum")}
+        opts = {x: kw[x] for x in ("block_v", "num_warps", "solve", "a_blocks")}
         return _kda_pallas(
             q, k, v, g, beta, kw["initial_state"], scale=kw["scale"], use_qk_l2norm=kw["use_qk_l2norm"],
             precision=_pallas_precision(kw["precision"], q), interpret=kw["interpret"], state_every=every,
@@ -310,7 +303,7 @@ def _check_mosaic(q, precision: str, interpret) -> None:
 def _kda_pallas(
     q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, block_v, precision, interpret, num_warps,
     solve="neumann", seq_chunks=None, state_every=None, state_impl="triton", a_blocks=(), rows=None,
-    o_rows=None, fuse_cumsum=False,
+    o_rows=None,
 ):  # fmt: skip
     """Pads to the kernels' constraints (T a multiple of 64; K, V powers of two >= 16, >= 64 for the Mosaic GPU
     state pass, `state_impl="mosaic"`), runs, unpads.
@@ -354,7 +347,7 @@ def _kda_pallas(
         q, k, v, g, beta, s0,
         scale=scale, l2norm=use_qk_l2norm, block_v=max(16, min(pv, block_v)), precision=precision,
         interpret=interpret, num_warps=num_warps, solve=solve, state_impl=state_impl, a_blocks=a_blocks,
-        fuse_cumsum=fuse_cumsum, **extra,
+        **extra,
     )  # fmt: skip
     o, s = out[0][:, :t, :, :dv], out[1][:, :, :dk, :dv]
     if state_every is None:
@@ -395,7 +388,6 @@ def kda_state_summary(
         pad(beta.astype(jnp.float32), 0),
         l2norm=use_qk_l2norm, block_v=min(block_v, width & -width), precision=precision or "tf32",
         interpret=registry.interpret_default(interpret), a_blocks=kda_tuning.A_BLOCKS,
-        fuse_cumsum=kda_tuning.FUSE_CUMSUM,
     )  # fmt: skip
     return m[:, :, :dk, :dk], e[:, :, :dk, :dv]
 

@@ -5,8 +5,7 @@ Chunks of C = 64 tokens. With G the within-chunk running sum of the log decays (
 L2-normalised and q scaled:
 
 Phase 0 (`_cumsum_kernel`): G, the running sum of the log decays within each chunk, float32 and in base 2
-(G·log2(e)), so that every exponential below is one exp2 — or, with `fuse_cumsum`, G formed by the A kernel
-itself from g (no phase 0; `_ValueG`).
+(G·log2(e)), so that every exponential below is one exp2.
 Phase 1, grid (B, N, chunks), two kernels per chunk:
   `_a_kernel` (`_a_levels`):
     A_qk[a, b] = Σ_k q_ak k_bk exp(G_ak − G_bk)  (a ≥ b),   A_kk[a, b] = β_a Σ_k k_ak k_bk exp(G_ak − G_bk)  (a > b)
@@ -123,7 +122,8 @@ def _chunk_cumsum(g, *, interpret, params, rows=None):
 
 
 class _RefG:
-    """G·log2(e) of one chunk read from its ref [C, K] (the `_chunk_cumsum` output): rows picked by index."""
+    """G·log2(e) of one chunk read from its ref [C, K] (the `_chunk_cumsum` output): rows picked by index (a
+    register tile has no dynamic rows in Triton's lowering, so the A kernel reads them from the ref)."""
 
     def __init__(self, ref):
         self.ref = ref
@@ -141,39 +141,6 @@ class _RefG:
 
     def row(self, i: int):
         return self.ref[i, :]
-
-
-class _ValueG:
-    """G·log2(e) of one chunk as a value [C, K] (computed in the A kernel: `fuse_cumsum`). Triton's lowering
-    slices and gathers no values, so a row is picked by a masked sum over a reshaped block axis: exact (the
-    other rows add zeros through a select, whatever they hold) and the same numbers `_RefG`'s reads give."""
-
-    def __init__(self, g):
-        self.g = g
-
-    def whole(self):
-        return self.g
-
-    def _pick(self, size: int, at: int):
-        """[C / size, K]: row `at` of each block of `size` rows."""
-        c, dk = self.g.shape
-        blocks = self.g.reshape(c // size, size, dk)
-        pick = jax.lax.broadcasted_iota(jnp.int32, blocks.shape, 1) == at
-        return jnp.sum(jnp.where(pick, blocks, 0.0), axis=1)
-
-    def rows_at(self, size: int, at: int):
-        c, dk = self.g.shape
-        picked = self._pick(size, at)[:, None, :]
-        return jnp.broadcast_to(picked, (c // size, size, dk)).reshape(c, dk)
-
-    def rows(self, first: int, n: int):
-        c, dk = self.g.shape
-        blocks = self.g.reshape(c // n, n, dk)
-        pick = jax.lax.broadcasted_iota(jnp.int32, blocks.shape, 0) == first // n
-        return jnp.sum(jnp.where(pick, blocks, 0.0), axis=0)
-
-    def row(self, i: int):
-        return self._pick(self.g.shape[0], i)[0]
 
 
 def _inv_norm(x, l2norm: bool):
@@ -374,7 +341,7 @@ def _a_pairs(q, k, gr, *, precision, levels, blocks=()):
 
 def _a_levels(q, k, gr, *, precision, levels, above=0):
     """A_qk (a ≥ b) and strict-lower A_kk (without β) of one chunk; q, k [C, K] normalised float32, gr reading
-    G·log2(e) (`_RefG` or `_ValueG`). above > 0 (`_a_pairs`): only the pairs of the levels whose blocks are coarser than
+    G·log2(e) (`_RefG`). above > 0 (`_a_pairs`): only the pairs of the levels whose blocks are coarser than
     `above` rows, no a = b terms (the block form forms the rest).
 
     A pair of rows a > b is split by exactly one level h ∈ {32, 16, ..., 1} of a binary hierarchy over the
@@ -402,17 +369,13 @@ def _a_levels(q, k, gr, *, precision, levels, above=0):
     return a_qk, a_kk
 
 
-def _a_kernel(*refs, scale, l2norm, precision, parts, blocks=(), in_place=False, fuse_cumsum=False):
+def _a_kernel(*refs, scale, l2norm, precision, parts, blocks=(), in_place=False):
     """A_qk, β-scaled strict-lower A_kk (float32), q_g, k_g, β exp(G) ⊙ k (W's right factor, for the solve
     kernel) and exp(G_C) of one chunk (`_a_levels`; with `blocks`, `_a_pairs`). q, k, β through
-    `_source_rows` (in place: the packed inputs); G in the chunk layout, or with fuse_cumsum the log decays
-    g themselves (through `_source_rows` too), G formed here as `_cumsum_kernel` forms it."""
+    `_source_rows` (in place: the packed inputs); G in the chunk layout."""
     table, refs = _split_table(refs, in_place)
     q_ref, k_ref, g_ref, beta_ref, aqk_ref, akk_ref, qg_ref, kg_ref, kb_ref, gl_ref = refs
-    if fuse_cumsum:
-        gr = _ValueG(jnp.cumsum(_source_rows(table, g_ref, 0, CHUNK).astype(jnp.float32), axis=0) * LOG2E)
-    else:
-        gr = _RefG(g_ref)
+    gr = _RefG(g_ref)
     q, k = _normed_rows(table, q_ref, k_ref, 0, CHUNK, scale=scale, l2norm=l2norm)
     a_qk, a_kk = _a_pairs(q, k, gr, precision=precision, levels="levels" in parts, blocks=blocks)
     aqk_ref[...] = a_qk.astype(aqk_ref.dtype)
@@ -469,11 +432,10 @@ def _table_specs(rows):
 
 
 def _a_call(
-    q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks=(), rows=None, fuse_cumsum=False,
+    q, k, g, beta, *, scale, l2norm, precision, interpret, num_warps, parts, blocks=(), rows=None,
 ):  # fmt: skip
-    """`_a_kernel` over every chunk; g is G·log2(e) in the chunk layout (`_chunk_cumsum`), or with fuse_cumsum
-    the log decays as given (read like q, k, beta) -> (A_qk, β-scaled A_kk float32, q_g, k_g, β exp(G) ⊙ k,
-    exp(G_C)); q, k, beta (and g with fuse_cumsum) read in place with `rows`."""
+    """`_a_kernel` over every chunk; g is G·log2(e) in the chunk layout (`_chunk_cumsum`) -> (A_qk, β-scaled
+    A_kk float32, q_g, k_g, β exp(G) ⊙ k, exp(G_C)); q, k, beta read in place with `rows`."""
     b, t, n, dk = q.shape
     if rows is not None:
         t = rows[0].shape[0] * CHUNK
@@ -481,13 +443,13 @@ def _a_call(
     inter = jnp.bfloat16 if precision == "bf16" else jnp.float32
     kernel = functools.partial(
         _a_kernel, scale=scale, l2norm=l2norm, precision=precision, parts=parts, blocks=blocks,
-        in_place=rows is not None, fuse_cumsum=fuse_cumsum,
+        in_place=rows is not None,
     )  # fmt: skip
     return pl.pallas_call(
         kernel,
         grid=(b, n, nc),
         in_specs=[*_table_specs(rows), _source_spec(q, rows), _source_spec(k, rows),
-                  _source_spec(g, rows) if fuse_cumsum else _chunk_spec(dk), _source_spec(beta, rows)],  # fmt: skip
+                  _chunk_spec(dk), _source_spec(beta, rows)],  # fmt: skip
         out_specs=[
             _chunk_spec(CHUNK), _chunk_spec(CHUNK), _chunk_spec(dk), _chunk_spec(dk), _chunk_spec(dk),
             pl.BlockSpec((None, None, None, dk, 1), lambda i, h, c: (i, c, h, 0, 0)),
@@ -523,19 +485,17 @@ def _solve_call(kb, v, beta, akk, *, precision, interpret, num_warps, parts, sol
 
 def _intra(
     q, k, v, g, beta, *, scale, l2norm, precision, interpret, num_warps=INTRA_WARPS, parts=PARTS, solve="neumann",
-    a_blocks=(), rows=None, fuse_cumsum=False,
+    a_blocks=(), rows=None,
 ):  # fmt: skip
     """Phase 1 over every chunk: the cumsum, `_a_kernel`, `_solve_kernel` -> (A_qk, W, U, q_g, k_g, exp(G_C)
     [B, chunks, N, K, 1]). num_warps: the (A kernel, solve kernel) warps (the cumsum takes the first);
     a_blocks: the A kernel's block forms to try (`_a_pairs`); rows: packed inputs read in place
-    (`kda_chunked_pallas`), the outputs in the chunk layout; fuse_cumsum: the A kernel forms G itself (no
-    cumsum kernel, no G written to HBM and read back)."""
+    (`kda_chunked_pallas`), the outputs in the chunk layout."""
     a_warps, solve_warps = num_warps
-    if not fuse_cumsum:
-        g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2), rows=rows)
+    g = _chunk_cumsum(g, interpret=interpret, params=triton_params(interpret, a_warps, 2), rows=rows)
     aqk, akk, qg, kg, kb, gl = _a_call(
         q, k, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, num_warps=a_warps,
-        parts=parts, blocks=a_blocks, rows=rows, fuse_cumsum=fuse_cumsum,
+        parts=parts, blocks=a_blocks, rows=rows,
     )  # fmt: skip
     w, u = _solve_call(
         kb, v, beta, akk, precision=precision, interpret=interpret, num_warps=solve_warps, parts=parts, solve=solve,
@@ -569,13 +529,12 @@ def _gate_spec(nc, dk):
         "state_every",
         "state_impl",
         "a_blocks",
-        "fuse_cumsum",
     ),
 )
 def kda_chunked_pallas(
     q, k, v, g, beta, s0, *, scale, l2norm, block_v, precision="tf32", interpret=False, num_warps=4,
     num_stages=None, solve="neumann", seq_start=None, seq_count=None, parts=PARTS, state_every=None,
-    state_impl="triton", a_blocks=(), rows=None, o_rows=None, fuse_cumsum=False,
+    state_impl="triton", a_blocks=(), rows=None, o_rows=None,
 ):  # fmt: skip
     """q, k, g [B, T, N, K] (T a multiple of 64, K a power of two >= 16); v [B, T, N, V]; beta [B, T, N];
     s0 [B, N, K, V] float32 -> (o [B, T, N, V] in q.dtype, final state [B, N, K, V] float32).
@@ -610,11 +569,7 @@ def kda_chunked_pallas(
 
     a_blocks (sizes from A_BLOCK_SIZES, largest first; empty: off): the A kernel forms the row pairs inside
     blocks of the first size whose decay span the chunk keeps within A_SPAN_LIMIT from one reference row per
-    block, the rest by the levels (`_a_pairs`: fewer products for mild gates, the same values up to rounding).
-
-    fuse_cumsum: the A kernel forms G from g itself instead of reading it from the cumsum kernel's output (the
-    same values). `kda` passes `tuning.FUSE_CUMSUM` unless told otherwise; the kernels take a bool, a static
-    argument, so a changed constant is never hidden behind a trace cached under a default."""
+    block, the rest by the levels (`_a_pairs`: fewer products for mild gates, the same values up to rounding)."""
     if state_impl not in ("triton", "mosaic"):
         raise ValueError(f"kda_chunked_pallas: state_impl={state_impl!r} must be 'triton' or 'mosaic'")
     check_a_blocks(a_blocks, "kda_chunked_pallas")
@@ -655,7 +610,6 @@ def kda_chunked_pallas(
     aqk, w, u, qg, kg, gl = _intra(
         q, k, v, g, beta, scale=scale, l2norm=l2norm, precision=precision, interpret=interpret, solve=solve,
         parts=parts, a_blocks=tuple(a_blocks), rows=rows,
-        fuse_cumsum=fuse_cumsum,
     )  # fmt: skip
     if state_impl == "mosaic":
         out = state_mosaic.kda_state_pass_mosaic(
@@ -717,12 +671,11 @@ def kda_chunked_pallas(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages", "a_blocks", "fuse_cumsum",
+        "l2norm", "block_v", "precision", "interpret", "num_warps", "num_stages", "a_blocks",
     ),
 )  # fmt: skip
 def kda_state_summary_pallas(
     k, v, g, beta, *, l2norm, block_v, precision="tf32", interpret=False, num_warps=4, num_stages=None, a_blocks=(),
-    fuse_cumsum=False,
 ):  # fmt: skip
     """The affine map of a sequence shard, S_end = M S_start + E (docs/architecture.md §4), from the same two
     phases.
@@ -731,7 +684,7 @@ def kda_state_summary_pallas(
     the augmented state [M | E] [K, K + V], started from [I | 0], with U replaced by [0 | U], leaves
     [M | E] at the end. k, g [B, T, N, K]; v [B, T, N, V]; beta [B, T, N] (same constraints as
     `kda_chunked_pallas`, K + V a multiple of block_v) -> (M [B, N, K, K], E [B, N, K, V]) float32.
-    a_blocks, fuse_cumsum: the A kernel's block forms and where G is formed, as `kda_chunked_pallas`'s."""
+    a_blocks: the A kernel's block forms, as `kda_chunked_pallas`'s."""
     check_a_blocks(a_blocks, "kda_state_summary_pallas")
     b, t, n, dk = k.shape
     dv = v.shape[-1]
@@ -748,7 +701,6 @@ def kda_state_summary_pallas(
         precision=precision,
         interpret=interpret,
         a_blocks=tuple(a_blocks),
-        fuse_cumsum=fuse_cumsum,
     )
     u_aug = jnp.concatenate([jnp.zeros((b, t, n, dk), jnp.float32), u], axis=-1)
     eye = jnp.eye(dk, dk + dv, dtype=jnp.float32)

@@ -29,9 +29,3 @@ VERIFY_BLOCK_V = 32
 # 32K prefill ran faster with it than with the Triton state pass at 64 and 96 heads, and level at 32
 # (docs/performance.md, "KDA prefill").
 MOSAIC_STATE_PASS = True
-
-# Whether the A kernel forms the chunk's running sum of log decays itself (`chunked._a_kernel(fuse_cumsum=)`)
-# instead of reading it from the cumsum kernel's float32 output: one launch and a float32 [T, N, K] write and
-# read fewer per prefill. Off: the whole 32K prefill ran ~8% slower with it on the H200 (likely its row picks:
-# CUDA-core work in the kernel that bounds the prefill; docs/performance.md, "KDA prefill").
-FUSE_CUMSUM = False
