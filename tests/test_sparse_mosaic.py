@@ -71,8 +71,9 @@ def test_mosaic_matches_reference(seed, b, t, n, topk, lengths, split_pool, rope
         (13, 3, 1, 64, 320, [900, 70, 1], 0, 64),
         # prefill-sized: 40 query rows read 20x the pool's rows, so the pool is dequantized once (BF16 kernel)
         (14, 1, 40, 128, 256, [300], 64, 64),
-        # 16 heads padded to 64 at 32 query rows: where "auto" takes FP8 rows to this kernel below 64 heads
+        # 16 heads padded to 64 ("auto" takes FP8 rows to this kernel from 16 heads): 32 query rows, and one
         (15, 32, 1, 16, 256, [900 - 25 * i for i in range(31)] + [1], 64, 64),
+        (16, 1, 1, 16, 300, [700], 64, 64),
     ],
 )
 def test_mosaic_fp8_pool_matches_reference(seed, b, t, n, topk, lengths, rope, page):
