@@ -157,12 +157,9 @@ def test_hyper_connection_mixer_is_doubly_stochastic_and_mixes_as_written():
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
 
 
-def test_sinkhorn_runs_its_iterations_as_written_in_one_loop():
-    """M: the column pass, then `iters` - 1 row-and-column passes (numpy, float64 against float32); the traced
-    program holds them as one loop, so its size does not grow with `iters` (unrolled, it doubled a small GLM's
-    compile)."""
+def test_sinkhorn_runs_its_iterations_as_written():
+    """M: the column pass, then `iters` - 1 row-and-column passes (numpy, float64 against float32)."""
     h = jax.random.normal(jax.random.key(2), (2, 3, 4, 8))
-    sizes = []
     for iters in (1, 3, 20):
         hc = HyperConnection(8, 4, iters=iters, eps=1e-3, norm_eps=1e-5, rngs=nnx.Rngs(iters))
         _, _, comb = hc.weights(h)
@@ -177,8 +174,6 @@ def test_sinkhorn_runs_its_iterations_as_written_in_one_loop():
             m = m / (m.sum(-1, keepdims=True) + 1e-3)
             m = m / (m.sum(-2, keepdims=True) + 1e-3)
         np.testing.assert_allclose(np.asarray(comb), m, rtol=2e-5, atol=1e-6)
-        sizes.append(len(jax.make_jaxpr(hc.weights)(h).jaxpr.eqns))
-    assert sizes[1] == sizes[2], sizes  # 3 and 20 iterations: the same program
 
 
 # ------------------------------------------------------------------------------------------------ the model

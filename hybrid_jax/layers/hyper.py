@@ -12,8 +12,7 @@ The residual stream is widened to N = `hc_mult` streams h [B, T, N, D]. Around e
     new streams  h'_i = post_i · Block(u) + Σ_j M_ji h_j
 
 Sinkhorn (`hc_sinkhorn_iters` = I): M ← M / (colsum + ε), then I − 1 times: M ← M / (rowsum + ε),
-M ← M / (colsum + ε), as one `lax.fori_loop` (unrolled, its reductions would dominate the compiled program).
-Everything is float32; u and h' are rounded once to the compute dtype. The embedding
+M ← M / (colsum + ε). Everything is float32; u and h' are rounded once to the compute dtype. The embedding
 enters as N copies; the head averages the streams before the final norm (`collapse_streams`).
 """
 
@@ -50,12 +49,9 @@ class HyperConnection(nnx.Module):
         comb = mix[..., 2 * n :].reshape(*mix.shape[:-1], n, n) * scale[2] + base[2 * n :].reshape(n, n)
         comb = jax.nn.softmax(comb, axis=-1) + self.eps
         comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
-
-        def sinkhorn_step(_, m):
-            m = m / (jnp.sum(m, axis=-1, keepdims=True) + self.eps)
-            return m / (jnp.sum(m, axis=-2, keepdims=True) + self.eps)
-
-        comb = jax.lax.fori_loop(0, self.iters - 1, sinkhorn_step, comb)
+        for _ in range(self.iters - 1):
+            comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + self.eps)
+            comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
         return pre, post, comb
 
     def __call__(self, h: jax.Array, block) -> jax.Array:
