@@ -186,7 +186,7 @@ def test_sparse_mla_gather_and_mask_forms_agree():
     assert rel_err(om, og) < 1e-6
     # -inf where nothing is selected, in both. The LSE m + log Σ exp(s - m) of logits |s| ~ 1-5 carries a
     # rounding of a few float32 ulps of the logits, not of itself (the two forms sum in different orders): a
-    # relative bound alone fails where the LSE is near zero (0.0446 off by 6e-8, one ulp of 1, in XLA's code
+    # relative bound alone fails where the LSE is near zero (0.0446 off by 6e-8, one ulp just below 1, in XLA's code
     # for an AMD EPYC host), hence the absolute term.
     np.testing.assert_allclose(lm, lg, rtol=1e-6, atol=1e-6)
     assert np.isneginf(np.asarray(lg)).any() and (np.asarray(og)[np.isneginf(np.asarray(lg))] == 0).all()
